@@ -1,0 +1,28 @@
+# Quick start: `make demo` (export SmolLM2-135M + EAGLE generation) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= Write a Python function that checks whether a number is prime.
+
+.PHONY: demo test test-fast setup clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['tool']['eagle-deploy']['no-deps-requirements']))")
+	touch $@
+
+demo: setup
+	$(VENV)/bin/eagle-export --model smollm2-135m --out engines/ --force
+	$(VENV)/bin/eagle-run --engines engines/smollm2-135m --prompt "$(PROMPT)" --compare-vanilla
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,81 @@
+"""`eagle-export`: export a target model and its EAGLE head to ONNX (and TensorRT engines)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from eagle_deploy.runtime.tree import STATIC_TREES, TreeConfig
+
+from .export import DEFAULT_TREE, ExportOptions
+from .models import ALIASES
+
+
+def add_tree_args(parser: argparse.ArgumentParser, defaults_from: str) -> None:
+    """The draft-tree flags shared by eagle-export, eagle-run and eagle-bench."""
+    g = parser.add_argument_group("draft tree", f"defaults: {defaults_from}")
+    g.add_argument("--tree", choices=["dynamic", *STATIC_TREES], default=None,
+                   help="'dynamic' = EAGLE-2 tree; a static EAGLE-1 tree by name")
+    g.add_argument("--total-tokens", type=int, default=None, help="verification tokens per round, root included")
+    g.add_argument("--depth", type=int, default=None, help="draft steps per round")
+    g.add_argument("--top-k", dest="tree_top_k", type=int, default=None, help="children per expanded node")
+
+
+def tree_from_args(args, base: TreeConfig) -> TreeConfig:
+    if args.tree and args.tree != "dynamic":
+        return TreeConfig.static(args.tree)
+    return TreeConfig("dynamic", args.total_tokens or (base.total_tokens if base.kind == "dynamic" else DEFAULT_TREE.total_tokens),
+                      args.depth or (base.depth if base.kind == "dynamic" else DEFAULT_TREE.depth),
+                      args.tree_top_k or (base.top_k if base.kind == "dynamic" else DEFAULT_TREE.top_k))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="eagle-export", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help=f"alias ({', '.join(ALIASES)}), a Hugging Face model folder, or a .gguf file")
+    p.add_argument("--draft", default=None, help="EAGLE head folder or cached hub id; 'random' for an untrained head; default: the alias's head")
+    p.add_argument("--out", type=Path, default=Path("engines"), help="output root; the export goes to OUT/NAME")
+    p.add_argument("--name", default=None, help="export folder name (default: the alias or checkpoint name)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="graph precision (fp16/bf16 keep RMSNorm and softmax in fp32)")
+    p.add_argument("--quant", default=None, choices=["int4", "int8"], help="quantise the target graph for CPU (lossless w.r.t. the quantised target)")
+    p.add_argument("--backend", default="ort", choices=["ort", "trt"], help="'trt' also builds TensorRT engines (needs a GPU and TensorRT)")
+    p.add_argument("--max-length", type=int, default=None, help="KV capacity in tokens, prompt + output (default: alias value or min(max_position_embeddings, 4096))")
+    p.add_argument("--graph-top-k", type=int, default=10, help="top-k computed inside the draft graph (upper bound for --top-k)")
+    p.add_argument("--external-data", default="auto", choices=["auto", "always", "never"], help="ONNX external data (auto: above 2 GiB)")
+    p.add_argument("--force", action="store_true", help="replace an existing export folder")
+    add_tree_args(p, "a dynamic tree sized for CPUs")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from .draft_head import HeadCheckpointError
+    from .export import export
+    from .models import ModelNotAvailableError
+    from .target import UnsupportedModelError
+
+    options = ExportOptions(dtype=args.dtype, max_length=args.max_length, graph_top_k=args.graph_top_k,
+                            tree=tree_from_args(args, DEFAULT_TREE), external_data=args.external_data,
+                            quant=args.quant, name=args.name, force=args.force)
+    t0 = time.perf_counter()
+    step = lambda msg: print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        out = export(args.model, args.draft, args.out, options, progress=step)
+        if args.backend == "trt":
+            from .trt_build import build_engines
+
+            build_engines(out, progress=step)
+    except (ModelNotAvailableError, UnsupportedModelError, HeadCheckpointError, FileExistsError, ValueError) as err:
+        print(f"eagle-export: error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:
+        print(f"eagle-export: error: {err}", file=sys.stderr)
+        return 3
+    step(f"done: {out}")
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

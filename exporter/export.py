@@ -1,0 +1,159 @@
+"""`export()`: a checkpoint and its EAGLE head -> an export folder (graphs, tokenizer,
+manifest), written to a private temporary folder and renamed into place only when complete,
+so a failed export leaves nothing half-written."""
+from __future__ import annotations
+
+import platform
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle_deploy.runtime.manifest import Manifest
+from eagle_deploy.runtime.tree import TreeConfig
+
+from .draft_head import HEAD_WEIGHT_FILES, load_head, random_head
+from .models import Checkpoint, resolve_draft, resolve_model, sha256_file
+from .steps import TORCH_DTYPES, DraftOnnxFromHead, TargetOnnxFromHF, TokenizerFromHF
+from .target import dims_of
+
+DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
+                 "bf16": "bfloat16", "bfloat16": "bfloat16"}
+# CPU default, chosen by measurement on a 2-core machine (eagle-bench --tune rewrites it per export)
+DEFAULT_TREE = TreeConfig(kind="dynamic", total_tokens=16, depth=4, top_k=4)
+
+
+@dataclass
+class ExportOptions:
+    """dtype: float32 | float16 | bfloat16. max_length: KV capacity (prompt + output).
+    graph_top_k: top-k computed inside the draft graph. quant: None | "int4" | "int8"."""
+
+    dtype: str = "float32"
+    max_length: int | None = None
+    graph_top_k: int = 10
+    tree: TreeConfig = field(default_factory=lambda: DEFAULT_TREE)
+    external_data: str = "auto"
+    quant: str | None = None
+    name: str | None = None
+    force: bool = False
+    seed: int = 0
+
+
+def _say(progress, msg: str) -> None:
+    if progress:
+        progress(msg)
+
+
+def _hash_weights(path: Path) -> dict:
+    """sha256 of a checkpoint file, or of each weight file of a folder."""
+    if path.is_file():
+        return {path.name: sha256_file(path)}
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf") and p.is_file())
+    return {p.name: sha256_file(p) for p in files}
+
+
+def _tool_versions() -> dict:
+    import onnx
+    import onnxruntime
+    import torch
+    import transformers
+
+    try:
+        from importlib.metadata import version
+
+        own = version("eagle-deploy")
+    except Exception:
+        own = "unknown"
+    return {"eagle_deploy": own, "torch": torch.__version__, "transformers": transformers.__version__,
+            "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__, "python": platform.python_version()}
+
+
+def _eos_ids(hf_dir: Path, config, tokenizer) -> list[int]:
+    from transformers import GenerationConfig
+
+    ids: list[int] = []
+    try:
+        gen = GenerationConfig.from_pretrained(str(hf_dir)).eos_token_id
+    except OSError:
+        gen = None
+    for value in (gen, getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+    return ids
+
+
+def load_target(checkpoint: Checkpoint):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint.hf_dir), dtype=torch.float32, trust_remote_code=False)
+    return model.eval()
+
+
+def export(model: str, draft: str | None, out_root: Path, options: ExportOptions, progress=print) -> Path:
+    """Export `model` (alias, HF folder or .gguf) and its head (`draft`: folder, hub id,
+    "random", or None for the alias default) into `out_root/<name>`; returns that folder.
+
+    Raises ModelNotAvailableError, UnsupportedModelError, HeadCheckpointError, ValueError,
+    FileExistsError (folder exists and not options.force)."""
+    dtype = DTYPE_ALIASES.get(options.dtype)
+    if dtype is None:
+        raise ValueError(f"--dtype {options.dtype} is not one of fp32, fp16, bf16")
+    options.tree.validate(options.graph_top_k)
+    _say(progress, f"resolving {model}")
+    checkpoint = resolve_model(model)
+    draft_spec = None if draft == "random" else (draft or checkpoint.default_draft)
+    head_dir = resolve_draft(draft_spec)
+    out = Path(out_root) / (options.name or checkpoint.name)
+    if out.exists() and not options.force:
+        raise FileExistsError(f"{out} exists; pass --force to replace it")
+    _say(progress, f"loading {checkpoint.hf_dir}")
+    hf = load_target(checkpoint)
+    dims = dims_of(hf.config)
+    max_length = options.max_length or checkpoint.max_length or min(dims.max_position_embeddings, 4096)
+    if not 2 <= max_length <= dims.max_position_embeddings:
+        raise ValueError(f"--max-length {max_length} must be in [2, {dims.max_position_embeddings}] (max_position_embeddings)")
+    head = load_head(head_dir, hf) if head_dir else random_head(hf, seed=options.seed)
+    notes = [] if head_dir else ["draft head is RANDOMLY INITIALISED (untrained): expect acceptance near 1 token per round"]
+    if dtype != "float32":
+        hf.to(TORCH_DTYPES[dtype])
+        head.to(TORCH_DTYPES[dtype])
+    Path(out_root).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out_root))
+    try:
+        _say(progress, f"exporting target graph ({dtype})")
+        target_entry = TargetOnnxFromHF(dtype, options.external_data)(hf, tmp)
+        _say(progress, "exporting draft graph")
+        draft_entry = DraftOnnxFromHead(dtype, options.graph_top_k, external_data=options.external_data)(head, tmp)
+        draft_entry.extra["trained"] = head_dir is not None
+        tokenizer = TokenizerFromHF()(checkpoint.hf_dir, tmp)
+        if options.quant:
+            from .quantize import quantize_graph
+
+            _say(progress, f"quantising the target graph ({options.quant})")
+            quantize_graph(tmp, target_entry, options.quant)
+            notes.append(f"target quantised to {options.quant}: losslessness holds with respect to the quantised target")
+        _say(progress, "hashing sources and writing manifest")
+        sources = {
+            "target": {"spec": model, "path": str(checkpoint.source), "sha256": _hash_weights(checkpoint.source)},
+            "draft": {"spec": draft or checkpoint.default_draft, "path": str(head_dir) if head_dir else None,
+                      "sha256": {n: sha256_file(head_dir / n) for n in HEAD_WEIGHT_FILES if head_dir and (head_dir / n).exists()},
+                      "trained": head_dir is not None},
+        }
+        manifest = Manifest(
+            name=out.name, dims=dims.to_json(), max_length=int(max_length), target=target_entry, draft=draft_entry,
+            tree=options.tree.to_json(), eos_token_ids=_eos_ids(checkpoint.hf_dir, hf.config, tokenizer),
+            tokenizer="tokenizer" if tokenizer is not None else None,
+            chat_template=bool(getattr(tokenizer, "chat_template", None)), sources=sources,
+            tools=_tool_versions(), notes=notes)
+        for entry in (target_entry, draft_entry):
+            entry.sha256 = sha256_file(tmp / entry.path)
+        manifest.save(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,147 @@
+"""The Python API (the one `eagle-run` uses): load an export folder once, then generate or
+stream as many requests as you like.
+
+    rt = EagleRuntime.load("engines/smollm2-135m")
+    result = rt.generate("Write a haiku about rain.", max_new_tokens=64)
+    for delta in rt.stream([{"role": "user", "content": "Hi"}], temperature=0.7, seed=1):
+        print(delta, end="")
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from eagle_deploy.exporter.contract import TOKENIZER_DIR
+
+from .backends import load_backend
+from .decode import Decoder, Stats, TokenStopper
+from .drafter import Drafter, EagleDrafter
+from .manifest import Manifest
+from .sampling import SamplingParams
+from .text import TextStream
+from .tree import TreeConfig
+
+Prompt = str | Sequence[dict] | Sequence[int]
+
+
+@dataclass
+class GenerationResult:
+    """text (stop string excluded), token_ids (generated only; an EOS id is kept),
+    finish_reason ("stop" | "length"), stats (see decode.Stats.to_json)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+
+
+class EagleRuntime:
+    """An export folder loaded once: target + draft backends, KV buffers, tokenizer.
+
+    acceptance "threshold" is NOT lossless (see verify.verify_threshold); the default
+    "lossless" reproduces the target's distribution exactly (greedy: token for token).
+    """
+
+    def __init__(self, folder: Path, manifest: Manifest, target, draft, tokenizer, tree: TreeConfig,
+                 acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None):
+        self.folder, self.manifest, self.tokenizer, self.tree = Path(folder), manifest, tokenizer, tree
+        if drafter is None and draft is not None:
+            drafter = EagleDrafter(draft, tree, manifest.max_length, manifest.draft.extra["graph_top_k"])
+        self.decoder = Decoder(target, drafter, manifest.max_length, acceptance, threshold)
+        self.eos_ids = list(manifest.eos_token_ids)
+
+    @classmethod
+    def load(cls, folder, backend: str = "ort", tree: TreeConfig | None = None, threads: int | None = None,
+             acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None) -> "EagleRuntime":
+        """Load `folder` (an eagle-export output). backend: "ort" (CPU), "ort-cuda", "trt".
+        Raises ManifestError, TreeConfigError, FileNotFoundError."""
+        folder = Path(folder)
+        manifest = Manifest.load(folder)
+        tree = (tree or TreeConfig.from_json(manifest.tree)).validate(manifest.draft.extra["graph_top_k"])
+        target = load_backend(backend, folder, manifest, "target", threads)
+        draft = None if drafter is not None else load_backend(backend, folder, manifest, "draft", threads)
+        tokenizer = None
+        if manifest.tokenizer:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest.tokenizer))
+        return cls(folder, manifest, target, draft, tokenizer, tree, acceptance, threshold, drafter)
+
+    def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """Prompt -> token ids. A string is wrapped in the chat template when the export has
+        one (unless chat=False); a list of {"role", "content"} dicts always is; a list of ints
+        is used as is. Raises ValueError on an empty prompt."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("the prompt is empty")
+            use_chat = self.manifest.chat_template if chat is None else chat
+            if use_chat:
+                return self._chat_ids([{"role": "user", "content": prompt}])
+            return list(self._tok().encode(prompt, add_special_tokens=True))
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if all(isinstance(m, dict) for m in prompt):
+            return self._chat_ids(prompt)
+        if all(isinstance(t, int) for t in prompt):
+            vocab = self.manifest.dims["vocab"]
+            if any(t < 0 or t >= vocab for t in prompt):
+                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            return prompt
+        raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
+
+    def _tok(self):
+        if self.tokenizer is None:
+            raise ValueError("this export has no tokenizer; pass token ids")
+        return self.tokenizer
+
+    def _chat_ids(self, messages) -> list[int]:
+        ids = self._tok().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (), mode: str = "eagle",
+               chat: bool | None = None, result: GenerationResult | None = None) -> Iterator[str]:
+        """Yield text deltas as tokens are committed. `result`, if given, is filled in at
+        the end. mode: "eagle" or "vanilla" (same engine, one token per target forward).
+        Raises ValueError on bad settings before any forward."""
+        if mode not in ("eagle", "vanilla"):
+            raise ValueError(f"mode must be 'eagle' or 'vanilla', got {mode!r}")
+        if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+        params = SamplingParams(temperature, top_p, top_k, seed)
+        ids = self.encode(prompt, chat)
+        if len(ids) >= self.manifest.max_length:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this export's maximum length is {self.manifest.max_length} (prompt + output)")
+        text = TextStream(self.tokenizer, self.eos_ids, stop) if self.tokenizer is not None else None
+        if text is None and stop:
+            raise ValueError("stop strings need a tokenizer")
+        stopper = text or TokenStopper(self.eos_ids)
+        stats = Stats()
+        tokens: list[int] = []
+        for chunk in self.decoder.decode(ids, max_new_tokens, params, stopper, vanilla=(mode == "vanilla"), stats=stats):
+            tokens += chunk
+            if text is not None:
+                delta = text.take()
+                if delta:
+                    yield delta
+        if text is not None:
+            tail = text.take(final=True)
+            if tail:
+                yield tail
+        if result is not None:
+            result.text = text.text if text is not None else ""
+            result.token_ids = tokens
+            result.finish_reason = stats.finish_reason
+            result.stats = {**stats.to_json(), "mode": mode, "acceptance": self.decoder.acceptance,
+                            "lossless": self.decoder.acceptance == "lossless"}
+
+    def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (), mode: str = "eagle",
+                 chat: bool | None = None) -> GenerationResult:
+        """Generate to completion; see `stream` for the arguments."""
+        result = GenerationResult("", [], "length")
+        for _ in self.stream(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, mode, chat, result):
+            pass
+        return result

@@ -1,0 +1,29 @@
+"""Backends by name. TensorRT and the CUDA execution provider are imported only when asked for."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .base import Backend, StepInputs
+
+BACKENDS = ("ort", "ort-cuda", "trt")
+
+
+def load_backend(kind: str, folder: Path, manifest, which: str, threads: int | None = None) -> Backend:
+    """Open graph `which` ("target" or "draft") of an export with backend `kind`."""
+    graph = getattr(manifest, which)
+    if kind == "ort":
+        from .ort import OrtBackend
+
+        return OrtBackend(folder, graph, manifest.dims, threads=threads)
+    if kind == "ort-cuda":
+        from .ort import OrtBackend
+
+        return OrtBackend(folder, graph, manifest.dims, providers=["CUDAExecutionProvider"])
+    if kind == "trt":
+        from .trt import TrtBackend
+
+        return TrtBackend.from_manifest(folder, manifest, which)
+    raise ValueError(f"unknown backend {kind!r}; choose one of {', '.join(BACKENDS)}")
+
+
+__all__ = ["Backend", "StepInputs", "load_backend", "BACKENDS"]

@@ -1,0 +1,83 @@
+"""Sampling settings and the processed target distribution they define.
+
+Temperature, top-k and top-p apply to the *target* distribution (in that order, as
+transformers' logits warpers do); verification then samples exactly from it (see verify.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+_PARTIAL = 1024  # top-p: sort only this many best tokens when they already hold top_p mass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy (argmax, lowest token id on ties). top_k 0 = off; top_p 1 = off.
+    seed: None draws a fresh seed; an int makes sampled runs reproducible."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def rng(self) -> np.random.Generator:
+        return np.random.default_rng(self.seed)
+
+
+def greedy_token(logits: np.ndarray) -> int:
+    """argmax of [V] logits; ties go to the lowest id."""
+    return int(np.argmax(logits))
+
+
+def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """[V] logits -> [V] float64 probabilities after temperature, top-k and top-p.
+
+    top-p keeps the smallest set of most likely tokens whose mass reaches top_p (the token
+    that crosses the threshold included), then renormalises."""
+    if params.greedy:
+        p = np.zeros(len(logits), dtype=np.float64)
+        p[greedy_token(logits)] = 1.0
+        return p
+    z = logits.astype(np.float64) / params.temperature
+    if params.top_k and params.top_k < len(z):
+        kth = np.partition(z, len(z) - params.top_k)[len(z) - params.top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    z -= z.max()
+    p = np.exp(z)
+    p /= p.sum()
+    if params.top_p < 1.0:
+        p = _top_p(p, params.top_p)
+    return p
+
+
+def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
+    n = min(_PARTIAL, len(p))
+    cand = np.argpartition(-p, n - 1)[:n] if n < len(p) else np.arange(len(p))
+    if p[cand].sum() < top_p:
+        cand = np.arange(len(p))
+    order = cand[np.argsort(-p[cand], kind="stable")]
+    cum = np.cumsum(p[order])
+    keep = order[: int(np.searchsorted(cum, top_p)) + 1]
+    out = np.zeros_like(p)
+    out[keep] = p[keep]
+    return out / out.sum()
+
+
+def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from [V] probabilities (inverse CDF; exact for float64 inputs)."""
+    cdf = np.cumsum(p)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))

@@ -1,0 +1,72 @@
+"""Incremental detokenisation and stop strings.
+
+`TextStream` turns committed token ids into text deltas that never split a multi-byte
+character (a delta is released only when the decoded text no longer ends in U+FFFD), and
+ends a request at the first stop string or EOS id, even inside an accepted chunk. Text that
+could still be the start of a stop string is held back until it cannot.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class TextStream:
+    """Stopper for `Decoder.decode`: push(token) -> "stop" | None; `take()` returns the text
+    released since the last call; `text` is the final text (stop string excluded)."""
+
+    def __init__(self, tokenizer, eos_ids: Sequence[int] = (), stop: Sequence[str] = ()):
+        stop = list(stop or ())
+        if any(not isinstance(s, str) or s == "" for s in stop):
+            raise ValueError("stop strings must be non-empty strings")
+        self.tokenizer = tokenizer
+        self.eos_ids = set(int(e) for e in eos_ids)
+        self.stop = stop
+        self.ids: list[int] = []
+        self._prefix, self._read = 0, 0  # decode window (as in vLLM's incremental detokeniser)
+        self.text = ""
+        self._released = 0
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token: int) -> str | None:
+        self.ids.append(int(token))
+        if int(token) in self.eos_ids:
+            return "stop"
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        new_text = self._decode(self.ids[self._prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            before = len(self.text)
+            self.text += new_text[len(prefix_text):]
+            self._prefix, self._read = self._read, len(self.ids)
+            return self._check_stop(before)
+        return None
+
+    def _check_stop(self, before: int) -> str | None:
+        if not self.stop:
+            return None
+        longest = max(len(s) for s in self.stop)
+        start = max(0, before - longest + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self._released = min(self._released, len(self.text))
+            return "stop"
+        return None
+
+    def _held(self) -> int:
+        """Length of the text tail that is a proper prefix of some stop string."""
+        held = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:n]):
+                    held = max(held, n)
+                    break
+        return held
+
+    def take(self, final: bool = False) -> str:
+        """Text released since the last call (all of it once `final`)."""
+        end = len(self.text) if final else len(self.text) - self._held()
+        delta = self.text[self._released:end]
+        self._released = max(self._released, end)
+        return delta

@@ -1,0 +1,86 @@
+"""Tiny fixture models: random-weight Llama targets (MHA and GQA), a byte-level tokenizer,
+and their exports. Each builder is deterministic (fixed seeds)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 256
+EOS_ID = 0  # the byte-level token for b"\x00", registered as the EOS special token
+
+
+def tiny_config(gqa: bool = False, **overrides):
+    from transformers import LlamaConfig
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2 if gqa else 4, max_position_embeddings=256, rms_norm_eps=1e-5,
+               tie_word_embeddings=False, bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
+    cfg.update(overrides)
+    config = LlamaConfig(**cfg)
+    config.architectures = ["LlamaForCausalLM"]
+    return config
+
+
+def tiny_tokenizer():
+    """Byte-level BPE with exactly the 256 byte symbols (no merges); id 0 is EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = {b: c for b, c in zip(range(256), _byte_chars())}
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    assert set(vocab) == set(alphabet)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.add_special_tokens({"eos_token": byte_to_char[EOS_ID]})
+    return fast
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character table, in byte order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def build_tiny_target(folder: Path, gqa: bool = False, seed: int = 0, **overrides) -> Path:
+    """Save a random tiny Llama (weights scaled up so its greedy output is not one token
+    repeated) with the byte tokenizer into `folder`."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_config(gqa, **overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08 if "embed" in name or "lm_head" in name else 0.06)
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def build_tiny_head(folder: Path, target_dir: Path, seed: int = 1, fc_bias: bool = True) -> Path:
+    """A random EAGLE head for the tiny target in the published layout."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle_deploy.exporter.draft_head import random_head, save_head
+
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir))
+    head = random_head(target, seed=seed, fc_bias=fc_bias)
+    if fc_bias:
+        with torch.no_grad():
+            head.fc.bias.normal_(0.0, 0.05)  # non-zero so a dropped bias shows (case E5)
+    save_head(head, folder)
+    return Path(folder)
