@@ -36,7 +36,8 @@ class Stats:
     finish_reason: str | None = None
     rounds: int = 0  # verification forwards (prefill excluded)
     round_tokens: int = 0  # tokens committed by those rounds
-    accepted_per_round: list[int] = field(default_factory=list)
+    accepted_per_round: list[int] = field(default_factory=list)  # tokens committed per round
+    tree_depth_per_round: list[int] = field(default_factory=list)  # deepest draft node per round
     draft_forwards: int = 0
     t_prefill: float = 0.0
     t_draft: float = 0.0
@@ -62,7 +63,7 @@ class Stats:
                         "verify": round(self.t_verify * 1e3, 2), "commit": round(self.t_commit * 1e3, 2),
                         "other": round((self.t_total - self.t_prefill - self.t_draft - self.t_verify - self.t_commit) * 1e3, 2),
                         "total": round(self.t_total * 1e3, 2)},
-            "accepted_per_round": self.accepted_per_round,
+            "accepted_per_round": self.accepted_per_round, "tree_depth_per_round": self.tree_depth_per_round,
         }
 
 
@@ -118,6 +119,7 @@ class Decoder:
             stats.rounds += 1
             stats.round_tokens += len(chunk)
             stats.accepted_per_round.append(len(chunk))
+            stats.tree_depth_per_round.append(int(tree.depths.max()))
             yield chunk
         stats.new_tokens = state.generated
         stats.finish_reason = state.finish_reason

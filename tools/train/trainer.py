@@ -1,0 +1,245 @@
+"""Training an EAGLE-1/2 head on self-distilled features.
+
+Objective (EAGLE, arXiv 2401.15077 §4): Smooth-L1 between the predicted and the target's
+next feature, plus 0.1 x cross-entropy between the target's next-token distribution
+softmax(lm_head(f_{i+1})) and the head's, through the frozen shared LM head; uniform noise
+U(-noise, noise) on the input features; AdamW with betas (0.9, 0.95); gradients clipped at
+0.5 (by value, as the reference implementation does).
+
+Optional training-time unrolling (`unroll` > 1, as EAGLE-3's training-time test and HASS
+do, arXiv 2503.01840 §3.2): step s feeds the head its own step-(s-1) predictions, attending
+to the real-feature keys of the context and to its own chain's earlier steps exactly as in
+tree drafting; step s is weighted decay**(s-1).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from eagle_deploy.exporter.draft_head import EagleHead
+
+from .data import TokenData
+
+
+@dataclass
+class TrainConfig:
+    epochs: float = 4.0
+    lr: float = 5e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    batch_tokens: int = 4096
+    noise: float = 0.1
+    feature_weight: float = 1.0
+    ce_weight: float = 0.1
+    unroll: int = 1
+    step_decay: float = 0.8
+    ce_topk: int = 0  # 0: full-vocabulary soft targets; K: the target's top-K probabilities, renormalised
+    grad_clip: float = 0.5
+    weight_decay: float = 0.0
+    max_seq_len: int = 1024
+    val_fraction: float = 0.03
+    seed: int = 0
+    time_budget_s: float = 0.0  # 0: no limit; else stop after this many seconds of training
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def unroll_masks(n: int, steps: int, device) -> list[torch.Tensor]:
+    """Attention masks of each unrolled step s (1-based): [n, s * n] bool over keys
+    [step-1 keys | step-2 keys | ... | step-s keys]. Query i (position i) at step s sees
+    step-1 keys j <= i - s + 1 (the real context) and step-k key i - s + k for k = 2..s (its
+    own chain: the tree ancestors it would see while drafting)."""
+    ar = torch.arange(n, device=device)
+    masks = []
+    for s in range(1, steps + 1):
+        blocks = [ar[None, :] <= (ar[:, None] - s + 1)]
+        blocks += [ar[None, :] == (ar[:, None] - s + k) for k in range(2, s + 1)]
+        masks.append(torch.cat(blocks, dim=1))
+    return masks
+
+
+def unrolled_forward(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """feats [B, n, H] (target features f_0..f_{n-1}), tokens [B, n] (t_1..t_n) ->
+    predictions of each step, [B, n, H] each (step s at index i predicts f_{i+1})."""
+    B, n, _ = feats.shape
+    pos = torch.arange(n, device=feats.device)[None].expand(B, n)
+    kvh, hd = head.dims.num_kv_heads, head.dims.head_dim
+    past_k = past_v = torch.zeros(0, B, kvh, hd, device=feats.device, dtype=feats.dtype)
+    outs, inputs = [], feats
+    for s, mask in enumerate(unroll_masks(n, steps, feats.device), start=1):
+        m = mask[None].expand(B, n, s * n)
+        out, k, v = head(inputs, tokens, pos, m, past_k, past_v)
+        outs.append(out)
+        past_k, past_v = torch.cat((past_k, k)), torch.cat((past_v, v))
+        inputs = torch.cat((torch.zeros_like(out[:, :1]), out[:, :-1]), dim=1)  # index i gets step s's prediction at i-1
+    return outs
+
+
+@dataclass
+class Batch:
+    feats: torch.Tensor  # [B, n, H] f_0..f_{n-1}
+    tokens: torch.Tensor  # [B, n] t_1..t_n
+    target: torch.Tensor  # [B, n, H] f_1..f_n
+    chain_start_ok: torch.Tensor  # [B, n] bool: position i may start a chain (i >= prompt_len - 1)
+    valid: torch.Tensor  # [B, n] bool: f_{i+1} exists
+
+
+def make_batch(data: TokenData, features: list[torch.Tensor], idx, device, max_len: int) -> Batch:
+    lengths = [min(len(features[i]), max_len) for i in idx]
+    n = max(lengths) - 1
+    H = features[idx[0]].shape[-1]
+    B = len(idx)
+    feats = torch.zeros(B, n + 1, H, dtype=features[idx[0]].dtype, device=features[idx[0]].device)
+    tokens = torch.zeros(B, n + 1, dtype=torch.long)
+    start_ok = torch.zeros(B, n, dtype=torch.bool)
+    valid = torch.zeros(B, n, dtype=torch.bool)
+    for b, i in enumerate(idx):
+        L = lengths[b]
+        feats[b, :L] = features[i][:L]
+        tokens[b, :L] = torch.from_numpy(data.sequence(int(i))[:L])
+        valid[b, : L - 1] = True
+        start_ok[b, max(int(data.prompt_lens[i]) - 1, 0): L - 1] = True
+    feats = feats.to(device)
+    return Batch(feats[:, :-1], tokens[:, 1:].to(device), feats[:, 1:], start_ok.to(device), valid.to(device))
+
+
+def step_losses(head: EagleHead, batch: Batch, cfg: TrainConfig, train: bool) -> tuple[torch.Tensor, list[dict]]:
+    """Weighted loss over unrolled steps and per-step metrics (loss parts, top-1 accuracy)."""
+    feats = batch.feats.float()
+    if train and cfg.noise > 0:
+        feats = feats + (torch.rand_like(feats) * 2 - 1) * cfg.noise
+    preds = unrolled_forward(head, feats, batch.tokens, cfg.unroll)
+    target = batch.target.float()
+    total, metrics = 0.0, []
+    n = feats.shape[1]
+    for s, pred in enumerate(preds, start=1):
+        # chain starts at i - s + 1 >= prompt_len - 1: shift the start mask right by s - 1
+        ok = torch.zeros_like(batch.valid)
+        ok[:, s - 1:] = batch.chain_start_ok[:, : n - s + 1]
+        ok &= batch.valid
+        if not bool(ok.any()):
+            continue
+        p, t = pred[ok], target[ok]
+        reg = F.smooth_l1_loss(p, t)
+        with torch.no_grad():
+            t_logits = head.logits(t)
+        logq = torch.log_softmax(head.logits(p), dim=-1)
+        if cfg.ce_topk:
+            tp, ti = torch.topk(torch.softmax(t_logits, dim=-1), cfg.ce_topk, dim=-1)
+            ce = -(tp / tp.sum(-1, keepdim=True) * logq.gather(-1, ti)).sum(-1).mean()
+        else:
+            ce = -(torch.softmax(t_logits, dim=-1) * logq).sum(-1).mean()
+        weight = cfg.step_decay ** (s - 1)
+        total = total + weight * (cfg.feature_weight * reg + cfg.ce_weight * ce)
+        acc = (logq.argmax(-1) == t_logits.argmax(-1)).float().mean()
+        metrics.append({"step": s, "reg": reg.item(), "ce": ce.item(), "acc": acc.item(), "n": int(ok.sum())})
+    return total, metrics
+
+
+def _batches(data: TokenData, order: np.ndarray, batch_tokens: int, max_len: int, rng: np.random.Generator | None):
+    """Length-bucketed batches of sequence indices (shuffled between buckets when rng)."""
+    lengths = np.minimum(np.diff(data.offsets), max_len)
+    srt = order[np.argsort(lengths[order], kind="stable")]
+    batches, cur, cur_max = [], [], 0
+    for i in srt:
+        m = max(cur_max, int(lengths[i]))
+        if cur and m * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, m = [], int(lengths[i])
+        cur.append(int(i))
+        cur_max = m
+    if cur:
+        batches.append(cur)
+    if rng is not None:
+        rng.shuffle(batches)
+    return batches
+
+
+def split(data: TokenData, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Train/validation split by prompt id (all samples of one prompt on one side)."""
+    ids = sorted({m["id"] for m in data.meta})
+    rng = np.random.default_rng(seed)
+    val_ids = set(rng.choice(ids, size=max(1, int(len(ids) * val_fraction)), replace=False).tolist()) if val_fraction > 0 else set()
+    is_val = np.array([m["id"] in val_ids for m in data.meta])
+    return np.flatnonzero(~is_val), np.flatnonzero(is_val)
+
+
+@torch.no_grad()
+def evaluate(head: EagleHead, data, features, order, cfg: TrainConfig, device) -> list[dict]:
+    """Per-step validation metrics, position-weighted."""
+    head.eval()
+    sums: dict[int, dict] = {}
+    for idx in _batches(data, order, cfg.batch_tokens, cfg.max_seq_len, None):
+        _, ms = step_losses(head, make_batch(data, features, idx, device, cfg.max_seq_len), cfg, train=False)
+        for m in ms:
+            acc = sums.setdefault(m["step"], {"reg": 0.0, "ce": 0.0, "acc": 0.0, "n": 0})
+            for k in ("reg", "ce", "acc"):
+                acc[k] += m[k] * m["n"]
+            acc["n"] += m["n"]
+    head.train()
+    return [{"step": s, **{k: v[k] / max(v["n"], 1) for k in ("reg", "ce", "acc")}, "n": v["n"]} for s, v in sorted(sums.items())]
+
+
+def train_head(head: EagleHead, data: TokenData, features: list[torch.Tensor], cfg: TrainConfig, device: str,
+               log=print) -> dict:
+    """Train `head` in place; returns a history dict (per-epoch validation, wall time)."""
+    torch.manual_seed(cfg.seed)
+    head.to(device).train()
+    for p in (head.embed.weight, head.lm_head.weight):
+        p.requires_grad_(False)
+    params = [p for n, p in head.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    train_idx, val_idx = split(data, cfg.val_fraction, cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    per_epoch = len(_batches(data, train_idx, cfg.batch_tokens, cfg.max_seq_len, None))
+    total_steps = max(1, int(math.ceil(per_epoch * cfg.epochs)))
+    history = {"config": cfg.to_json(), "train_sequences": int(len(train_idx)), "val_sequences": int(len(val_idx)),
+               "steps": total_steps, "epochs": [], "val": []}
+    t0, step = time.perf_counter(), 0
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if str(device).startswith("cuda") else torch.autocast("cpu", enabled=False)
+    while step < total_steps:
+        running = []
+        for idx in _batches(data, train_idx, cfg.batch_tokens, cfg.max_seq_len, rng):
+            if step >= total_steps or (cfg.time_budget_s and time.perf_counter() - t0 > cfg.time_budget_s):
+                break
+            elapsed = time.perf_counter() - t0
+            progress = max(step / total_steps, elapsed / cfg.time_budget_s if cfg.time_budget_s else 0.0)
+            lr = cfg.lr * _schedule(step, cfg.warmup_steps, progress, cfg.min_lr_ratio)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            with autocast:
+                loss, ms = step_losses(head, make_batch(data, features, idx, device, cfg.max_seq_len), cfg, train=True)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_value_(params, cfg.grad_clip)
+            opt.step()
+            running.append(ms)
+            step += 1
+            if step % 50 == 0:
+                first = [m for r in running[-50:] for m in r if m["step"] == 1]
+                log(f"step {step}/{total_steps} lr {lr:.2e} loss {float(loss):.4f} "
+                    f"acc1 {np.mean([m['acc'] for m in first]):.3f} ({time.perf_counter() - t0:.0f}s)")
+        if val_idx.size:
+            with autocast:
+                val = evaluate(head, data, features, val_idx, cfg, device)
+            history["val"].append({"step": step, "time_s": round(time.perf_counter() - t0, 1), "metrics": val})
+            log("val " + " ".join(f"acc{m['step']} {m['acc']:.3f}" for m in val) + f" (step {step})")
+        if cfg.time_budget_s and time.perf_counter() - t0 > cfg.time_budget_s:
+            break
+    history["wall_time_s"] = round(time.perf_counter() - t0, 1)
+    history["steps_done"] = step
+    return history
+
+
+def _schedule(step: int, warmup: int, progress: float, floor: float) -> float:
+    """Linear warm-up, then cosine decay to `floor` over `progress` in [0, 1] (the larger of
+    the step fraction and the time-budget fraction)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
