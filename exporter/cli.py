@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="ort", choices=["ort", "trt"], help="'trt' also builds TensorRT engines (needs a GPU and TensorRT)")
     p.add_argument("--max-length", type=int, default=None, help="KV capacity in tokens, prompt + output (default: alias value or min(max_position_embeddings, 4096))")
     p.add_argument("--graph-top-k", type=int, default=10, help="top-k computed inside the draft graph (upper bound for --top-k)")
+    p.add_argument("--draft-vocab", type=int, default=None, help="default: the alias's measured choice, else 0. Restrict the draft head's LM head to the N most frequent tokens (0 = full vocabulary; verification stays full, so output stays lossless)")
     p.add_argument("--external-data", default="auto", choices=["auto", "always", "never"], help="ONNX external data (auto: above 2 GiB)")
     p.add_argument("--force", action="store_true", help="replace an existing export folder")
     add_tree_args(p, "a dynamic tree sized for CPUs")
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     from .models import ModelNotAvailableError
     from .target import UnsupportedModelError
 
-    options = ExportOptions(dtype=args.dtype, max_length=args.max_length, graph_top_k=args.graph_top_k,
+    options = ExportOptions(dtype=args.dtype, max_length=args.max_length, graph_top_k=args.graph_top_k, draft_vocab=args.draft_vocab,
                             tree=tree_from_args(args, DEFAULT_TREE), external_data=args.external_data,
                             quant=args.quant, name=args.name, force=args.force)
     t0 = time.perf_counter()

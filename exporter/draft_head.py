@@ -21,6 +21,7 @@ from .layers import Rotary, gather_positions, mask_bias
 from .target import DecoderLayer, Dims, dims_of
 
 HEAD_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+TOKEN_COUNTS_FILE = "token_counts.npy"  # optional: response-token frequencies from eagle-train ([vocab] int64)
 OPTIONAL_KEYS = ("fc.bias",)
 IGNORED_KEYS = ("embed_tokens.weight",)  # some published heads carry a copy; the target's is used
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from eagle_deploy.runtime.manifest import Manifest
 from eagle_deploy.runtime.tree import TreeConfig
 
-from .draft_head import HEAD_WEIGHT_FILES, load_head, random_head
+from .draft_head import HEAD_WEIGHT_FILES, TOKEN_COUNTS_FILE, load_head, random_head
 from .models import Checkpoint, resolve_draft, resolve_model, sha256_file
 from .steps import TORCH_DTYPES, DraftOnnxFromHead, TargetOnnxFromHF, TokenizerFromHF
 from .target import dims_of
@@ -31,6 +31,7 @@ class ExportOptions:
     dtype: str = "float32"
     max_length: int | None = None
     graph_top_k: int = 10
+    draft_vocab: int | None = None  # None: the alias default; 0: full vocabulary; N: the N most frequent tokens
     tree: TreeConfig = field(default_factory=lambda: DEFAULT_TREE)
     external_data: str = "auto"
     quant: str | None = None
@@ -83,6 +84,27 @@ def _eos_ids(hf_dir: Path, config, tokenizer) -> list[int]:
     return ids
 
 
+def draft_vocab_ids(head_dir: Path | None, size: int, vocab: int, eos_ids: list[int]):
+    """The `size` most frequent response tokens (from the head's `token_counts.npy`, written
+    by eagle-train), EOS ids always included, sorted by id; None for the full vocabulary.
+    A reduced draft vocabulary only limits what the head can propose (as FR-Spec and EAGLE-3's
+    d2t do); verification stays over the full vocabulary, so output stays lossless."""
+    import numpy as np
+    import torch
+
+    if not size or size >= vocab:
+        return None
+    counts_path = head_dir / TOKEN_COUNTS_FILE if head_dir else None
+    if counts_path is None or not counts_path.exists():
+        raise ValueError(f"--draft-vocab needs token frequencies: {TOKEN_COUNTS_FILE} beside the head (eagle-train writes it)")
+    counts = np.load(counts_path).astype(np.float64)
+    if counts.shape != (vocab,):
+        raise ValueError(f"{counts_path} has shape {counts.shape}, expected ({vocab},)")
+    counts[[e for e in eos_ids if e < vocab]] = np.inf
+    ids = np.sort(np.argsort(-counts, kind="stable")[:size])
+    return torch.from_numpy(ids.astype(np.int64))
+
+
 def load_target(checkpoint: Checkpoint):
     import torch
     from transformers import AutoModelForCausalLM
@@ -115,6 +137,8 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
     if not 2 <= max_length <= dims.max_position_embeddings:
         raise ValueError(f"--max-length {max_length} must be in [2, {dims.max_position_embeddings}] (max_position_embeddings)")
     head = load_head(head_dir, hf) if head_dir else random_head(hf, seed=options.seed)
+    draft_vocab = checkpoint.draft_vocab if options.draft_vocab is None else options.draft_vocab
+    vocab_ids = draft_vocab_ids(head_dir, draft_vocab if head_dir else 0, dims.vocab, _eos_ids(checkpoint.hf_dir, hf.config, None))
     notes = [] if head_dir else ["draft head is RANDOMLY INITIALISED (untrained): expect acceptance near 1 token per round"]
     if dtype != "float32":
         hf.to(TORCH_DTYPES[dtype])
@@ -125,7 +149,7 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
         _say(progress, f"exporting target graph ({dtype})")
         target_entry = TargetOnnxFromHF(dtype, options.external_data)(hf, tmp)
         _say(progress, "exporting draft graph")
-        draft_entry = DraftOnnxFromHead(dtype, options.graph_top_k, external_data=options.external_data)(head, tmp)
+        draft_entry = DraftOnnxFromHead(dtype, options.graph_top_k, vocab_ids, options.external_data)(head, tmp)
         draft_entry.extra["trained"] = head_dir is not None
         tokenizer = TokenizerFromHF()(checkpoint.hf_dir, tmp)
         if options.quant:

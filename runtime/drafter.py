@@ -98,6 +98,7 @@ class EagleDrafter:
 
     def reset(self) -> None:
         self.length = 0
+        self.forwards = 0  # per request, as Stats.draft_forwards reports it
 
     def _index_choices(self) -> dict[tuple, list[int]]:
         kids: dict[tuple, list[int]] = {}

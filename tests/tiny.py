@@ -54,9 +54,10 @@ def _byte_chars() -> list[str]:
     return [chr(table[b]) for b in range(256)]
 
 
-def build_tiny_target(folder: Path, gqa: bool = False, seed: int = 0, **overrides) -> Path:
+def build_tiny_target(folder: Path, gqa: bool = False, seed: int = 0, norm_noise: float = 0.0, **overrides) -> Path:
     """Save a random tiny Llama (weights scaled up so its greedy output is not one token
-    repeated) with the byte tokenizer into `folder`."""
+    repeated) with the byte tokenizer into `folder`. `norm_noise` > 0 draws the RMSNorm
+    weights as 1 + normal(0, norm_noise) (unit weights hide a norm applied in the wrong place)."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -65,14 +66,17 @@ def build_tiny_target(folder: Path, gqa: bool = False, seed: int = 0, **override
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0.0, 0.08 if "embed" in name or "lm_head" in name else 0.06)
+            elif norm_noise:
+                p.normal_(1.0, norm_noise)
     folder = Path(folder)
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
 
 
-def build_tiny_head(folder: Path, target_dir: Path, seed: int = 1, fc_bias: bool = True) -> Path:
-    """A random EAGLE head for the tiny target in the published layout."""
+def build_tiny_head(folder: Path, target_dir: Path, seed: int = 1, fc_bias: bool = True, norm_noise: float = 0.0) -> Path:
+    """A random EAGLE head for the tiny target in the published layout (`norm_noise` as for
+    `build_tiny_target`, applied to the head's post-attention norm)."""
     from transformers import AutoModelForCausalLM
 
     from eagle_deploy.exporter.draft_head import random_head, save_head
@@ -82,5 +86,8 @@ def build_tiny_head(folder: Path, target_dir: Path, seed: int = 1, fc_bias: bool
     if fc_bias:
         with torch.no_grad():
             head.fc.bias.normal_(0.0, 0.05)  # non-zero so a dropped bias shows (case E5)
+    if norm_noise:
+        with torch.no_grad():
+            head.layers[0].post_attention_layernorm.weight.normal_(1.0, norm_noise, generator=torch.Generator().manual_seed(seed))
     save_head(head, folder)
     return Path(folder)

@@ -8,21 +8,23 @@ from .base import Backend, StepInputs
 BACKENDS = ("ort", "ort-cuda", "trt")
 
 
-def load_backend(kind: str, folder: Path, manifest, which: str, threads: int | None = None) -> Backend:
-    """Open graph `which` ("target" or "draft") of an export with backend `kind`."""
+def load_backend(kind: str, folder: Path, manifest, which: str, threads: int | None = None, tree=None) -> Backend:
+    """Open graph `which` ("target" or "draft") of an export with backend `kind`. `tree`
+    (a TreeConfig; default the manifest's) lets TensorRT reject a tree too large for its
+    optimization profiles at start-up."""
     graph = getattr(manifest, which)
     if kind == "ort":
         from .ort import OrtBackend
 
         return OrtBackend(folder, graph, manifest.dims, threads=threads)
     if kind == "ort-cuda":
-        from .ort import OrtBackend
+        from .ort_cuda import OrtCudaBackend
 
-        return OrtBackend(folder, graph, manifest.dims, providers=["CUDAExecutionProvider"])
+        return OrtCudaBackend(folder, graph, manifest.dims, threads=threads)
     if kind == "trt":
         from .trt import TrtBackend
 
-        return TrtBackend.from_manifest(folder, manifest, which)
+        return TrtBackend.from_manifest(folder, manifest, which, tree=tree)
     raise ValueError(f"unknown backend {kind!r}; choose one of {', '.join(BACKENDS)}")
 
 

@@ -136,6 +136,7 @@ def run(args, s: dict) -> int:
     head.to("cpu", torch.float32)
     head.config = head_config_for(hf.config)
     save_head(head, args.out)
+    _save_token_counts(data, hf.config.vocab_size, args.out)
     card = {"target": {"spec": args.model, "source": str(checkpoint.source),
                        "sha256": sha256_file(checkpoint.source) if checkpoint.source.is_file() else None},
             "settings": s, "train": history, "timings_s": {**timings, "total_s": round(time.perf_counter() - t_start, 1)},
@@ -183,6 +184,19 @@ def _generate(args, s, hf, tokenizer, eos, device, work: Path, log):
     data = TokenData.concat(done)
     log(f"data: {len(data)} sequences, {data.response_tokens} response tokens")
     return data
+
+
+def _save_token_counts(data, vocab: int, out: Path) -> None:
+    """Response-token frequencies beside the head (for `eagle-export --draft-vocab N`)."""
+    import numpy as np
+
+    from eagle_deploy.exporter.draft_head import TOKEN_COUNTS_FILE
+
+    counts = np.zeros(vocab, dtype=np.int64)
+    for i in range(len(data)):
+        seq = data.sequence(i)
+        counts += np.bincount(seq[int(data.prompt_lens[i]):], minlength=vocab)[:vocab]
+    np.save(out / TOKEN_COUNTS_FILE, counts)
 
 
 def _init_from_layer(head, hf, layer: int) -> None:

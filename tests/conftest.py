@@ -1,0 +1,160 @@
+"""Session fixtures: tiny MHA and GQA Llama targets (tests/tiny.py) with random EAGLE heads,
+exported once per session with `export(..., ExportOptions(max_length=256))`, plus loaded
+runtimes and a memoised plain-PyTorch greedy reference for each."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `tests.tiny` / `tests.helpers` importable from any rootdir
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from tests import tiny  # noqa: E402
+from tests.helpers import hf_greedy, until_eos  # noqa: E402
+
+MAX_LENGTH = 256
+THREADS = 1  # the CPU is shared; one intra-op thread also keeps runs bit-reproducible
+PROMPTS = [
+    [5, 6, 7, 8, 9],
+    [100, 3, 77, 20, 21, 22, 23, 1, 2],
+    [65, 32, 119, 111, 114, 108, 100, 10, 200, 17, 33, 90],
+]
+REF_TOKENS = 96  # reference continuation length kept per prompt (no EOS stop)
+
+# The CPU is shared with other jobs: torch's default thread pool spinning against them made
+# the references 10-100x slower; one thread is plenty for the tiny models.
+torch.set_num_threads(1)
+
+
+@dataclass
+class TinyModel:
+    """One tiny target + random head, its export folder and references."""
+
+    name: str
+    target_dir: Path
+    head_dir: Path
+    export_dir: Path
+    _refs: dict = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def hf(self):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(self.target_dir), dtype=torch.float32).eval()
+
+    @cached_property
+    def manifest(self):
+        from eagle_deploy.runtime.manifest import Manifest
+
+        return Manifest.load(self.export_dir)
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return list(self.manifest.eos_token_ids)
+
+    def head(self):
+        """The draft head as the exporter loads it (torch, bound to `hf`)."""
+        from eagle_deploy.exporter.draft_head import load_head
+
+        return load_head(self.head_dir, self.hf)
+
+    def backend(self, which: str = "target"):
+        """A fresh onnxruntime backend for graph `which` of the export."""
+        from eagle_deploy.runtime.backends.ort import OrtBackend
+
+        return OrtBackend(self.export_dir, getattr(self.manifest, which), self.manifest.dims, threads=THREADS)
+
+    def runtime(self, folder: Path | None = None, **kw):
+        """A freshly loaded EagleRuntime (ORT CPU) over this export (or `folder`)."""
+        from eagle_deploy.runtime.api import EagleRuntime
+
+        return EagleRuntime.load(folder or self.export_dir, threads=THREADS, **kw)
+
+    @cached_property
+    def rt(self):
+        """A shared runtime with the export's default (dynamic) tree."""
+        return self.runtime()
+
+    def ref(self, prompt, n: int = REF_TOKENS) -> list[int]:
+        """Plain HF greedy continuation of `prompt` (no EOS stop), memoised."""
+        key = tuple(prompt)
+        if key not in self._refs or len(self._refs[key]) < n:
+            self._refs[key] = hf_greedy(self.hf, prompt, max(n, REF_TOKENS))
+        return self._refs[key][:n]
+
+    def expected(self, prompt, n: int) -> list[int]:
+        """What greedy decoding must emit: the reference, cut after the first EOS."""
+        return until_eos(self.ref(prompt, n), self.eos_ids, n)
+
+
+def build_tiny(root: Path, name: str, gqa: bool, seed: int, **target_kw) -> TinyModel:
+    from eagle_deploy.exporter.export import ExportOptions, export
+
+    target = tiny.build_tiny_target(root / f"{name}-target", gqa=gqa, seed=seed, norm_noise=0.1, **target_kw)
+    head = tiny.build_tiny_head(root / f"{name}-head", target, seed=seed + 1, norm_noise=0.1)
+    out = export(str(target), str(head), root / "exports", ExportOptions(max_length=MAX_LENGTH, name=name), progress=None)
+    return TinyModel(name, target, head, out)
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def mha(tiny_root) -> TinyModel:
+    return build_tiny(tiny_root, "mha", gqa=False, seed=0)
+
+
+@pytest.fixture(scope="session")
+def gqa(tiny_root) -> TinyModel:
+    return build_tiny(tiny_root, "gqa", gqa=True, seed=10)
+
+
+@pytest.fixture(scope="session", params=["mha", "gqa"])
+def model(request) -> TinyModel:
+    """Both tiny targets (parametrised)."""
+    return request.getfixturevalue(request.param)
+
+
+@dataclass
+class TieCase:
+    """A tiny target whose LM-head row `low` is a copy of row `high` (low < high): at step k
+    of `prompt`'s greedy continuation the two logits tie for the maximum."""
+
+    model: TinyModel
+    prompt: list[int]
+    k: int
+    low: int
+    high: int
+
+
+@pytest.fixture(scope="session")
+def tie(tiny_root) -> TieCase:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eagle_deploy.exporter.export import ExportOptions, export
+
+    prompt, k = PROMPTS[1], 3
+    folder = tiny.build_tiny_target(tiny_root / "tie-target", seed=0, norm_noise=0.1)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    ref = hf_greedy(hf, prompt, k + 1)
+    high = ref[k]
+    assert high not in ref[:k]
+    # a lower id that never won before step k (else copying the row changes that step too)
+    low = next(t for t in range(high - 1, 0, -1) if t not in ref[:k] and t != tiny.EOS_ID)
+    with torch.no_grad():
+        hf.lm_head.weight[low] = hf.lm_head.weight[high]
+    hf.save_pretrained(folder)
+    head = tiny.build_tiny_head(tiny_root / "tie-head", folder, seed=3)
+    out = export(str(folder), str(head), tiny_root / "exports", ExportOptions(max_length=MAX_LENGTH, name="tie"), progress=None)
+    return TieCase(TinyModel("tie", folder, head, out), prompt, k, low, high)

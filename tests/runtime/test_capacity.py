@@ -1,0 +1,103 @@
+"""KV capacity: a prompt plus a draft tree running past max_length clips the tree and ends
+with "length"; no call reads a row it does not own (NaN-poisoned before every call) and
+nothing is written past max_length (the buffer is oversized and poisoned past the end)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eagle_deploy.runtime.drafter import EagleDrafter, ScriptedDrafter
+from eagle_deploy.runtime.tree import TreeConfig
+from tests.helpers import CommitSpy, RecordingBackend, ReferenceScript
+
+EXTRA = 32
+
+
+def _long_prompt(n: int, seed: int = 3) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 256, n).tolist()
+
+
+def _guarded(rt, max_length: int):
+    """Wrap the runtime's backends: poison unused rows before each call, forbid writes past
+    max_length, and give the target an oversized buffer whose tail must stay NaN."""
+    dec = rt.decoder
+    dec.target = RecordingBackend(dec.target, poison=True, limit=max_length)
+    dec.kv = dec.target.allocate_kv(max_length + EXTRA)
+    dec.kv.poison()
+    if isinstance(dec.drafter, EagleDrafter):
+        dec.drafter.backend = RecordingBackend(dec.drafter.backend, poison=True, limit=dec.drafter.kv.capacity)
+        dec.drafter.kv.poison()
+    return rt
+
+
+def _wide_perfect(pos, ref):
+    """The true depth-5 chain plus 5 wrong siblings at every depth (30 draft nodes)."""
+    truth = ref[pos:pos + 5]
+    paths = [truth]
+    for d in range(len(truth)):
+        paths += [truth[:d] + [w] for w in [t for t in range(250, 240, -1) if t != truth[d]][:5]]
+    return paths
+
+
+@pytest.mark.parametrize("prompt_len", [200, 236, 250])
+def test_tree_is_clipped_at_capacity_and_finishes_with_length(model, prompt_len):
+    L = model.manifest.max_length
+    prompt = _long_prompt(prompt_len)
+    ref = model.ref(prompt, L - prompt_len + 8)
+    assert model.eos_ids[0] not in ref[:L + 1 - prompt_len]
+    rt = _guarded(model.runtime(drafter=ScriptedDrafter(ReferenceScript(prompt, ref, _wide_perfect))), L)
+    spy = CommitSpy(rt.decoder)
+    result = rt.generate(prompt, max_new_tokens=200)
+    # the last committed token is chosen but never run, so KV capacity L allows L + 1 tokens
+    assert result.token_ids == ref[:L + 1 - prompt_len]
+    assert result.finish_reason == "length"
+    assert spy.rounds[-1].target_len == L
+    calls = rt.decoder.target.calls
+    assert max(call.past + len(call.input_ids) for call in calls) == L
+    assert len(calls[1].input_ids) == min(31, L - prompt_len)  # full tree, or clipped to the room left
+    assert 1 <= len(calls[-1].input_ids) < 31  # the last tree was clipped
+    assert np.all(np.isnan(rt.decoder.kv.arrays[0][L:])), "a row past max_length was written"
+
+
+@pytest.mark.parametrize("tree", ["dynamic-wide", "eagle1"])
+def test_eagle_drafter_near_capacity_reads_nothing_stale(model, tree):
+    L = model.manifest.max_length
+    config = TreeConfig("dynamic", total_tokens=60, depth=6, top_k=8) if tree == "dynamic-wide" else TreeConfig.static("eagle1")
+    prompt = _long_prompt(230, seed=5)
+    rt = _guarded(model.runtime(tree=config), L)
+    result = rt.generate(prompt, max_new_tokens=100)
+    want = model.expected(prompt, L + 1 - 230)
+    assert result.token_ids == want
+    assert result.finish_reason == ("stop" if want[-1] in model.eos_ids else "length")
+    assert np.all(np.isnan(rt.decoder.kv.arrays[-1][L:]))
+    draft_calls = rt.decoder.drafter.backend.calls
+    assert draft_calls and max(call.past + len(call.input_ids) for call in draft_calls) <= rt.decoder.drafter.kv.capacity
+
+
+def test_prompt_one_short_of_capacity_gives_two_tokens(model):
+    L = model.manifest.max_length
+    prompt = _long_prompt(L - 1, seed=7)
+    rt = _guarded(model.runtime(), L)
+    result = rt.generate(prompt, max_new_tokens=10)
+    assert result.token_ids == model.expected(prompt, 2)
+    assert result.finish_reason == "length" or result.token_ids[-1] in model.eos_ids
+    assert [len(call.input_ids) for call in rt.decoder.target.calls] == [L - 1, 1]
+
+
+@pytest.mark.parametrize("extra", [0, 5])
+def test_prompt_at_or_past_capacity_is_refused_before_any_forward(model, extra):
+    L = model.manifest.max_length
+    rt = _guarded(model.runtime(), L)
+    with pytest.raises(ValueError, match=f"{L + extra} tokens"):
+        rt.generate(_long_prompt(L + extra), max_new_tokens=4)
+    assert rt.decoder.target.calls == []
+
+
+def test_vanilla_runs_to_capacity(model):
+    L = model.manifest.max_length
+    prompt = _long_prompt(240, seed=9)
+    rt = _guarded(model.runtime(), L)
+    result = rt.generate(prompt, max_new_tokens=100, mode="vanilla")
+    want = model.expected(prompt, L + 1 - 240)
+    assert result.token_ids == want
+    assert np.all(np.isnan(rt.decoder.kv.arrays[0][L:]))
