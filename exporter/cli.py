@@ -67,10 +67,11 @@ def main(argv=None) -> int:
             from .trt_build import build_engines
 
             build_engines(out, progress=step)
-    except (ModelNotAvailableError, UnsupportedModelError, HeadCheckpointError, FileExistsError, ValueError) as err:
+    except (ModelNotAvailableError, UnsupportedModelError, HeadCheckpointError, FileExistsError, FileNotFoundError,
+            ValueError) as err:
         print(f"eagle-export: error: {err}", file=sys.stderr)
         return 2
-    except ImportError as err:
+    except (ImportError, RuntimeError) as err:  # TensorRT missing, or its engine build failed
         print(f"eagle-export: error: {err}", file=sys.stderr)
         return 3
     step(f"done: {out}")

@@ -59,8 +59,8 @@ class EagleRuntime:
         folder = Path(folder)
         manifest = Manifest.load(folder)
         tree = (tree or TreeConfig.from_json(manifest.tree)).validate(manifest.draft.extra["graph_top_k"])
-        target = load_backend(backend, folder, manifest, "target", threads)
-        draft = None if drafter is not None else load_backend(backend, folder, manifest, "draft", threads)
+        target = load_backend(backend, folder, manifest, "target", threads, tree=tree)
+        draft = None if drafter is not None else load_backend(backend, folder, manifest, "draft", threads, tree=tree)
         tokenizer = None
         if manifest.tokenizer:
             from transformers import AutoTokenizer

@@ -64,6 +64,9 @@ def main(argv=None) -> int:
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
         print(f"eagle-run: error: {err}", file=sys.stderr)
         return 2
+    except (ImportError, RuntimeError) as err:  # a backend that cannot run here (no GPU, no TensorRT)
+        print(f"eagle-run: error: backend {args.backend!r} unavailable: {err}", file=sys.stderr)
+        return 3
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                           "stats": result.stats, "notes": manifest.notes}))

