@@ -17,6 +17,7 @@ from .models import Checkpoint, resolve_draft, resolve_model, sha256_file
 from .steps import TORCH_DTYPES, DraftOnnxFromHead, TargetOnnxFromHF, TokenizerFromHF
 from .target import dims_of
 
+DRAFT_VOCAB_FILE = "draft_vocab.npy"
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
                  "bf16": "bfloat16", "bfloat16": "bfloat16"}
 # CPU default, chosen by measurement on a 2-core machine (eagle-bench --tune rewrites it per export)
@@ -151,6 +152,11 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
         _say(progress, "exporting draft graph")
         draft_entry = DraftOnnxFromHead(dtype, options.graph_top_k, vocab_ids, options.external_data)(head, tmp)
         draft_entry.extra["trained"] = head_dir is not None
+        if vocab_ids is not None:  # the ids baked into the draft graph, for references and tools
+            import numpy as np
+
+            np.save(tmp / DRAFT_VOCAB_FILE, vocab_ids.numpy())
+            draft_entry.extra["draft_vocab_file"] = DRAFT_VOCAB_FILE
         tokenizer = TokenizerFromHF()(checkpoint.hf_dir, tmp)
         if options.quant:
             from .quantize import quantize_graph

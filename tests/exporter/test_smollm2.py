@@ -13,7 +13,7 @@ PROMPTS = [
 @pytest.mark.slow
 def test_smollm2_export_then_eagle_equals_vanilla(smollm2_export):
     folder = smollm2_export
-    assert sorted(p.name for p in folder.iterdir()) == ["draft.onnx", "manifest.json", "target.onnx", "tokenizer"]
+    assert sorted(p.name for p in folder.iterdir()) == ["draft.onnx", "draft_vocab.npy", "manifest.json", "target.onnx", "tokenizer"]
     assert not [p for p in folder.parent.iterdir() if ".partial-" in p.name]
 
     from eagle_deploy.runtime.api import EagleRuntime

@@ -1,0 +1,283 @@
+"""eagle-bench on a tiny export: the end-to-end run (JSON + PNG with the documented keys),
+baselines (transformers; llama.cpp through a fake llama_cpp module; a visible skip without
+it), the divergence classification, and --tune writing its tree into the manifest.
+No assertion depends on timings."""
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eagle_deploy.exporter import contract as c
+from eagle_deploy.tools.bench import cli, divergence as dv, report, tune as tn
+from tests.tools.tiny_export import PROMPTS, copy_export, prompt_file, tiny_export
+
+RUN_KEYS = {"new_tokens", "seconds", "tokens_per_s", "ttft_ms", "finish_reason", "token_ids"}
+TOP_KEYS = {"schema", "engines", "manifest", "date", "machine", "config", "tree", "numerics", "prompts", "aggregate",
+            "greedy_identity", "baselines", "memory", "notes"}
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory) -> Path:
+    return tiny_export(tmp_path_factory)
+
+
+def _bench(export_dir, tmp_path, *extra) -> tuple[int, dict]:
+    out = tmp_path / "res" / "r.json"
+    rc = cli.main(["--engines", str(export_dir), "--prompts", str(prompt_file(tmp_path)), "--max-new-tokens", "12",
+                   "--threads", "1", "--out", str(out), "-q", *extra])
+    return rc, (json.loads(out.read_text()) if out.exists() else {})
+
+
+def test_end_to_end_json_and_png(export_dir, tmp_path, capsys):
+    rc, res = _bench(export_dir, tmp_path, "--no-baselines", "--temperatures", "0,0.8", "--json")
+    assert rc == 0
+    stdout = json.loads(capsys.readouterr().out)  # --json: the aggregate on stdout
+    assert set(stdout) >= {"aggregate", "greedy_identity", "json", "png"}
+    assert TOP_KEYS <= set(res) and res["schema"] == "eagle-bench/1"
+    png = Path(stdout["png"])
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(res["prompts"]) == 2 * len(PROMPTS)
+    for r in res["prompts"]:
+        assert set(r["runs"]) == {"eagle", "vanilla"}
+        assert RUN_KEYS <= set(r["runs"]["eagle"]) and {"mean_accept_len", "time_ms"} <= set(r["runs"]["eagle"])
+        assert "speedup_vs_vanilla" in r["runs"]["eagle"]
+        assert ("greedy" in r) == (r["temperature"] == 0)
+    # interleaved, alternating order
+    orders = [r["order"] for r in res["prompts"]]
+    assert ["eagle", "vanilla"] in orders and ["vanilla", "eagle"] in orders
+    agg = res["aggregate"]
+    assert set(agg) == {"0", "0.8"}
+    assert set(agg["0"]) == {"all", "code", "chat"}
+    eagle = agg["0"]["all"]["systems"]["eagle"]
+    assert {"tokens_per_s", "tau", "ttft_ms", "time_ms_per_token"} <= set(eagle)
+    assert set(eagle["time_ms_per_token"]) == set(report.PHASES)
+    assert "eagle_vs_vanilla" in agg["0"]["all"]["speedup"]
+    # lossless greedy: EAGLE equals vanilla on the same engine
+    gi = res["greedy_identity"]["ort"]
+    assert gi["prompts"] == len(PROMPTS) and gi["identical"] == len(PROMPTS) and gi["bugs"] == 0
+    assert 0 <= res["numerics"]["ort"]["batch_vs_single_max_logit_diff"] < 1e-3
+    assert res["memory"]["process"]["peak_rss_mb"] > 0 and "load_rss_mb" in res["memory"]["eagle"]
+
+
+def test_hf_baselines_and_visible_llamacpp_skip(export_dir, tmp_path, capsys):
+    if importlib.util.find_spec("llama_cpp") is not None:
+        pytest.skip("llama-cpp-python is installed here")
+    rc, res = _bench(export_dir, tmp_path, "--baselines", "hf,hf-lookup,llamacpp", "--limit", "2")
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "note: baseline llamacpp:" in out and "not installed" in out
+    assert res["baselines"]["llamacpp"]["status"] == "skipped"
+    assert res["baselines"]["hf"]["status"] == "ok" and res["baselines"]["hf-lookup"]["status"] == "ok"
+    for r in res["prompts"]:
+        assert {"eagle", "vanilla", "hf", "hf-lookup"} == set(r["runs"])
+        assert r["runs"]["hf"]["new_tokens"] >= 1
+    assert "eagle_vs_hf" in res["aggregate"]["0"]["all"]["speedup"]
+
+
+class _FakeLlama:
+    """Stands in for llama_cpp.Llama: generate() yields a scripted token stream."""
+
+    instances: list = []
+    script = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]
+
+    def __init__(self, model_path, **kw):
+        self.model_path, self.kw, self.calls, self.resets = model_path, kw, [], 0
+        _FakeLlama.instances.append(self)
+
+    def reset(self):
+        self.resets += 1
+
+    def generate(self, tokens, **kw):
+        self.calls.append((list(tokens), kw))
+        yield from self.script
+
+
+class _FakeLookup:
+    def __init__(self, num_pred_tokens=10):
+        self.num_pred_tokens = num_pred_tokens
+
+
+@pytest.fixture
+def fake_llama_cpp(monkeypatch, tmp_path):
+    mod = types.ModuleType("llama_cpp")
+    mod.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
+    mod.Llama = _FakeLlama
+    spec = types.ModuleType("llama_cpp.llama_speculative")
+    spec.__spec__ = importlib.machinery.ModuleSpec("llama_cpp.llama_speculative", None)
+    spec.LlamaPromptLookupDecoding = _FakeLookup
+    mod.llama_speculative = spec
+    monkeypatch.setitem(sys.modules, "llama_cpp", mod)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", spec)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    from eagle_deploy.tools.bench import reference
+
+    monkeypatch.setattr(reference, "target_source", lambda manifest: gguf)
+    _FakeLlama.instances = []
+    return gguf
+
+
+def test_llamacpp_path_with_a_fake_module(export_dir, tmp_path, fake_llama_cpp):
+    rc, res = _bench(export_dir, tmp_path, "--baselines", "llamacpp,llamacpp-lookup", "--limit", "1")
+    assert rc == 0
+    assert res["baselines"]["llamacpp"]["status"] == "ok" and res["baselines"]["llamacpp-lookup"]["status"] == "ok"
+    plain, lookup = _FakeLlama.instances
+    assert plain.model_path == str(fake_llama_cpp) and plain.kw["draft_model"] is None
+    assert isinstance(lookup.kw["draft_model"], _FakeLookup) and lookup.kw["draft_model"].num_pred_tokens == 10
+    assert plain.kw["n_threads"] == 1 and plain.kw["n_ctx"] == 256
+    record = res["prompts"][0]
+    tokens, kw = plain.calls[-1]
+    assert tokens == record["prompt_ids"] and kw["temp"] == 0.0  # same prompt ids, greedy
+    assert plain.resets == len(plain.calls)  # no prompt-prefix reuse across requests
+    run = record["runs"]["llamacpp"]
+    assert run["token_ids"] == _FakeLlama.script[:12] and run["finish_reason"] == "length"
+    assert run["ttft_ms"] is not None and "first_difference_vs_vanilla" in run
+
+
+def test_llamacpp_stops_at_eos(fake_llama_cpp):
+    from eagle_deploy.tools.bench.systems import LlamaCppSystem
+
+    system = LlamaCppSystem(fake_llama_cpp, eos_ids=[14], threads=2, n_ctx=64)
+    run = system.run([1, 2, 3], max_new_tokens=50)
+    assert run.token_ids == [11, 12, 13, 14] and run.finish_reason == "stop"
+
+
+# --------------------------------------------------------------------------- divergence
+
+
+class _LogitBackend:
+    """A target backend stub: every forward returns the same last-position logits."""
+
+    def __init__(self, logits):
+        self.logits = np.asarray(logits, np.float32)
+        self.seen = []
+
+    def allocate_kv(self, capacity):
+        return None
+
+    def run(self, inputs, kv, past):
+        self.seen.append(inputs.input_ids[0].tolist())
+        n = inputs.logits_indices.shape[1]
+        return {c.LOGITS: np.repeat(self.logits[None, None], n, axis=1)}
+
+
+def test_first_difference():
+    assert dv.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert dv.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert dv.first_difference([1, 2], [1, 2, 7]) == 2
+
+
+def test_divergence_classification():
+    backend = _LogitBackend([0.0, 3.0, 2.5, -1.0])  # top-2 gap 0.5
+    assert dv.check_greedy(backend, [9, 9], [1, 2, 3], [1, 2, 3], floor=1.0) is None
+    d = dv.check_greedy(backend, [9, 9], [1, 2, 3], [1, 4, 3], floor=1.0)
+    assert (d.position, d.eagle, d.vanilla, d.kind) == (1, 2, 4, "numerics") and d.gap == pytest.approx(0.5)
+    assert backend.seen[-1] == [9, 9, 1]  # one forward over prompt + common prefix
+    assert dv.check_greedy(backend, [9], [1, 2], [1, 4], floor=0.1).kind == "bug"
+    assert dv.classify(None, 1.0) == "bug" and dv.classify(0.2, 0.3) == "numerics" and dv.classify(0.3, 0.3) == "bug"
+    s = dv.summarize([{"identical": True, "divergence": None}, {"identical": False, "divergence": d.to_json()},
+                      {"identical": False, "divergence": {"position": 3, "top2_gap": 2.0, "class": "bug"}}], floor=1.0)
+    assert s["identical"] == 1 and s["percent_identical"] == pytest.approx(33.3) and s["numerics"] == 1 and s["bugs"] == 1
+    assert s["largest_gap_at_divergence"] == 2.0
+
+
+def test_batch_vs_single_on_the_tiny_engine(export_dir):
+    from eagle_deploy.runtime.backends.ort import OrtBackend
+    from eagle_deploy.runtime.manifest import Manifest
+
+    m = Manifest.load(export_dir)
+    diff = dv.batch_vs_single(OrtBackend(export_dir, m.target, m.dims, threads=1), list(range(20, 36)))
+    assert 0.0 <= diff < 1e-3
+
+
+def test_speedups_from_synthetic_records():
+    def run(tokens, seconds):
+        return {"new_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "ttft_ms": 1.0}
+
+    records = [{"category": "x", "temperature": 0.0, "runs": {"eagle": run(100, 1.0), "vanilla": run(100, 2.0), "hf": run(50, 2.0)}},
+               {"category": "y", "temperature": 0.0, "runs": {"eagle": run(100, 2.0), "vanilla": run(100, 2.0), "hf": run(50, 2.0)}}]
+    agg = report.aggregate(records)["0"]
+    assert agg["all"]["systems"]["eagle"]["tokens_per_s"] == pytest.approx(200 / 3, rel=1e-3)
+    assert agg["all"]["speedup"]["eagle_vs_vanilla"]["aggregate"] == pytest.approx(4 / 3, rel=1e-3)
+    assert agg["all"]["speedup"]["eagle_vs_vanilla"]["mean_per_prompt"] == pytest.approx(1.5)
+    assert agg["x"]["speedup"]["eagle_vs_hf"]["aggregate"] == pytest.approx(4.0)
+    assert list(agg["all"]["systems"]) == ["eagle", "vanilla", "hf"]
+
+
+# --------------------------------------------------------------------------- tune
+
+
+def _round(parents, tokens, scores, argmax):
+    parents = np.array(parents)
+    depths = np.zeros(len(parents), int)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return tn.Round(np.array(tokens), parents, np.array(scores, float), depths, np.array(argmax))
+
+
+def test_accept_walk_on_subtrees():
+    # root -> a(10, best) / b(20); a -> c(30); b -> d(40). The target wants 20 then 40.
+    rnd = _round([-1, 0, 0, 1, 2], [0, 10, 20, 30, 40], [0, -0.1, -0.5, -0.2, -0.9], [20, 99, 40, 99, 99])
+    assert tn.accept_walk(rnd, 5, 2) == [1, 0]  # b is the second sibling, then d
+    assert len(tn.accept_walk(rnd, 4, 2)) == 1  # d (lowest score) pruned
+    assert tn.accept_walk(rnd, 5, 1) == [1]  # depth cut
+    assert tn.accept_walk(rnd, 2, 2) == []  # only a kept
+    assert tn.expected_tau([rnd], 5, 2) == 3.0
+    prof = tn.acceptance_profile([rnd], 2)
+    assert prof["accept_rate_by_depth"] == [1.0, 1.0] and prof["accepted_sibling_rank_counts"] == [1, 1]
+
+
+def test_growth_and_overhead_fit():
+    assert tn.growth_size(1, 5) == 5 and tn.growth_size(4, 3) == 4 + 2 * 16
+    assert tn.calib_depth(4, 40, 8) == 3
+    a, b = tn.fit_overhead([(10, 1.0 + 0.1 * 10), (50, 1.0 + 0.1 * 50)])
+    assert a == pytest.approx(1.0) and b == pytest.approx(0.1)
+    assert tn.fit_overhead([]) == (0.0, 0.0)
+
+
+def test_tune_writes_the_tree_to_the_manifest(export_dir, tmp_path):
+    from eagle_deploy.runtime.manifest import Manifest
+    from eagle_deploy.runtime.tree import TreeConfig
+
+    folder = copy_export(export_dir, tmp_path / "tuned")
+    cfg = tn.TuneConfig(folder, PROMPTS, calib=2, max_new_tokens=10, repeats=1, threads=1, top_ks=(1, 2),
+                        max_depth=3, sizes=(1, 2, 4, 8), verify_top=2)
+    record = tn.tune(cfg, log=lambda m: None)
+    m = Manifest.load(folder)  # still loads: the record lives in engines["tuning"]
+    assert m.tree == record["chosen"] and TreeConfig.from_json(m.tree).validate(10)
+    t = m.engines["tuning"]
+    assert {"date", "machine", "target_ms", "draft_ms", "calibration", "candidates", "measured", "chosen", "previous"} <= set(t)
+    assert set(t["target_ms"]) >= {"1", "2", "4", "8"} and set(t["draft_ms"]) >= {"1", "2"}
+    assert {r["top_k"] for r in t["calibration"]["runs"]} == {1, 2}
+    assert record["chosen"] in [r["tree"] for r in t["measured"]]
+    assert max(r["tokens_per_s"] for r in t["measured"]) == t["chosen_measured_tokens_per_s"]
+
+
+def test_tune_cli_no_save_leaves_the_manifest(export_dir, tmp_path, capsys, monkeypatch):
+    folder = copy_export(export_dir, tmp_path / "nosave")
+    before = (folder / "manifest.json").read_text()
+    monkeypatch.setattr(tn.TuneConfig, "__init__", _small_tune_init(tn.TuneConfig.__init__))
+    assert cli.main(["--engines", str(folder), "--prompts", str(prompt_file(tmp_path)), "--tune", "--no-save",
+                     "--threads", "1", "--max-new-tokens", "8", "--repeats", "1", "-q"]) == 0
+    assert "chosen tree:" in capsys.readouterr().out
+    assert (folder / "manifest.json").read_text() == before
+
+
+def _small_tune_init(init):
+    def small(self, *args, **kw):
+        init(self, *args, **kw)
+        self.top_ks, self.max_depth, self.sizes, self.verify_top = (1, 2), 2, (1, 2, 4), 1
+    return small
+
+
+def test_calibration_prompts_alternate_between_sets():
+    prompts = [{"id": f"a{i}", "set": "a", "prompt": "x"} for i in range(10)] + [{"id": "b0", "set": "b", "prompt": "y"}]
+    assert [p["id"] for p in tn.pick_calibration(prompts, 4)] == ["a0", "b0", "a9"]
+    assert [p["id"] for p in tn.pick_calibration(prompts, 1)] == ["a0"]

@@ -1,0 +1,151 @@
+"""eagle-validate on a tiny export: passes when the graphs match the PyTorch reference, fails
+with a readable table when one initializer is perturbed, and its compare rules."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eagle_deploy.exporter import contract as c
+from eagle_deploy.tools import validate as v
+from tests.tools.tiny_export import copy_export, tiny_export
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory) -> Path:
+    return tiny_export(tmp_path_factory)
+
+
+def test_passes_on_a_good_export(export_dir, tmp_path, capsys):
+    assert v.main(["--engines", str(export_dir), "--work", str(tmp_path), "--json", str(tmp_path / "report.json")]) == 0
+    out = capsys.readouterr().out
+    assert "PASSED" in out and "FAIL" not in out
+    for header in ("output", "max abs err", "max rel err", "argmax agree", "result"):
+        assert header in out
+    for feed in ("prefill", "tree verify", "draft extend", "draft expand d2"):
+        assert feed in out
+    assert f"polygraphy run {export_dir.resolve() / 'target.onnx'} --onnxrt --load-inputs" in out
+
+    from polygraphy.json import load_json
+
+    feeds = load_json(str(tmp_path / "target_inputs.json"))
+    assert len(feeds) == 3
+    verify = feeds[2]
+    assert verify[c.INPUT_IDS].shape == (1, 10) and verify[c.ATTENTION_MASK].shape == (1, 10, 24 + 10)
+    assert verify[c.POSITION_IDS].tolist() == [[24 + d for d in (0, 1, 1, 1, 2, 2, 2, 3, 3, 4)]]
+    assert verify[c.past_name(0, "key")].shape[0] == 24  # a real prefill's past
+    assert not verify[c.ATTENTION_MASK][0, 1, 24 + 2]  # siblings do not see each other
+    draft = load_json(str(tmp_path / "draft_inputs.json"))
+    assert [f[c.INPUT_IDS].shape[1] for f in draft] == [24, 4, 4]
+    assert draft[2][c.past_name(0, "key")].shape[0] == 28
+
+
+def test_printed_polygraphy_command_reproduces_the_check(export_dir, tmp_path, capsys):
+    exe = shutil.which("polygraphy") or str(Path(sys.executable).parent / "polygraphy")
+    if not Path(exe).exists():
+        pytest.skip("polygraphy CLI not on PATH")
+    assert v.main(["--engines", str(export_dir), "--work", str(tmp_path), "--graphs", "target"]) == 0
+    line = next(ln.strip() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("polygraphy run"))
+    proc = subprocess.run([exe] + line.split()[1:], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "PASSED" in proc.stdout + proc.stderr
+
+
+def _perturb_one_initializer(model_path: Path) -> str:
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(model_path))
+    init = max((i for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2
+                and "embed" not in i.name), key=lambda i: int(np.prod(i.dims)))
+    arr = numpy_helper.to_array(init).copy()
+    arr += np.random.default_rng(0).normal(0.0, 0.02, arr.shape).astype(arr.dtype)
+    init.CopyFrom(numpy_helper.from_array(arr, init.name))
+    onnx.save(model, str(model_path))
+    return init.name
+
+
+def test_fails_with_a_table_when_an_initializer_is_perturbed(export_dir, tmp_path, capsys):
+    bad = copy_export(export_dir, tmp_path / "bad")
+    _perturb_one_initializer(bad / "target.onnx")
+    rc = v.main(["--engines", str(bad), "--work", str(tmp_path / "work"), "--graphs", "target"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "FAILED" in out and "FAIL (" in out
+    failing = [ln for ln in out.splitlines() if ln.startswith("target") and "FAIL" in ln]
+    assert any(" logits " in ln for ln in failing)
+
+
+def test_missing_export_is_a_usage_error(tmp_path, capsys):
+    assert v.main(["--engines", str(tmp_path)]) == 2
+    assert "eagle-validate: error" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- compare rules
+
+
+def _logits(rows=4, vocab=16, seed=0):
+    return np.random.default_rng(seed).normal(0, 3, (1, rows, vocab)).astype(np.float32)
+
+
+def test_fp32_rule_is_polygraphy_elementwise():
+    p = v.Policy("elementwise", atol=1e-4, rtol=1e-5)
+    ref = _logits()
+    assert v.compare_output(c.LOGITS, ref, ref + 5e-5, p, {})[3]
+    max_abs, _, agree, ok, note = v.compare_output(c.LOGITS, ref, ref + 1e-3, p, {})
+    assert not ok and max_abs == pytest.approx(1e-3, rel=1e-2) and agree == 1.0 and "out of tolerance" in note
+    big = ref * 1e4  # large values pass on rtol alone
+    assert v.compare_output(c.FEATURES, big, big * (1 + 5e-6), p, {})[3]
+
+
+def test_argmax_flip_fails_unless_at_a_near_tie():
+    p = v.Policy("relative", rel=1.0, tie=1e-3)  # a loose error bound: only the argmax rule can fail
+    ref = np.zeros((1, 2, 8), np.float32)
+    ref[0, :, 5], ref[0, :, 6] = 10.0, 9.9  # a clear winner (gap 0.1)
+    out = ref.copy()
+    out[0, 0, 6] = 10.2
+    _, _, agree, ok, _ = v.compare_output(c.LOGITS, ref, out, p, {})
+    assert agree == 0.5 and not ok
+    tie = ref.copy()
+    tie[0, 0, 6] = 10.0 - 5e-4  # top-2 gap 5e-4 <= tie: rounding may pick either
+    flipped = tie.copy()
+    flipped[0, 0, 6] = 10.0 + 1e-4
+    assert v.compare_output(c.LOGITS, tie, flipped, p, {})[3]
+
+
+def test_topk_ids_may_swap_only_at_near_ties():
+    p = v.Policy("elementwise")
+    lp = np.array([[[-0.1, -1.0, -1.00001, -3.0]]], np.float32)
+    ids = np.array([[[7, 3, 5, 9]]])
+    swapped = np.array([[[7, 5, 3, 9]]])
+    assert v.compare_output(c.TOPK_IDS, ids, swapped, p, {c.TOPK_LOGPROBS: lp})[3]
+    wrong = np.array([[[3, 7, 5, 9]]])
+    assert not v.compare_output(c.TOPK_IDS, ids, wrong, p, {c.TOPK_LOGPROBS: lp})[3]
+
+
+def test_quantised_graphs_need_99_percent_top1():
+    p = v.Policy("top1")
+    ref = _logits(rows=200, seed=1)
+    out = ref + np.random.default_rng(2).normal(0, 0.01, ref.shape).astype(np.float32)
+    assert v.compare_output(c.LOGITS, ref, out, p, {})[3]
+    worse = ref.copy()
+    worse[0, :10] = -ref[0, :10]  # 5% of positions get another argmax
+    _, _, agree, ok, _ = v.compare_output(c.LOGITS, ref, worse, p, {})
+    assert not ok and agree < 0.99
+    assert v.compare_output(c.FEATURES, ref, worse, p, {})[3]  # reported only
+
+
+def test_shape_mismatch_fails():
+    assert not v.compare_output(c.LOGITS, _logits(rows=3), _logits(rows=4), v.Policy("elementwise"), {})[3]
+
+
+def test_policy_by_dtype_and_quant():
+    from eagle_deploy.runtime.manifest import GraphEntry
+
+    assert v.policy_for(GraphEntry("t.onnx", "float32", [], [])).kind == "elementwise"
+    assert v.policy_for(GraphEntry("t.onnx", "float16", [], [])).rel == 2e-2
+    assert v.policy_for(GraphEntry("t.onnx", "float32", [], [], quant="int4")).kind == "top1"

@@ -1,0 +1,47 @@
+"""One tiny export (random Llama target + random EAGLE head, tests/tiny.py) shared by the
+tools tests of a session, plus a short prompt file that fits its 256-token capacity."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PROMPTS = [
+    {"id": "code-1", "category": "code", "prompt": "def add(a, b):"},
+    {"id": "chat-1", "category": "chat", "prompt": "Hello there, how are you?"},
+    {"id": "code-2", "category": "code", "prompt": "for i in range(10): print(i)"},
+]
+_CACHE: dict[str, Path] = {}
+
+
+def tiny_export(tmp_path_factory) -> Path:
+    """Build (once per session) and return the tiny export folder. Copy it before changing it."""
+    key = str(tmp_path_factory.getbasetemp())
+    if key not in _CACHE:
+        import torch
+
+        from eagle_deploy.exporter.export import ExportOptions, export
+        from tests import tiny
+
+        torch.set_num_threads(1)
+        root = tmp_path_factory.mktemp("tools-tiny")
+        target = tiny.build_tiny_target(root / "target", seed=0, norm_noise=0.1)
+        head = tiny.build_tiny_head(root / "head", target, seed=1, norm_noise=0.1)
+        _CACHE[key] = export(str(target), str(head), root / "exports", ExportOptions(max_length=256, name="tiny"), progress=None)
+    return _CACHE[key]
+
+
+def copy_export(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def prompt_file(folder: Path, rows=PROMPTS) -> Path:
+    path = Path(folder) / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -1,0 +1,170 @@
+"""eagle-bench results: aggregation, the JSON file, the PNG plot and the printed table.
+
+Aggregates are per temperature ("0", "0.7", ...), per system and per category ("all" plus
+each prompt category): tokens/s = generated tokens / wall seconds summed over prompts
+(prefill included), tau = tokens per target forward, TTFT mean, EAGLE's time split, and
+speed-ups (aggregate tokens/s ratios; the per-prompt mean beside it).
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+PHASES = ("prefill", "draft", "verify", "commit", "other")
+
+
+def temp_key(t: float) -> str:
+    return f"{float(t):g}"
+
+
+def _agg_runs(runs: list[dict]) -> dict:
+    tokens = sum(r["new_tokens"] for r in runs)
+    seconds = sum(r["seconds"] for r in runs)
+    out = {"prompts": len(runs), "new_tokens": tokens, "seconds": round(seconds, 4),
+           "tokens_per_s": round(tokens / max(seconds, 1e-9), 2)}
+    ttft = [r["ttft_ms"] for r in runs if r.get("ttft_ms") is not None]
+    out["ttft_ms"] = round(float(np.mean(ttft)), 2) if ttft else None
+    if all("time_ms" in r for r in runs) and runs:
+        forwards = sum(r.get("target_forwards", 1) - 1 for r in runs)  # verification rounds
+        round_tokens = sum(sum(r.get("accepted_per_round", [])) for r in runs)
+        out["tau"] = round(round_tokens / forwards, 3) if forwards else None
+        total = {p: sum(r["time_ms"].get(p, 0.0) for r in runs) for p in PHASES}
+        out["time_ms"] = {p: round(v, 2) for p, v in total.items()}
+        out["time_ms_per_token"] = {p: round(v / max(tokens, 1), 3) for p, v in total.items()}
+    return out
+
+
+def _system_rank(name: str) -> tuple:
+    """eagle*, vanilla*, then baselines in BASELINES order."""
+    from .systems import BASELINES
+
+    base = name.split("@")[0]
+    order = ["eagle", "vanilla", *BASELINES]
+    return (order.index(base) if base in order else len(order), name)
+
+
+def aggregate(prompts: list[dict]) -> dict:
+    """{temperature: {category: {system: stats, "speedup": {...}}}} over per-prompt records."""
+    groups: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for p in prompts:
+        for cat in ("all", p["category"]):
+            for system, run in p["runs"].items():
+                groups[temp_key(p["temperature"])][cat][system].append(run)
+    out = {}
+    for t, cats in groups.items():
+        out[t] = {}
+        for cat, systems in cats.items():
+            stats = {s: _agg_runs(systems[s]) for s in sorted(systems, key=_system_rank)}
+            out[t][cat] = {"systems": stats, "speedup": _speedups(stats, [p for p in prompts if temp_key(p["temperature"]) == t
+                                                                            and cat in ("all", p["category"])])}
+    return out
+
+
+def _speedups(stats: dict, prompts: list[dict]) -> dict:
+    """EAGLE over vanilla (same engine; per backend) and over each baseline."""
+    out = {}
+    for system in stats:
+        if not system.startswith("eagle"):
+            continue
+        vanilla = "vanilla" + system[len("eagle"):]
+        for other in stats:
+            if other.startswith("eagle"):
+                continue
+            if other.startswith("vanilla") and other != vanilla:
+                continue
+            ratio = stats[system]["tokens_per_s"] / max(stats[other]["tokens_per_s"], 1e-9)
+            key = f"{system}_vs_{other}"
+            out[key] = {"aggregate": round(ratio, 3)}
+            per = [p["runs"][system]["tokens_per_s"] / max(p["runs"][other]["tokens_per_s"], 1e-9)
+                   for p in prompts if system in p["runs"] and other in p["runs"]]
+            if per:
+                out[key]["mean_per_prompt"] = round(float(np.mean(per)), 3)
+    return out
+
+
+def write_json(result: dict, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Left: tokens/s per system and category (greedy; sampled EAGLE/vanilla as extra bars).
+    Right: EAGLE's time per generated token split into prefill/draft/verify/commit/other."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    agg = result["aggregate"]
+    series: dict[str, dict[str, float]] = {}
+    for t, cats in agg.items():
+        for cat, block in cats.items():
+            for system, s in block["systems"].items():
+                label = system if t == "0" else f"{system} T={t}"
+                series.setdefault(label, {})[cat] = s["tokens_per_s"]
+    cats = ["all"] + sorted({c for t in agg.values() for c in t} - {"all"})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(10, 2 + 1.2 * len(cats) * max(len(series), 1) / 3), 4.5))
+    width = 0.8 / max(len(series), 1)
+    for i, (label, vals) in enumerate(series.items()):
+        ax1.bar(np.arange(len(cats)) + i * width, [vals.get(c, 0.0) for c in cats], width, label=label)
+    ax1.set_xticks(np.arange(len(cats)) + 0.4 - width / 2, cats, rotation=30, ha="right")
+    ax1.set_ylabel("tokens/s")
+    ax1.set_title("throughput by system and category")
+    ax1.legend(fontsize=7)
+    bars = [(f"{s} T={t}", st) for t, cats_ in agg.items() for s, st in cats_["all"]["systems"].items()
+            if s.startswith("eagle") and "time_ms_per_token" in st]
+    bottom = np.zeros(len(bars))
+    for phase in ("prefill", "draft", "verify", "commit", "other"):
+        vals = np.array([max(b[1]["time_ms_per_token"][phase], 0.0) for b in bars])
+        ax2.bar(np.arange(len(bars)), vals, 0.6, bottom=bottom, label=phase)
+        bottom += vals
+    ax2.set_xticks(np.arange(len(bars)), [b[0] for b in bars], rotation=30, ha="right")
+    ax2.set_ylabel("ms per generated token")
+    ax2.set_title("EAGLE time breakdown")
+    ax2.legend(fontsize=7)
+    fig.suptitle(f"eagle-bench: {result['engines']} ({result['machine'].get('threads')} threads)", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def format_summary(result: dict) -> str:
+    """The human-readable table of the aggregate (category "all")."""
+    lines = []
+    for t, cats in result["aggregate"].items():
+        block = cats["all"]
+        lines.append(f"== temperature {t} ({block['systems'][next(iter(block['systems']))]['prompts']} prompts)")
+        lines.append(f"{'system':<18}{'tokens/s':>10}{'tau':>7}{'TTFT ms':>9}{'load RSS MiB':>14}  time split (draft/verify/commit/other, ms/token)")
+        for system, s in block["systems"].items():
+            split = s.get("time_ms_per_token")
+            split_txt = "/".join(f"{split[p]:.1f}" for p in ("draft", "verify", "commit", "other")) if split else "-"
+            tau = "-" if s.get("tau") is None else f"{s['tau']:.2f}"
+            ttft = "-" if s.get("ttft_ms") is None else f"{s['ttft_ms']:.0f}"
+            rss = result["memory"].get(system, {}).get("load_rss_mb", "-")
+            lines.append(f"{system:<18}{s['tokens_per_s']:>10.1f}{tau:>7}{ttft:>9}{rss!s:>14}  {split_txt}")
+        for key, sp in block["speedup"].items():
+            lines.append(f"speed-up {key}: {sp['aggregate']:.2f}x" + (f" (per-prompt mean {sp['mean_per_prompt']:.2f}x)" if "mean_per_prompt" in sp else ""))
+    proc = result["memory"].get("process")
+    if proc:
+        lines.append(f"process peak RSS {proc['peak_rss_mb']} MiB (all systems loaded together; 'load RSS' = growth when each was loaded)")
+    g = result.get("greedy_identity")
+    for backend, s in (g or {}).items():
+        if s["prompts"]:
+            lines.append(f"greedy identity [{backend}]: {s['identical']}/{s['prompts']} prompts identical to vanilla "
+                         f"({s['percent_identical']}%); divergences: {s['numerics']} numerics, {s['bugs']} bug; "
+                         f"largest top-2 gap at a divergence {s['largest_gap_at_divergence']}; "
+                         f"batched-vs-single logit noise {s['numerics_floor']:.3g}")
+    for name, b in result["baselines"].items():
+        if b["status"] != "ok":
+            lines.append(f"note: baseline {name}: {b['note']}")
+    for note in result.get("notes", []):
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
