@@ -8,9 +8,12 @@ stream as many requests as you like.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
+
+import numpy as np
 
 from eagle_deploy.exporter.contract import TOKENIZER_DIR
 
@@ -50,6 +53,7 @@ class EagleRuntime:
             drafter = EagleDrafter(draft, tree, manifest.max_length, manifest.draft.extra["graph_top_k"])
         self.decoder = Decoder(target, drafter, manifest.max_length, acceptance, threshold)
         self.eos_ids = list(manifest.eos_token_ids)
+        self._requests = 0  # requests started on this instance (see _stream)
 
     @classmethod
     def load(cls, folder, backend: str = "ort", tree: TreeConfig | None = None, threads: int | None = None,
@@ -68,6 +72,16 @@ class EagleRuntime:
             tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest.tokenizer))
         return cls(folder, manifest, target, draft, tokenizer, tree, acceptance, threshold, drafter)
 
+    def set_tree(self, tree: TreeConfig) -> None:
+        """Use another draft tree from the next request on (a new drafter over the same draft
+        backend; its KV buffer is sized for the new tree). Raises TreeConfigError."""
+        drafter = self.decoder.drafter
+        if not isinstance(drafter, EagleDrafter):
+            raise TypeError("set_tree needs the EAGLE drafter (this runtime uses a custom drafter)")
+        tree = tree.validate(self.manifest.draft.extra["graph_top_k"])
+        self.decoder.drafter = EagleDrafter(drafter.backend, tree, self.manifest.max_length, self.manifest.draft.extra["graph_top_k"])
+        self.tree = tree
+
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Prompt -> token ids. A string is wrapped in the chat template when the export has
         one (unless chat=False); a list of {"role", "content"} dicts always is; a list of ints
@@ -84,7 +98,8 @@ class EagleRuntime:
             raise ValueError("the prompt is empty")
         if all(isinstance(m, dict) for m in prompt):
             return self._chat_ids(prompt)
-        if all(isinstance(t, int) for t in prompt):
+        if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            prompt = [int(t) for t in prompt]
             vocab = self.manifest.dims["vocab"]
             if any(t < 0 or t >= vocab for t in prompt):
                 raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -101,31 +116,44 @@ class EagleRuntime:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (), mode: str = "eagle",
+               top_k: int = 0, seed: int | None = None, stop: Sequence[str] | str = (), mode: str = "eagle",
                chat: bool | None = None, result: GenerationResult | None = None) -> Iterator[str]:
         """Yield text deltas as tokens are committed. `result`, if given, is filled in at
         the end. mode: "eagle" or "vanilla" (same engine, one token per target forward).
-        Raises ValueError on bad settings before any forward."""
-        if mode not in ("eagle", "vanilla"):
-            raise ValueError(f"mode must be 'eagle' or 'vanilla', got {mode!r}")
-        if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-        params = SamplingParams(temperature, top_p, top_k, seed)
+        Raises ValueError on bad settings when called (before any forward), not at the
+        first `next()`."""
+        params, stop = check_request(max_new_tokens, temperature, top_p, top_k, seed, stop, mode)
+        ids = self.prompt_ids(prompt, chat)
+        if self.tokenizer is None and stop:
+            raise ValueError("stop strings need a tokenizer")
+        text = TextStream(self.tokenizer, self.eos_ids, stop) if self.tokenizer is not None else None
+        return self._stream(ids, int(max_new_tokens), params, text, mode, result)
+
+    def prompt_ids(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """`encode`, then check the prompt leaves room for output. Raises ValueError."""
         ids = self.encode(prompt, chat)
         if len(ids) >= self.manifest.max_length:
             raise ValueError(f"the prompt has {len(ids)} tokens; this export's maximum length is {self.manifest.max_length} (prompt + output)")
-        text = TextStream(self.tokenizer, self.eos_ids, stop) if self.tokenizer is not None else None
-        if text is None and stop:
-            raise ValueError("stop strings need a tokenizer")
+        return ids
+
+    def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, text: TextStream | None, mode: str,
+                result: GenerationResult | None) -> Iterator[str]:
         stopper = text or TokenStopper(self.eos_ids)
         stats = Stats()
         tokens: list[int] = []
+        # one request at a time owns the KV buffers: a stream resumed after another request
+        # started on this instance would decode from overwritten KV, so it fails instead
+        self._requests += 1
+        me = self._requests
         for chunk in self.decoder.decode(ids, max_new_tokens, params, stopper, vanilla=(mode == "vanilla"), stats=stats):
             tokens += chunk
             if text is not None:
                 delta = text.take()
                 if delta:
                     yield delta
+            if self._requests != me:
+                raise RuntimeError("another request started on this EagleRuntime while this stream was paused; "
+                                   "streams on one instance cannot be interleaved (load a second instance)")
         if text is not None:
             tail = text.take(final=True)
             if tail:
@@ -138,10 +166,26 @@ class EagleRuntime:
                             "lossless": self.decoder.acceptance == "lossless"}
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (), mode: str = "eagle",
+                 top_k: int = 0, seed: int | None = None, stop: Sequence[str] | str = (), mode: str = "eagle",
                  chat: bool | None = None) -> GenerationResult:
         """Generate to completion; see `stream` for the arguments."""
         result = GenerationResult("", [], "length")
         for _ in self.stream(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, mode, chat, result):
             pass
         return result
+
+
+def check_request(max_new_tokens, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                  stop: Sequence[str] | str = (), mode: str = "eagle") -> tuple[SamplingParams, list[str]]:
+    """Validate one request's settings (no model needed) -> (SamplingParams, stop list).
+    A single string is one stop string. Raises ValueError naming the bad setting."""
+    if mode not in ("eagle", "vanilla"):
+        raise ValueError(f"mode must be 'eagle' or 'vanilla', got {mode!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Real) \
+            or not np.isfinite(max_new_tokens) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    params = SamplingParams(temperature, top_p, top_k, seed)
+    stop = [stop] if isinstance(stop, str) else list(stop or ())
+    if any(not isinstance(s, str) or s == "" for s in stop):
+        raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+    return params, stop

@@ -38,11 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .api import EagleRuntime
+    from .api import EagleRuntime, check_request
     from .manifest import Manifest, ManifestError
     from .tree import TreeConfig, TreeConfigError
 
     try:
+        # settings that need no model fail before anything is loaded or run
+        check_request(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop)
+        if not args.prompt.strip():
+            raise ValueError("the prompt is empty")
+        if args.acceptance == "threshold" and not 0.0 < args.threshold <= 1.0:
+            raise ValueError(f"--threshold must be in (0, 1], got {args.threshold}")
         manifest = Manifest.load(args.engines)
         tree = tree_from_args(args, TreeConfig.from_json(manifest.tree))
         rt = EagleRuntime.load(args.engines, backend=args.backend, tree=tree, threads=args.threads,
@@ -50,6 +56,7 @@ def main(argv=None) -> int:
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, stop=args.stop, chat=False if args.raw else None)
         mode = "vanilla" if args.vanilla else "eagle"
+        rt.prompt_ids(args.prompt, kw["chat"])  # an empty or too long prompt fails before any note or forward
         for note in manifest.notes:
             print(f"note: {note}", file=sys.stderr)
         if args.acceptance != "lossless":
@@ -62,7 +69,7 @@ def main(argv=None) -> int:
             result.stats.update(vanilla_tokens_per_s=vanilla.stats["tokens_per_s"], speedup=round(speed, 3),
                                 identical_to_vanilla=vanilla.token_ids == result.token_ids)
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
-        print(f"eagle-run: error: {err}", file=sys.stderr)
+        print("eagle-run: error: " + " ".join(str(err).split()), file=sys.stderr)  # one line, no traceback
         return 2
     except (ImportError, RuntimeError) as err:  # a backend that cannot run here (no GPU, no TensorRT)
         print(f"eagle-run: error: backend {args.backend!r} unavailable: {err}", file=sys.stderr)

@@ -88,10 +88,14 @@ class Decoder:
                  acceptance: str = "lossless", threshold: float = 0.0):
         if acceptance not in ("lossless", "threshold"):
             raise ValueError(f"acceptance must be 'lossless' or 'threshold', got {acceptance!r}")
+        if acceptance == "threshold" and not 0.0 < threshold <= 1.0:  # fail at load, not after the first forward
+            raise ValueError(f"threshold must be in (0, 1], got {threshold}")
         self.target, self.drafter = target, drafter
         self.max_length = max_length
         self.kv = target.allocate_kv(max_length)
         self.acceptance, self.threshold = acceptance, threshold
+        # called as f(tree, logits [n, V], verification) after every round (tuning, analysis)
+        self.round_observers: list[Callable[[DraftTree, np.ndarray, Verification], None]] = []
 
     def decode(self, prompt: Sequence[int], max_new_tokens: int, params: SamplingParams,
                stopper: Stopper, vanilla: bool = False, stats: Stats | None = None) -> Iterator[list[int]]:
@@ -113,6 +117,8 @@ class Decoder:
             logits, features = self.verify_forward(tree, state)
             t3 = time.perf_counter()
             verification = self.accept(tree, logits, params, rng)
+            for observe in self.round_observers:
+                observe(tree, logits, verification)
             chunk = self.commit(state, verification, features, max_new_tokens, stopper)
             t4 = time.perf_counter()
             stats.t_draft, stats.t_verify, stats.t_commit = stats.t_draft + t2 - t1, stats.t_verify + t3 - t2, stats.t_commit + t4 - t3

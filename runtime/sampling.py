@@ -29,6 +29,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if int(self.top_k) != self.top_k or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
+        if self.seed is not None and (isinstance(self.seed, bool) or int(self.seed) != self.seed or self.seed < 0):
+            raise ValueError(f"seed must be an integer >= 0 or None, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -52,11 +54,12 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         p = np.zeros(len(logits), dtype=np.float64)
         p[greedy_token(logits)] = 1.0
         return p
-    z = logits.astype(np.float64) / params.temperature
+    z = logits.astype(np.float64)
+    with np.errstate(over="ignore"):  # <= 0 before dividing: a tiny T gives -inf (probability 0), never NaN
+        z = (z - z.max()) / params.temperature
     if params.top_k and params.top_k < len(z):
         kth = np.partition(z, len(z) - params.top_k)[len(z) - params.top_k]
         z = np.where(z >= kth, z, -np.inf)
-    z -= z.max()
     p = np.exp(z)
     p /= p.sum()
     if params.top_p < 1.0:
@@ -80,4 +83,6 @@ def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """One draw from [V] probabilities (inverse CDF; exact for float64 inputs)."""
     cdf = np.cumsum(p)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    # u * cdf[-1] can round up to cdf[-1]: fall back to the last token that has any mass
+    return i if i < len(p) else int(np.flatnonzero(p)[-1])
