@@ -139,12 +139,19 @@ def convert_gguf(gguf: Path) -> Path:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        publish_folder(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def publish_folder(tmp: Path, out: Path) -> None:
+    """Move a completely written temporary folder into place (replacing `out`), so readers
+    never see a half-written one."""
+    tmp.chmod(0o755)  # mkdtemp makes it private
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
 
 
 def resolve_model(spec: str) -> Checkpoint:

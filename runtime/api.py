@@ -15,8 +15,6 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from eagle_deploy.exporter.contract import TOKENIZER_DIR
-
 from .backends import load_backend
 from .decode import Decoder, Stats, TokenStopper
 from .drafter import Drafter, EagleDrafter

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from eagle_deploy.exporter.cli import add_tree_args, tree_from_args

@@ -265,3 +265,16 @@ def clone_runtime_export(src, dst, **manifest_changes):
     data.update(copy.deepcopy(manifest_changes))
     path.write_text(json.dumps(data))
     return dst
+
+
+def gpu_skip_reason() -> str | None:
+    """Why the GPU-only tests cannot run here (None on a CUDA host with TensorRT)."""
+    try:
+        import tensorrt  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any load failure means "not here"
+        return f"TensorRT not installed ({type(err).__name__})"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    return None

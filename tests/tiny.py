@@ -2,7 +2,6 @@
 and their exports. Each builder is deterministic (fixed seeds)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch

@@ -8,7 +8,7 @@
 # a failing step does not stop the others):
 #   env        GPU, driver, TensorRT / onnxruntime / torch versions, ORT providers
 #   export     eagle-export --model smollm2-135m --dtype fp16 --backend trt  (ONNX + engines)
-#   pytest     the gpu-marked tests (tests/test_trt_*.py: real builds, K4, T1, T2), if tests/ is here
+#   pytest     the gpu-marked tests (tests/exporter/test_trt_build.py, tests/runtime/test_trt_backend.py: real builds, K4, T1, T2), if tests/ is here
 #   validate   eagle-validate --engines DIR
 #   bench      eagle-bench --engines DIR --backends ort-cuda,trt --json
 #   run-<b>    eagle-run --backend <b> --compare-vanilla --json   (vanilla vs EAGLE, b = ort-cuda, trt)
@@ -75,7 +75,7 @@ fi
 echo "engines: $ENGINES" >&2
 
 if [[ -d "$ROOT/tests" ]]; then
-    (cd "$ROOT" && step pytest "$PY" -m pytest -m gpu -rA -q -p no:cacheprovider tests/test_trt_build.py tests/test_trt_backend.py)
+    (cd "$ROOT" && step pytest "$PY" -m pytest -m gpu -rA -q -p no:cacheprovider tests/exporter/test_trt_build.py tests/runtime/test_trt_backend.py)
 fi
 
 if [[ -d "$ENGINES" ]]; then

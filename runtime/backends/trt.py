@@ -103,7 +103,7 @@ def select_profile(shapes: dict[str, Shape], profiles: NamedBounds, order: Seque
     raise ProfileShapeError(
         f"{label}: no TensorRT optimization profile accepts this call (seq={seq}, past={past}); nothing was "
         f"enqueued.\n  " + "\n  ".join(problems) + "\nUse a smaller tree or shorter input, or rebuild the engines with "
-        f"larger bounds (python -m eagle_deploy.exporter.trt_build FOLDER --max-tree-tokens N / --max-prompt N).")
+        "larger bounds (python -m eagle_deploy.exporter.trt_build FOLDER --max-tree-tokens N / --max-prompt N).")
 
 
 def step_shapes(seq: int, past: int, num_logits: int, dims: dict, kv_names: Sequence[tuple[str, str]],

@@ -22,6 +22,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tests.helpers import gpu_skip_reason
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -46,17 +48,7 @@ MAX_LENGTH = 256
 THREADS = 1
 
 
-def _gpu_skip_reason() -> str | None:
-    try:
-        import tensorrt  # noqa: F401
-    except Exception as err:  # noqa: BLE001
-        return f"TensorRT not installed ({type(err).__name__})"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU"
-    return None
-
-
-GPU_REASON = _gpu_skip_reason()
+GPU_REASON = gpu_skip_reason()
 gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"TensorRT not installed / no CUDA GPU: {GPU_REASON}")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU (ort-cuda needs onnxruntime-gpu and a GPU)")
 

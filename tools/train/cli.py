@@ -70,7 +70,7 @@ def run(args, s: dict) -> int:
     from eagle_deploy.exporter.export import _eos_ids, load_target
     from eagle_deploy.exporter.models import resolve_model, sha256_file
 
-    from .data import TokenData, compute_features, generate_data, prompt_set
+    from .data import TokenData, compute_features
     from .trainer import TrainConfig, train_head
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
