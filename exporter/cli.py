@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="export folder name (default: the alias or checkpoint name)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="graph precision (fp16/bf16 keep RMSNorm and softmax in fp32)")
     p.add_argument("--quant", default=None, choices=["int4", "int8"], help="quantise the target graph for CPU (lossless w.r.t. the quantised target)")
+    p.add_argument("--no-quant-draft", dest="quant_draft", action="store_false",
+                   help="with --quant, keep the draft graph fp32 (by default it is quantised the same way: measured 6-30%% faster, same tau)")
     p.add_argument("--backend", default="ort", choices=["ort", "trt"], help="'trt' also builds TensorRT engines (needs a GPU and TensorRT)")
     p.add_argument("--max-length", type=int, default=None, help="KV capacity in tokens, prompt + output (default: alias value or min(max_position_embeddings, 4096))")
     p.add_argument("--graph-top-k", type=int, default=10, help="top-k computed inside the draft graph (upper bound for --top-k)")
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
 
     options = ExportOptions(dtype=args.dtype, max_length=args.max_length, graph_top_k=args.graph_top_k, draft_vocab=args.draft_vocab,
                             tree=tree_from_args(args, DEFAULT_TREE), external_data=args.external_data,
-                            quant=args.quant, name=args.name, force=args.force)
+                            quant=args.quant, quant_draft=args.quant_draft, name=args.name, force=args.force)
     t0 = time.perf_counter()
     step = lambda msg: print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     try:

@@ -1,16 +1,21 @@
 """Weight quantisation of an exported graph for CPU, with onnxruntime's own tools.
 
-    int4_model_from_onnx   fp32 ModelProto -> MatMulNBits (4-bit, blockwise) ModelProto
-    int8_model_from_file   fp32 graph file -> dynamic int8 (MatMulInteger) ModelProto
-    quantize_graph         export folder + GraphEntry -> the same file quantised in place,
-                           entry.quant and entry.extra["quant"] filled in
+    nbits_model_from_onnx          fp32 ModelProto -> MatMulNBits (4- or 8-bit, blockwise)
+    dynamic_int8_model_from_file   fp32 graph file -> dynamic int8 (MatMulInteger)
+    quantize_graph                 export folder + GraphEntry -> that graph quantised in place,
+                                   entry.quant and entry.extra["quant"] filled in
 
 Only MatMuls with a constant weight are quantised: every linear layer and the LM head (a
 MatMul on the transposed, constant-folded embedding when embeddings are tied). Attention
-matmuls (activation x activation), norms and the embedding Gather stay fp32. Defaults below
-were chosen by measurement on SmolLM2-135M, 2 threads (see the quantisation report in the
-issue): int4 block 32 with accuracy_level 4 (int8 activations in the kernel) and int8
-per-channel dynamic quantisation.
+matmuls (activation x activation), norms and the embedding Gather stay fp32.
+
+Defaults, measured on SmolLM2-135M (2 cores; target forward at past 256, S = 1 / 8 / 16;
+teacher-forced top-1 agreement with fp32): int4 and int8 both MatMulNBits, block 32,
+symmetric, accuracy_level 4 (int8 activations inside the kernel): int4 10.8 / 16.6 / 23.8 ms,
+top-1 0.77; int8 12.3 / 18.4 / 24.6 ms, top-1 0.98. Blocks 64 / 128 were 3-15% faster with
+top-1 0.74 / 0.71; accuracy_level 0 (fp32 activations) doubles the S >= 4 cost (8-bit: 10x).
+quantize_dynamic int8 (method="dynamic") has the flattest curve (11.9 / 15.4 / 18.2 ms) but
+top-1 0.71, because it scales the activations of all rows of a forward together.
 """
 from __future__ import annotations
 
@@ -24,11 +29,13 @@ from eagle_deploy.runtime.manifest import GraphEntry
 
 TWO_GIB = 2 * 1024**3
 QUANT_KINDS = ("int4", "int8")
+NBITS_OPTIONS = {"block_size": 32, "accuracy_level": 4, "symmetric": True}
+DYNAMIC_OPTIONS = {"per_channel": True, "reduce_range": False}
 DEFAULTS = {
-    "int4": {"block_size": 32, "accuracy_level": 4, "symmetric": True},
-    "int8": {"per_channel": True, "reduce_range": False},
+    "int4": {"method": "nbits", **NBITS_OPTIONS},
+    "int8": {"method": "nbits", **NBITS_OPTIONS},
 }
-QUANT_OPS = {"int4": ("MatMulNBits",), "int8": ("MatMulInteger", "DynamicQuantizeMatMul", "MatMulIntegerToFloat")}
+QUANT_OPS = ("MatMulNBits", "MatMulInteger", "DynamicQuantizeMatMul", "MatMulIntegerToFloat")
 
 
 def weight_bytes(model) -> int:
@@ -42,23 +49,27 @@ def constant_matmuls(model) -> list[str]:
     return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
 
 
-def quantised_nodes(model, kind: str) -> list:
-    """The quantised matmul nodes of a graph quantised as `kind`."""
-    return [n for n in model.graph.node if n.op_type in QUANT_OPS[kind]]
+def quantised_nodes(model) -> list:
+    """The quantised matmul nodes of a graph."""
+    return [n for n in model.graph.node if n.op_type in QUANT_OPS]
 
 
-def int4_model_from_onnx(model, block_size: int = 32, accuracy_level: int = 4, symmetric: bool = True):
-    """Every constant-weight MatMul -> MatMulNBits (4-bit, `block_size` rows per scale along
-    K; accuracy_level 4 = int8 activations inside the kernel, 0 = fp32)."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+def nbits_model_from_onnx(model, bits: int = 4, block_size: int = 32, accuracy_level: int = 4, symmetric: bool = True):
+    """Every constant-weight MatMul -> MatMulNBits (`bits`-bit weights, one scale per
+    `block_size` rows along K; accuracy_level 4 = int8 activations in the kernel, 0 = fp32)."""
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    except ModuleNotFoundError as err:  # it imports onnx_ir, which onnxruntime does not declare
+        raise ImportError(f"--quant needs onnxruntime's quantisation tools and their dependency {err.name}: "
+                          f"pip install onnx-ir ml_dtypes") from err
 
-    quant = MatMulNBitsQuantizer(model, bits=4, block_size=block_size, is_symmetric=symmetric,
+    quant = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
                                  accuracy_level=accuracy_level, op_types_to_quantize=("MatMul",))
     quant.process()
     return quant.model.model
 
 
-def int8_model_from_file(path: Path, per_channel: bool = True, reduce_range: bool = False):
+def dynamic_int8_model_from_file(path: Path, per_channel: bool = True, reduce_range: bool = False):
     """Dynamic int8 quantisation (weights int8, activations quantised per call) of every
     constant-weight MatMul of the graph at `path`."""
     import onnx
@@ -75,15 +86,27 @@ def int8_model_from_file(path: Path, per_channel: bool = True, reduce_range: boo
 
 
 @contextlib.contextmanager
-def quiet_logging(level: int = logging.WARNING):
-    """onnxruntime's quantisers log every skipped node at INFO on the root logger."""
-    root = logging.getLogger()
-    old = root.level
-    root.setLevel(max(old, level))
+def quiet_logging(level: int = logging.ERROR):
+    """onnxruntime's quantisers log every node they skip (root logger and their own)."""
+    loggers = [logging.getLogger(), logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")]
+    old = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(max(lg.level, level))
     try:
         yield
     finally:
-        root.setLevel(old)
+        for lg, lvl in zip(loggers, old):
+            lg.setLevel(lvl)
+
+
+def batch_invariant(method: str, settings: dict) -> bool:
+    """Whether a token's logits are independent of the other rows of its forward, to fp32
+    rounding (measured on SmolLM2). Quantised activations are not: dynamic int8 scales all
+    rows together, and MatMulNBits with int8 activations (accuracy_level 4), though per row,
+    re-rounds them in every layer, which turns the fp32-level differences between a
+    one-token forward and a tree forward into different logits (argmax flips on ~2% of
+    positions), so greedy EAGLE can part from vanilla greedy near ties."""
+    return method == "nbits" and settings["accuracy_level"] == 0
 
 
 def save_graph_in_place(model, path: Path, external_data: str = "auto") -> None:
@@ -109,34 +132,42 @@ def save_graph_in_place(model, path: Path, external_data: str = "auto") -> None:
 def quantize_graph(folder: Path, entry: GraphEntry, kind: str, external_data: str = "auto", **options) -> GraphEntry:
     """Quantise graph `entry` of export `folder` in place as `kind` ("int4" | "int8").
 
-    options override DEFAULTS[kind] (int4: block_size, accuracy_level, symmetric; int8:
-    per_channel, reduce_range). Sets entry.quant and entry.extra["quant"]; the caller
-    recomputes entry.sha256 after. Raises ValueError on an unknown kind or option, and
+    options override DEFAULTS[kind]: method "nbits" (MatMulNBits: block_size, accuracy_level,
+    symmetric) or, for int8 only, "dynamic" (quantize_dynamic: per_channel, reduce_range).
+    Sets entry.quant and entry.extra["quant"]; the caller recomputes entry.sha256 after. Raises ValueError on an unknown kind or option or a graph
+    already quantised, ImportError without onnxruntime's quantisation dependencies, and
     RuntimeError when the LM head (or any constant-weight MatMul) was left unquantised."""
     import onnx
 
     if kind not in QUANT_KINDS:
         raise ValueError(f"--quant {kind} is not one of {', '.join(QUANT_KINDS)}")
-    unknown = set(options) - set(DEFAULTS[kind])
+    method = options.pop("method", DEFAULTS[kind]["method"])
+    if method not in ("nbits", "dynamic") or (kind, method) == ("int4", "dynamic"):
+        raise ValueError(f"{kind}: unknown quantisation method {method!r}")
+    allowed = NBITS_OPTIONS if method == "nbits" else DYNAMIC_OPTIONS
+    unknown = set(options) - set(allowed)
     if unknown:
-        raise ValueError(f"unknown {kind} option(s): {', '.join(sorted(unknown))}")
+        raise ValueError(f"unknown {kind}/{method} option(s): {', '.join(sorted(unknown))}")
     if entry.dtype != "float32":
         raise ValueError(f"--quant needs an fp32 export (this graph is {entry.dtype})")
-    settings = {**DEFAULTS[kind], **options}
+    if entry.quant:
+        raise ValueError(f"{entry.path} is already quantised ({entry.quant})")
+    settings = {**allowed, **options}
     path = Path(folder) / entry.path
     model = onnx.load(str(path), load_external_data=True)
     todo = constant_matmuls(model)
     with quiet_logging():
-        if kind == "int4":
-            quantised = int4_model_from_onnx(model, **settings)
+        if method == "nbits":
+            quantised = nbits_model_from_onnx(model, bits=int(kind[3:]), **settings)
         else:
             del model
-            quantised = int8_model_from_file(path, **settings)
+            quantised = dynamic_int8_model_from_file(path, **settings)
     left = set(todo) & set(constant_matmuls(quantised))
     if left:
         raise RuntimeError(f"{entry.path}: {len(left)} weight MatMul(s) were not quantised, e.g. {sorted(left)[:3]}")
-    n_quant = len(quantised_nodes(quantised, kind))
+    n_quant = len(quantised_nodes(quantised))
     save_graph_in_place(quantised, path, external_data)
     entry.quant = kind
-    entry.extra["quant"] = {"kind": kind, **settings, "tool": "onnxruntime.quantization", "quantised_matmuls": n_quant}
+    entry.extra["quant"] = {"kind": kind, "method": method, **settings, "tool": "onnxruntime.quantization",
+                            "quantised_matmuls": n_quant, "batch_invariant": batch_invariant(method, settings)}
     return entry

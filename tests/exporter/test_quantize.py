@@ -1,8 +1,14 @@
 """`eagle-export --quant int8|int4` on a tiny tied-embedding GQA target (tests/tiny.py): every
-weight MatMul, the LM head included, becomes a quantised node; the manifest records it; EAGLE
-greedy equals vanilla greedy on the quantised engine (also with an oracle drafter whose long
-paths get accepted, so verification forwards commit many tokens); the quantised logits stay
-close to fp32's. Exports take about a second each."""
+weight MatMul, the LM head included, becomes a quantised node; the manifest records it; the
+quantised logits stay close to fp32's; EAGLE greedy equals vanilla greedy on the quantised
+engine, also with an oracle drafter whose long paths get accepted (so most tokens come out of
+multi-token verification forwards).
+
+Caveat measured on SmolLM2-135M (30 layers), not visible on this 2-layer fixture: with int8
+activations (accuracy_level 4, and dynamic int8) a token's logits depend on the other tokens of
+its forward, and greedy EAGLE matched vanilla on only 11-13 of 48 96-token outputs (all
+divergences at top-2 gaps < 0.3); see test_batch_invariance_flag_matches_the_kernels and
+extra.quant.batch_invariant. Exports take about a second each."""
 from __future__ import annotations
 
 import shutil
@@ -87,7 +93,7 @@ def test_every_weight_matmul_is_quantised_including_the_lm_head(exports, kind):
 def test_manifest_records_the_quantisation(exports, kind):
     folder = exports[kind]
     m = Manifest.load(folder)
-    assert m.target.quant == kind and m.draft.quant is None
+    assert m.target.quant == kind and m.draft.quant == kind  # the draft follows by default (--no-quant-draft)
     q = m.target.extra["quant"]
     assert q["kind"] == kind and q["method"] == "nbits"
     assert (q["block_size"], q["accuracy_level"], q["symmetric"]) == (32, 4, True)
@@ -167,26 +173,33 @@ def test_batch_invariance_flag_matches_the_kernels(exports, tmp_path):
 
 
 def test_external_data_and_option_errors(exports, tmp_path):
-    folder = tmp_path / "ext"
-    shutil.copytree(exports["fp32"], folder)
-    m = Manifest.load(folder)
+    """Graphs stored with external data (as above 2 GiB) quantise, small results go back
+    inline (the stale .data is removed), and "always" writes <graph>.data."""
+    for method in ("nbits", "dynamic"):
+        folder = tmp_path / method
+        shutil.copytree(exports["fp32"], folder)
+        m = Manifest.load(folder)
+        target = folder / m.target.path
+        onnx.save_model(onnx.load(str(target)), str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=target.name + ".data", size_threshold=1024)
+        quantize_graph(folder, m.target, "int8", method=method)
+        assert not (folder / "target.onnx.data").exists() and m.target.extra["quant"]["method"] == method
+        quantize_graph(folder, m.draft, "int8", external_data="always")  # --quant-draft
+        assert (folder / "draft.onnx.data").exists() and m.draft.quant == "int8"
+        m.save(folder)
+        assert _runtime(folder).generate(PROMPTS[0], max_new_tokens=8).token_ids  # loads and runs
     with pytest.raises(ValueError, match="int2"):
         quantize_graph(folder, m.target, "int2")
     with pytest.raises(ValueError, match="unknown int4/nbits option"):
         quantize_graph(folder, m.target, "int4", per_channel=True)
     with pytest.raises(ValueError, match="method"):
         quantize_graph(folder, m.target, "int4", method="dynamic")
-    assert m.target.quant is None
-    quantize_graph(folder, m.draft, "int4", external_data="always")  # --quant-draft; external data as for > 2 GiB
-    assert (folder / "draft.onnx.data").exists() and m.draft.quant == "int4"
-    m.save(folder)
-    assert _runtime(folder).generate(PROMPTS[0], max_new_tokens=8).token_ids  # loads and runs
+    with pytest.raises(ValueError, match="already quantised"):
+        quantize_graph(folder, m.target, "int4")
 
 
-def test_quant_draft_needs_quant_and_quant_needs_fp32(tmp_path):
+def test_quant_needs_fp32(tmp_path):
     from eagle_deploy.exporter.export import ExportOptions, export
 
-    with pytest.raises(ValueError, match="--quant-draft needs"):
-        export("unused", None, tmp_path, ExportOptions(quant_draft=True), progress=None)
     with pytest.raises(ValueError, match="fp32"):
         export("unused", None, tmp_path, ExportOptions(quant="int8", dtype="fp16"), progress=None)
