@@ -22,12 +22,16 @@ def add_tree_args(parser: argparse.ArgumentParser, defaults_from: str) -> None:
     g.add_argument("--top-k", dest="tree_top_k", type=int, default=None, help="children per expanded node")
 
 
-def tree_from_args(args, base: TreeConfig) -> TreeConfig:
+def tree_from_args(args, base: TreeConfig | None) -> TreeConfig | None:
+    """The tree the flags ask for; `base` (the manifest's, or None for the export default)
+    when no tree flag is given, with any given flag overriding it."""
     if args.tree and args.tree != "dynamic":
         return TreeConfig.static(args.tree)
-    return TreeConfig("dynamic", args.total_tokens or (base.total_tokens if base.kind == "dynamic" else DEFAULT_TREE.total_tokens),
-                      args.depth or (base.depth if base.kind == "dynamic" else DEFAULT_TREE.depth),
-                      args.tree_top_k or (base.top_k if base.kind == "dynamic" else DEFAULT_TREE.top_k))
+    if not (args.tree or args.total_tokens or args.depth or args.tree_top_k):
+        return base
+    start = base if base is not None and base.kind == "dynamic" else DEFAULT_TREE
+    return TreeConfig("dynamic", args.total_tokens or start.total_tokens, args.depth or start.depth,
+                      args.tree_top_k or start.top_k)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=None, help="default: the alias's measured choice, else 0. Restrict the draft head's LM head to the N most frequent tokens (0 = full vocabulary; verification stays full, so output stays lossless)")
     p.add_argument("--external-data", default="auto", choices=["auto", "always", "never"], help="ONNX external data (auto: above 2 GiB)")
     p.add_argument("--force", action="store_true", help="replace an existing export folder")
-    add_tree_args(p, "a dynamic tree sized for CPUs")
+    add_tree_args(p, "by target precision, measured on a 2-core CPU (exporter/export.py DEFAULT_TREES)")
     return p
 
 
@@ -59,7 +63,7 @@ def main(argv=None) -> int:
     from .target import UnsupportedModelError
 
     options = ExportOptions(dtype=args.dtype, max_length=args.max_length, graph_top_k=args.graph_top_k, draft_vocab=args.draft_vocab,
-                            tree=tree_from_args(args, DEFAULT_TREE), external_data=args.external_data,
+                            tree=tree_from_args(args, None), external_data=args.external_data,
                             quant=args.quant, quant_draft=args.quant_draft, name=args.name, force=args.force)
     t0 = time.perf_counter()
     step = lambda msg: print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731

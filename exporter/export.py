@@ -20,8 +20,15 @@ from .target import dims_of
 DRAFT_VOCAB_FILE = "draft_vocab.npy"
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
                  "bf16": "bfloat16", "bfloat16": "bfloat16"}
-# CPU default, chosen by measurement on a 2-core machine (eagle-bench --tune rewrites it per export)
-DEFAULT_TREE = TreeConfig(kind="dynamic", total_tokens=16, depth=4, top_k=4)
+# Default draft trees by target precision, chosen by `eagle-bench --tune` on SmolLM2-135M on a
+# 2-core x86 CPU (2026-11-29): fp32 8 tokens/depth 4/top-2 (1.44x vanilla), int8 and int4
+# 4/2/2 (1.40x, 1.16x). Re-run `eagle-bench --tune` on your machine: it rewrites the export's tree.
+DEFAULT_TREES = {
+    None: TreeConfig(kind="dynamic", total_tokens=8, depth=4, top_k=2),
+    "int8": TreeConfig(kind="dynamic", total_tokens=4, depth=2, top_k=2),
+    "int4": TreeConfig(kind="dynamic", total_tokens=4, depth=2, top_k=2),
+}
+DEFAULT_TREE = DEFAULT_TREES[None]
 
 
 @dataclass
@@ -34,7 +41,7 @@ class ExportOptions:
     max_length: int | None = None
     graph_top_k: int = 10
     draft_vocab: int | None = None  # None: the alias default; 0: full vocabulary; N: the N most frequent tokens
-    tree: TreeConfig = field(default_factory=lambda: DEFAULT_TREE)
+    tree: TreeConfig | None = None  # None: DEFAULT_TREES[quant]
     external_data: str = "auto"
     quant: str | None = None
     quant_draft: bool = True  # with quant: quantise the draft graph too
@@ -125,7 +132,7 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
     dtype = DTYPE_ALIASES.get(options.dtype)
     if dtype is None:
         raise ValueError(f"--dtype {options.dtype} is not one of fp32, fp16, bf16")
-    options.tree.validate(options.graph_top_k)
+    tree = (options.tree or DEFAULT_TREES[options.quant]).validate(options.graph_top_k)
     if options.quant and dtype != "float32":
         raise ValueError(f"--quant {options.quant} quantises an fp32 graph; drop --dtype {options.dtype}")
     _say(progress, f"resolving {model}")
@@ -183,7 +190,7 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
         }
         manifest = Manifest(
             name=out.name, dims=dims.to_json(), max_length=int(max_length), target=target_entry, draft=draft_entry,
-            tree=options.tree.to_json(), eos_token_ids=_eos_ids(checkpoint.hf_dir, hf.config, tokenizer),
+            tree=tree.to_json(), eos_token_ids=_eos_ids(checkpoint.hf_dir, hf.config, tokenizer),
             tokenizer="tokenizer" if tokenizer is not None else None,
             chat_template=bool(getattr(tokenizer, "chat_template", None)), sources=sources,
             tools=_tool_versions(), notes=notes)

@@ -112,7 +112,7 @@ def test_target_profiles_cover_every_input_and_are_consistent(manifest):
     assert prefill.shapes[c.past_name(0, "key")][0][0] == 0  # empty past
     assert decode.shapes[c.INPUT_IDS] == ((1, 1), (1, 1), (1, 1))
     # tree verification: 1..64 tokens (default cap), opt = the manifest's tree, past up to max_length - 1
-    assert verify.shapes[c.INPUT_IDS] == ((1, 1), (1, 16), (1, 64))
+    assert verify.shapes[c.INPUT_IDS] == ((1, 1), (1, manifest.tree["total_tokens"]), (1, 64))
     assert verify.shapes[c.LOGITS_INDICES][2] == (1, 64)
     assert verify.shapes[c.past_name(0, "key")][2][0] == MAX_LENGTH - 1
 
@@ -123,8 +123,9 @@ def test_profile_options(manifest):
     assert verify.shapes[c.INPUT_IDS][2] == (1, 32)
     assert prefill.shapes[c.INPUT_IDS][2] == (1, 100)
     assert prefill.shapes[c.past_name(0, "key")][2][0] == MAX_LENGTH - 100
-    with pytest.raises(ValueError, match="total_tokens=16.*max_tree_tokens=8"):
-        tb.target_profiles(manifest, tb.TrtBuildOptions(max_tree_tokens=8))
+    small = manifest.tree["total_tokens"] - 1
+    with pytest.raises(ValueError, match=f"total_tokens={small + 1}.*max_tree_tokens={small}"):
+        tb.target_profiles(manifest, tb.TrtBuildOptions(max_tree_tokens=small))
     with pytest.raises(ValueError, match="max_prompt"):
         tb.target_profiles(manifest, tb.TrtBuildOptions(max_prompt=MAX_LENGTH))
     with pytest.raises(ValueError, match="unknown graph"):
@@ -225,7 +226,7 @@ def test_build_config_is_strongly_typed_with_profiles_and_cache(manifest, tmp_pa
     assert cfg.timing_cache_path == str(tmp_path / "cache")
     assert len(cfg.profiles) == 3
     got = cfg.profiles[2][c.INPUT_IDS]
-    assert (tuple(got.min), tuple(got.opt), tuple(got.max)) == ((1, 1), (1, 16), (1, 64))
+    assert (tuple(got.min), tuple(got.opt), tuple(got.max)) == ((1, 1), (1, manifest.tree["total_tokens"]), (1, 64))
 
 
 def test_build_engines_from_another_cwd_with_relative_path(ext_copy, tmp_path, monkeypatch):
