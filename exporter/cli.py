@@ -19,7 +19,7 @@ def add_tree_args(parser: argparse.ArgumentParser, defaults_from: str) -> None:
                    help="'dynamic' = EAGLE-2 tree; a static EAGLE-1 tree by name")
     g.add_argument("--total-tokens", type=int, default=None, help="verification tokens per round, root included")
     g.add_argument("--depth", type=int, default=None, help="draft steps per round")
-    g.add_argument("--top-k", dest="tree_top_k", type=int, default=None, help="children per expanded node")
+    g.add_argument("--tree-top-k", dest="tree_top_k", type=int, default=None, help="children per expanded node")
 
 
 def tree_from_args(args, base: TreeConfig | None) -> TreeConfig | None:
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --quant, keep the draft graph fp32 (by default it is quantised the same way: measured 6-30%% faster, same tau)")
     p.add_argument("--backend", default="ort", choices=["ort", "trt"], help="'trt' also builds TensorRT engines (needs a GPU and TensorRT)")
     p.add_argument("--max-length", type=int, default=None, help="KV capacity in tokens, prompt + output (default: alias value or min(max_position_embeddings, 4096))")
-    p.add_argument("--graph-top-k", type=int, default=10, help="top-k computed inside the draft graph (upper bound for --top-k)")
+    p.add_argument("--graph-top-k", type=int, default=10, help="top-k computed inside the draft graph (upper bound for --tree-top-k)")
     p.add_argument("--draft-vocab", type=int, default=None, help="default: the alias's measured choice, else 0. Restrict the draft head's LM head to the N most frequent tokens (0 = full vocabulary; verification stays full, so output stays lossless)")
     p.add_argument("--external-data", default="auto", choices=["auto", "always", "never"], help="ONNX external data (auto: above 2 GiB)")
     p.add_argument("--force", action="store_true", help="replace an existing export folder")

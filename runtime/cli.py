@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k-sampling", dest="top_k", type=int, default=0, help="top-k truncation of the target distribution (0 = off)")
+    p.add_argument("--top-k", dest="top_k", type=int, default=0, help="top-k truncation of the target distribution (0 = off)")
     p.add_argument("--seed", type=int, default=None, help="makes sampled runs reproducible")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text ends before it")
     p.add_argument("--stream", action="store_true", help="print text as tokens are committed")

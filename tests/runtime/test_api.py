@@ -179,7 +179,7 @@ CLI_BAD = {
     "temperature<0": ["--temperature", "-1"],
     "top-p=0": ["--top-p", "0"],
     "top-p>1": ["--top-p", "1.01"],
-    "top-k<0": ["--top-k-sampling", "-2"],
+    "top-k<0": ["--top-k", "-2"],
     "max-new-tokens=0": ["--max-new-tokens", "0"],
     "seed<0": ["--temperature", "1", "--seed", "-3"],
     "empty-stop": ["--stop", "ok", "--stop", ""],
@@ -221,7 +221,7 @@ def test_cli_bad_input_in_a_real_process(mha):
 
 def test_cli_seed_is_reproducible_and_matches_the_api(mha, capsys):
     args = ["--engines", str(mha.export_dir), "--prompt", "Seeds: é€🙂", "--raw", "--max-new-tokens", "20",
-            "--threads", str(THREADS), "--temperature", "0.9", "--top-p", "0.95", "--top-k-sampling", "40", "--json"]
+            "--threads", str(THREADS), "--temperature", "0.9", "--top-p", "0.95", "--top-k", "40", "--json"]
     runs = []
     for seed in ("5", "5", "6"):
         assert cli.main(args + ["--seed", seed]) == 0

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, default in PRESETS["cpu-quick"].items():
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=None, help=f"preset value (cpu-quick: {default})")
     p.add_argument("--init-from-layer", type=int, default=None, help="initialise the head's layer from this target layer")
+    p.add_argument("--torch-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="target precision for data generation and features (bf16: large targets on a GPU; needs CUDA)")
     p.add_argument("--no-cache-features", action="store_true", help="keep features in memory only (large data on a GPU)")
     p.add_argument("--gen-time-budget-min", type=float, default=0.0, help="stop generating new data chunks after this many minutes (0: no limit)")
     return p
@@ -88,6 +90,11 @@ def run(args, s: dict) -> int:
     t_start = time.perf_counter()
     checkpoint = resolve_model(args.model)
     hf = load_target(checkpoint)
+    tdtype = torch.bfloat16 if args.torch_dtype == "bf16" else torch.float32
+    if tdtype == torch.bfloat16:
+        if not device.startswith("cuda"):
+            raise ValueError("--torch-dtype bf16 needs a CUDA device (the CPU path trains without autocast)")
+        hf.to(tdtype)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint.hf_dir))
@@ -114,7 +121,8 @@ def run(args, s: dict) -> int:
         log("features: cached")
     else:
         bar = tqdm(total=int(data.tokens.size), desc="features", unit="tok", file=sys.stderr)
-        features = compute_features(hf, data, device, batch_tokens=65536 if device != "cpu" else 4096, progress=bar.update)
+        features = compute_features(hf, data, device, batch_tokens=65536 if device != "cpu" else 4096, dtype=tdtype,
+                                    progress=bar.update)
         bar.close()
         if not args.no_cache_features:
             torch.save({"key": key, "features": [f.cpu() for f in features]}, feat_path)
@@ -174,7 +182,7 @@ def _generate(args, s, hf, tokenizer, eos, device, work: Path, log):
             break
         if not path.exists():
             part = generate_data(hf, tokenizer, prompts[c0:c0 + chunk], modes, s["max_new_tokens"], s["gen_batch"],
-                                 device, eos, seed=args.seed + c0, progress=bar.update)
+                                 device, eos, seed=args.seed + c0, progress=bar.update, dtype=next(hf.parameters()).dtype)
             part.header = {"recipe": s, "prompts": args.prompts}
             part.save(path)
         else:

@@ -189,9 +189,10 @@ class BatchedGenerator:
 
 
 def generate_data(hf_model, tokenizer, prompts: list[dict], modes: Sequence[float], max_new_tokens: int,
-                  batch_size: int, device: str, eos_ids: Sequence[int], seed: int = 0, progress=None) -> TokenData:
+                  batch_size: int, device: str, eos_ids: Sequence[int], seed: int = 0, progress=None,
+                  dtype=torch.float32) -> TokenData:
     """Responses of the target to every prompt for every temperature in `modes` (0 = greedy)."""
-    gen = BatchedGenerator(hf_model, device, eos_ids)
+    gen = BatchedGenerator(hf_model, device, eos_ids, dtype=dtype)
     encoded = [chat_ids(tokenizer, p["prompt"]) for p in prompts]
     order = np.argsort([len(e) for e in encoded], kind="stable")  # similar lengths share a batch
     seqs, plens, meta = [], [], []
@@ -203,7 +204,7 @@ def generate_data(hf_model, tokenizer, prompts: list[dict], modes: Sequence[floa
             plens.append(len(p))
             meta.append({"id": prompts[i]["id"], "category": prompts[i].get("category"), "temperature": temp})
         if progress:
-            progress(len(idx) * max(1, 1))
+            progress(len(idx))
     return TokenData.from_sequences(seqs, plens, meta)
 
 
@@ -218,9 +219,9 @@ def compute_features(hf_model, data: TokenData, device: str, batch_tokens: int =
     order = np.argsort(lengths, kind="stable")
     feats: list[torch.Tensor | None] = [None] * len(data)
     i = 0
-    while i < len(order):
-        L = int(lengths[order[min(i + max(1, batch_tokens // max(int(lengths[order[i]]), 1)), len(order)) - 1]])
-        B = max(1, batch_tokens // max(L, 1))
+    while i < len(order):  # ascending lengths: size each batch by its longest (last) sequence
+        guess = max(1, batch_tokens // int(lengths[order[i]]))
+        B = max(1, batch_tokens // int(lengths[order[min(i + guess, len(order)) - 1]]))
         idx = order[i:i + B]
         L = int(lengths[idx].max())
         ids = torch.zeros(len(idx), L, dtype=torch.long)
