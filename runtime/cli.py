@@ -16,16 +16,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", type=Path, required=True, help="an export folder written by eagle-export")
     p.add_argument("--prompt", required=True, help="user message (the chat template is applied when the model has one)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus truncation of the target distribution, in (0, 1] (1 = off)")
     p.add_argument("--top-k", dest="top_k", type=int, default=0, help="top-k truncation of the target distribution (0 = off)")
     p.add_argument("--seed", type=int, default=None, help="makes sampled runs reproducible")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text ends before it")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text ends before it. Taken literally: in bash, $'\\n' is a newline")
     p.add_argument("--stream", action="store_true", help="print text as tokens are committed")
     p.add_argument("--vanilla", action="store_true", help="plain one-token-per-forward decoding on the same engine")
     p.add_argument("--compare-vanilla", action="store_true", help="also run vanilla decoding and print the speed-up and whether outputs are identical")
-    p.add_argument("--backend", default="ort", choices=["ort", "ort-cuda", "trt"])
+    p.add_argument("--backend", default="ort", choices=["ort", "ort-cuda", "trt"],
+                   help="ort = onnxruntime CPU (default); ort-cuda and trt need a CUDA GPU (trt: engines from eagle-export --backend trt)")
     p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads per session")
     p.add_argument("--acceptance", default="lossless", choices=["lossless", "threshold"],
                    help=f"'threshold' accepts a draft token when the target's probability of it is >= --threshold: {LOSSY}, output no longer follows the target distribution")
@@ -44,6 +45,8 @@ def main(argv=None) -> int:
     try:
         # settings that need no model fail before anything is loaded or run
         check_request(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop)
+        if args.json and args.stream:
+            raise ValueError("--stream and --json cannot be combined (--json prints one object at the end)")
         if not args.prompt.strip():
             raise ValueError("the prompt is empty")
         if args.acceptance == "threshold" and not 0.0 < args.threshold <= 1.0:

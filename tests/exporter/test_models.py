@@ -48,6 +48,19 @@ def test_unknown_hub_id_fails_fast_with_download_steps(tmp_path):
     assert not (tmp_path / "engines").exists()
 
 
+def test_missing_hub_alias_names_both_downloads_and_flags(tmp_path, monkeypatch):
+    """An alias whose target is not cached: one line naming the target and head downloads and
+    the --model/--draft flags to use instead."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotAvailableError) as err:
+        resolve_model("llama2-7b")
+    msg = str(err.value)
+    assert "`hf download meta-llama/Llama-2-7b-chat-hf --local-dir <model-dir>`" in msg
+    assert "`hf download yuhuili/EAGLE-llama2-chat-7B --local-dir <head-dir>`" in msg
+    assert "--model <model-dir> --draft <head-dir>" in msg and "\n" not in msg
+
+
 def test_unknown_hub_draft_names_download_steps():
     with pytest.raises(ModelNotAvailableError, match=r"download no-such-org-eagle/head .*--draft <dir>"):
         resolve_draft("no-such-org-eagle/head")

@@ -187,6 +187,9 @@ CLI_BAD = {
     "too-long-prompt": ["--prompt", "y" * (MAX_LENGTH + 1)],
     "threshold=0": ["--acceptance", "threshold", "--threshold", "0"],
     "threshold>1": ["--acceptance", "threshold", "--threshold", "1.5"],
+    "stream+json": ["--stream", "--json"],
+    "total-tokens=1": ["--total-tokens", "1"],
+    "depth=0": ["--depth", "0"],
 }
 
 

@@ -154,14 +154,15 @@ def format_summary(result: dict) -> str:
             lines.append(f"speed-up {key}: {sp['aggregate']:.2f}x" + (f" (per-prompt mean {sp['mean_per_prompt']:.2f}x)" if "mean_per_prompt" in sp else ""))
     proc = result["memory"].get("process")
     if proc:
-        lines.append(f"process peak RSS {proc['peak_rss_mb']} MiB (all systems loaded together; 'load RSS' = growth when each was loaded)")
+        lines.append(f"process peak RSS {proc['peak_rss_mb']} MiB (all systems loaded together; 'load RSS' = growth when each was loaded; EAGLE and vanilla share one loaded engine)")
     g = result.get("greedy_identity")
     for backend, s in (g or {}).items():
         if s["prompts"]:
             lines.append(f"greedy identity [{backend}]: {s['identical']}/{s['prompts']} prompts identical to vanilla "
                          f"({s['percent_identical']}%); divergences: {s['numerics']} numerics, {s['bugs']} bug; "
-                         f"largest top-2 gap at a divergence {s['largest_gap_at_divergence']}; "
-                         f"batched-vs-single logit noise {s['numerics_floor']:.3g}")
+                         + ("" if s["largest_gap_at_divergence"] is None
+                            else f"largest top-2 gap at a divergence {s['largest_gap_at_divergence']:.3g}; ")
+                         + f"batched-vs-single logit noise {s['numerics_floor']:.3g}")
     for name, b in result["baselines"].items():
         if b["status"] != "ok":
             lines.append(f"note: baseline {name}: {b['note']}")

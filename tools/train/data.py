@@ -55,6 +55,8 @@ def prompt_set(name: str) -> list[dict]:
         return humaneval_prompts()
     if name in ("chat", "train"):
         return read_jsonl(PROMPTS_DIR / ("chat_eval.jsonl" if name == "chat" else "train_prompts.jsonl"))
+    if not Path(name).is_file():
+        raise ValueError(f"unknown prompt set {name!r}: expected humaneval, chat, train or a JSONL file ({{\"prompt\": ...}} per line)")
     return read_jsonl(Path(name))
 
 

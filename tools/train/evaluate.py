@@ -43,7 +43,7 @@ def evaluate(runtime, prompts: list[dict], max_new_tokens: int, progress=None) -
                         "new_tokens": s["new_tokens"], "tokens_per_s": s["tokens_per_s"]})
         if progress:
             progress(1)
-    max_depth = max((d for c in per_cat.values() for d in c["depths"]), default=0)
+    max_depth = max([runtime.tree.depth] + [d for c in per_cat.values() for d in c["depths"]])  # None where never reached
     summary = {k: {"tau": round(c["tokens"] / max(c["rounds"], 1), 3), "rounds": c["rounds"],
                    "depth_acceptance": depth_rates(c["accepted"], c["depths"], max_depth)}
                for k, c in sorted(per_cat.items())}
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="eagle-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=Path, required=True, help="export folder")
-    p.add_argument("--prompts", nargs="+", default=["humaneval", "chat"], help="humaneval | chat | FILE.jsonl (several allowed)")
+    p.add_argument("--prompts", nargs="+", default=["humaneval", "chat"], help="humaneval | chat | FILE.jsonl (several allowed, space- or comma-separated)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts of each set (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
@@ -79,7 +79,8 @@ def main(argv=None) -> int:
         manifest = Manifest.load(args.engines)
         tree = tree_from_args(args, TreeConfig.from_json(manifest.tree))
         rt = EagleRuntime.load(args.engines, tree=tree, threads=args.threads)
-        sets = {name: prompt_set(name) for name in args.prompts}
+        names = [n.strip() for arg in args.prompts for n in arg.split(",") if n.strip()]
+        sets = {name: prompt_set(name) for name in names}
     except (ManifestError, TreeConfigError, FileNotFoundError, ModuleNotFoundError, ValueError) as err:
         print(f"eagle-eval: error: {err}", file=sys.stderr)
         return 2

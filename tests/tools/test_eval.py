@@ -1,0 +1,62 @@
+"""eagle-eval: per-depth acceptance from hand-built rounds, the CLI on the tiny export (per
+category tau, JSON), and clear errors for unknown prompt sets."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle_deploy.tools.train import evaluate as ev
+from tests.tools.tiny_export import PROMPTS, prompt_file, tiny_export
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory) -> Path:
+    return tiny_export(tmp_path_factory)
+
+
+def test_depth_rates_hand_built():
+    # rounds: (draft tokens accepted, tree depth)
+    accepted = [0, 1, 3, 2, 0]
+    depths = [3, 3, 3, 2, 1]
+    # depth 1: tried by every round (all reach depth 0), accepted by rounds 2, 3, 4 -> 3/5
+    # depth 2: tried by rounds with depth >= 2 that accepted >= 1: rounds 2, 3, 4 -> accepted >= 2: rounds 3, 4 -> 2/3
+    # depth 3: depth >= 3 and accepted >= 2: round 3 -> accepted 3 -> 1/1
+    assert ev.depth_rates(accepted, depths, 4) == [0.6, 0.6667, 1.0, None]
+
+
+def test_cli_reports_tau_per_category(export_dir, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    rc = ev.main(["--engines", str(export_dir), "--prompts", str(prompt_file(tmp_path)), "--max-new-tokens", "10",
+                  "--threads", "1", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    (name, result), = res["sets"].items()
+    summary = result["summary"]
+    assert set(summary) == {"all", "code", "chat"}
+    assert len(result["prompts"]) == len(PROMPTS)
+    total_rounds = sum(summary[c]["rounds"] for c in ("code", "chat"))
+    assert summary["all"]["rounds"] == total_rounds > 0
+    for cat, s in summary.items():
+        assert s["tau"] >= 1.0  # every round commits at least the bonus token
+        assert len(s["depth_acceptance"]) == res["tree"]["depth"]
+        assert f"{cat:>12}  tau {s['tau']:.3f}" in text
+    assert f"== {name}" in text
+
+
+def test_cli_accepts_comma_separated_sets(export_dir, tmp_path, capsys):
+    path = str(prompt_file(tmp_path))
+    rc = ev.main(["--engines", str(export_dir), "--prompts", f"{path},{path}", "--max-new-tokens", "4",
+                  "--threads", "1", "--limit", "1"])
+    assert rc == 0
+    assert capsys.readouterr().out.count("== ") == 1  # the same file twice is one set
+
+
+def test_cli_unknown_prompt_set_is_one_clear_line(export_dir, capsys):
+    rc = ev.main(["--engines", str(export_dir), "--prompts", "no-such-set"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err == ["eagle-eval: error: unknown prompt set 'no-such-set': expected humaneval, chat, train "
+                   "or a JSONL file ({\"prompt\": ...} per line)"]
