@@ -156,7 +156,7 @@ class EagleHead(nn.Module):
         emb = self.embed(input_ids).to(features.dtype)  # (B, S, H)
         x = self.fc(torch.cat((emb, features), dim=-1))  # (B, S, H); embedding first
         cos, sin = self.rotary(position_ids, x.dtype)
-        return self._layer(x, cos, sin, mask_bias(attention_mask), past_k, past_v)
+        return self._layer(x, cos, sin, mask_bias(attention_mask, self.dims.num_heads // self.dims.num_kv_heads), past_k, past_v)
 
     def logits(self, next_features: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] float32 through the target's LM head."""

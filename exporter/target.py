@@ -149,7 +149,7 @@ class ExportableTarget(nn.Module):
     def forward(self, input_ids, position_ids, attention_mask, logits_indices, *past):
         x = self.embed(input_ids)  # (B, S, H)
         cos, sin = self.rotary(position_ids, x.dtype)
-        bias = mask_bias(attention_mask)
+        bias = mask_bias(attention_mask, self.dims.num_heads // self.dims.num_kv_heads)  # shared by all layers
         presents = []
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1])

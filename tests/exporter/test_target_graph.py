@@ -8,6 +8,7 @@ import pytest
 from onnx import numpy_helper
 
 from eagle_deploy.exporter import contract as c
+from eagle_deploy.exporter.layers import rotate_half_matrix
 from eagle_deploy.runtime.tree import DraftTree
 from tests.helpers import causal_mask, hf_features, hf_logits, kv_rows, prefill, run_step, run_tree
 
@@ -116,7 +117,9 @@ def test_e1_no_rotary_table_sized_to_a_length(model):
     g = _graph(model).graph
     tensors = [numpy_helper.to_array(t) for t in g.initializer]
     tensors += [numpy_helper.to_array(a.t) for n in g.node if n.op_type == "Constant" for a in n.attribute if a.type == onnx.AttributeProto.TENSOR]
-    tables = [t.shape for t in tensors if t.dtype.kind == "f" and t.ndim >= 1 and t.shape[-1] in (hd, hd // 2) and t.size > hd]
+    rotate = rotate_half_matrix(hd).numpy()  # the constant [hd, hd] rotate-half permutation, not a table
+    tables = [t.shape for t in tensors if t.dtype.kind == "f" and t.ndim >= 1 and t.shape[-1] in (hd, hd // 2)
+              and t.size > hd and not (t.shape == rotate.shape and np.array_equal(t, rotate))]
     assert tables == []
     consumers = [n for n in g.node if c.POSITION_IDS in n.input]
     assert consumers, "position_ids has no consumer"
@@ -265,3 +268,13 @@ def test_e4_fully_masked_row_is_finite(model, rows):
     mask[0, 1, :] = True
     out = run_step(be, kv, [4, 5], [rows, rows], mask, rows)
     assert np.all(np.isfinite(out[c.LOGITS])) and np.all(np.isfinite(out[c.FEATURES]))
+
+
+def test_rotate_half_matrix_is_exact():
+    """x @ R equals the slice/negate/concat rotate-half bit for bit (fp32 and fp16)."""
+    import torch
+
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(3, 5, 64).to(dtype)
+        expected = torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
+        assert torch.equal(torch.matmul(x, rotate_half_matrix(64).to(dtype)), expected)
