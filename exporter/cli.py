@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,9 +27,12 @@ def add_tree_args(parser: argparse.ArgumentParser, defaults_from: str) -> None:
 def tree_from_args(args, base: TreeConfig | None) -> TreeConfig | None:
     """The tree the flags ask for; `base` (the manifest's, or None for the export default)
     when no tree flag is given, with any given flag overriding it."""
-    if args.tree and args.tree != "dynamic":
-        return TreeConfig.static(args.tree)
     given = {"total_tokens": args.total_tokens, "depth": args.depth, "tree_top_k": args.tree_top_k}
+    if args.tree and args.tree != "dynamic":
+        sized = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+        if sized:
+            raise TreeConfigError(f"--tree {args.tree} is a fixed EAGLE-1 tree; {', '.join(sized)} only apply to --tree dynamic")
+        return TreeConfig.static(args.tree)
     if not args.tree and all(v is None for v in given.values()):
         return base
     for name, value in given.items():
@@ -53,13 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-quant-draft", dest="quant_draft", action="store_false",
                    help="with --quant, keep the draft graph fp32 (by default it is quantised the same way: measured 6-30%% faster, same tau)")
     p.add_argument("--backend", default="ort", choices=["ort", "trt"], help="'trt' also builds TensorRT engines (needs a GPU and TensorRT)")
-    p.add_argument("--max-length", type=int, default=None, help="KV capacity in tokens, prompt + output (default: alias value or min(max_position_embeddings, 4096))")
+    p.add_argument("--max-length", type=int, default=None, help="KV capacity in tokens (prompt + output may reach max_length + 1: the last new token needs no KV row) (default: alias value or min(max_position_embeddings, 4096))")
     p.add_argument("--graph-top-k", type=int, default=10, help="top-k computed inside the draft graph (upper bound for --tree-top-k)")
     p.add_argument("--draft-vocab", type=int, default=None, help="default: the alias's measured choice, else 0. Restrict the draft head's LM head to the N most frequent tokens (0 = full vocabulary; verification stays full, so output stays lossless)")
     p.add_argument("--external-data", default="auto", choices=["auto", "always", "never"], help="ONNX external data (auto: above 2 GiB)")
     p.add_argument("--force", action="store_true", help="replace an existing export folder")
     add_tree_args(p, "by target precision, measured on a 2-core CPU (exporter/export.py DEFAULT_TREES)")
     return p
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def main(argv=None) -> int:
@@ -69,12 +78,14 @@ def main(argv=None) -> int:
     from .models import ModelNotAvailableError
     from .target import UnsupportedModelError
 
-    options = ExportOptions(dtype=args.dtype, max_length=args.max_length, graph_top_k=args.graph_top_k, draft_vocab=args.draft_vocab,
-                            tree=tree_from_args(args, None), external_data=args.external_data,
-                            quant=args.quant, quant_draft=args.quant_draft, name=args.name, force=args.force)
     t0 = time.perf_counter()
     step = lambda msg: print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    # a polite kill (SIGTERM) unwinds like Ctrl-C, so the partial folder is removed
+    previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
     try:
+        options = ExportOptions(dtype=args.dtype, max_length=args.max_length, graph_top_k=args.graph_top_k,
+                                draft_vocab=args.draft_vocab, tree=tree_from_args(args, None), external_data=args.external_data,
+                                quant=args.quant, quant_draft=args.quant_draft, name=args.name, force=args.force)
         out = export(args.model, args.draft, args.out, options, progress=step)
         if args.backend == "trt":
             from .trt_build import build_engines
@@ -87,6 +98,12 @@ def main(argv=None) -> int:
     except (ImportError, RuntimeError) as err:  # TensorRT missing, or its engine build failed
         print(f"eagle-export: error: {err}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:
+        print("eagle-export: interrupted; the partial export was removed", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     step(f"done: {out}")
     print(out)
     return 0

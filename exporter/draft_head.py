@@ -78,11 +78,43 @@ def check_head_state(state: dict[str, torch.Tensor], dims: Dims, intermediate: i
             raise HeadCheckpointError(f"draft head is missing tensor {key!r} (expected shape {list(shape)})")
         if tuple(state[key].shape) != shape:
             raise HeadCheckpointError(f"draft head tensor {key!r} has shape {list(state[key].shape)}, expected {list(shape)}")
+        if not state[key].is_floating_point():
+            raise HeadCheckpointError(f"draft head tensor {key!r} is {state[key].dtype}, expected floating point weights")
+        if not bool(torch.isfinite(state[key]).all()):
+            raise HeadCheckpointError(f"draft head tensor {key!r} contains NaN or infinite values")
     if "fc.bias" in state and tuple(state["fc.bias"].shape) != (dims.hidden,):
         raise HeadCheckpointError(f"draft head tensor 'fc.bias' has shape {list(state['fc.bias'].shape)}, expected [{dims.hidden}]")
     extra = sorted(set(state) - set(shapes) - set(OPTIONAL_KEYS) - set(IGNORED_KEYS))
     if extra:
         raise HeadCheckpointError(f"draft head has unexpected tensors {extra} (is it an EAGLE-1/2 head?)")
+
+
+# config keys that fix the head's tensor geometry: they must be the target's (the head
+# attends with the target's heads and reuses its embedding and LM head)
+GEOMETRY_KEYS = {"hidden_size": "hidden", "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
+                 "head_dim": "head_dim"}
+
+
+def check_head_config(config, path: Path, dims: Dims) -> None:
+    """Raise HeadCheckpointError for a head config.json this exporter cannot honour: not a
+    JSON object; geometry that differs from the target's; a non-positive intermediate_size;
+    an activation other than SiLU (the exported MLP is SwiGLU); non-numeric rope_theta or
+    rms_norm_eps."""
+    if not isinstance(config, dict):
+        raise HeadCheckpointError(f"draft head config {path} must be a JSON object, got {type(config).__name__}")
+    for key, attr in GEOMETRY_KEYS.items():
+        if key in config and config[key] is not None and config[key] != getattr(dims, attr):
+            raise HeadCheckpointError(f"draft head config {path}: {key} = {config[key]!r}, but the target has {getattr(dims, attr)}")
+    inter = config.get("intermediate_size")
+    if inter is not None and (isinstance(inter, bool) or not isinstance(inter, int) or inter < 1):
+        raise HeadCheckpointError(f"draft head config {path}: intermediate_size must be a positive integer, got {inter!r}")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise HeadCheckpointError(f"draft head config {path}: hidden_act {act!r} is not supported (the head's MLP is SwiGLU: 'silu')")
+    for key in ("rope_theta", "rms_norm_eps"):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise HeadCheckpointError(f"draft head config {path}: {key} must be a positive number, got {value!r}")
 
 
 class _Proj(nn.Module):
@@ -200,15 +232,17 @@ def load_head(head_dir: Path, target: nn.Module) -> EagleHead:
         head_config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as err:
         raise HeadCheckpointError(f"draft head config {cfg_path} is not valid JSON: {err}") from None
-    state = read_head_state(head_dir)
     dims = dims_of(target.config)
+    check_head_config(head_config, cfg_path, dims)
+    state = read_head_state(head_dir)
     intermediate = int(head_config.get("intermediate_size", target.config.intermediate_size))
     check_head_state(state, dims, intermediate)
     merged = {**head_config_for(target.config), **head_config}
-    head = EagleHead(merged, target, fc_bias="fc.bias" in state,
-                     attention_bias="layers.0.self_attn.q_proj.bias" in state)
-    if head.dims.hidden != dims.hidden:
-        raise HeadCheckpointError(f"draft head hidden_size {head.dims.hidden} != target hidden_size {dims.hidden}")
+    try:
+        head = EagleHead(merged, target, fc_bias="fc.bias" in state,
+                         attention_bias="layers.0.self_attn.q_proj.bias" in state)
+    except Exception as err:  # a config value transformers cannot use
+        raise HeadCheckpointError(f"draft head config {cfg_path} is unusable: {type(err).__name__}: {err}") from None
     own = {k: v for k, v in state.items() if k not in IGNORED_KEYS}
     head.load_state_dict({**head.state_dict(), **{k: v.to(torch.float32) for k, v in own.items()}})
     return head

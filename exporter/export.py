@@ -15,7 +15,7 @@ from eagle_deploy.runtime.tree import TreeConfig
 from .draft_head import HEAD_WEIGHT_FILES, TOKEN_COUNTS_FILE, load_head, random_head
 from .models import Checkpoint, publish_folder, resolve_draft, resolve_model, sha256_file
 from .steps import TORCH_DTYPES, DraftOnnxFromHead, TargetOnnxFromHF, TokenizerFromHF
-from .target import dims_of
+from .target import UnsupportedModelError, dims_of, supported_families
 
 DRAFT_VOCAB_FILE = "draft_vocab.npy"
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
@@ -33,7 +33,7 @@ DEFAULT_TREE = DEFAULT_TREES[None]
 
 @dataclass
 class ExportOptions:
-    """dtype: float32 | float16 | bfloat16. max_length: KV capacity (prompt + output).
+    """dtype: float32 | float16 | bfloat16. max_length: KV capacity in rows (prompt + output - 1).
     graph_top_k: top-k computed inside the draft graph. quant: None | "int4" | "int8" (the
     target graph); quant_draft: quantise the draft graph the same way."""
 
@@ -119,8 +119,21 @@ def load_target(checkpoint: Checkpoint):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint.hf_dir), dtype=torch.float32, trust_remote_code=False)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoint.hf_dir), dtype=torch.float32, trust_remote_code=False)
+    except Exception as err:  # missing, truncated or corrupt weights: one clear message
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UnsupportedModelError(
+            f"cannot load the checkpoint in {checkpoint.hf_dir} ({type(err).__name__}: {first}); expected a complete "
+            f"Hugging Face checkpoint (config.json + weights) of a supported family: {supported_families()}") from None
     return model.eval()
+
+
+def check_export_name(name: str) -> str:
+    """The export folder name: a plain folder name inside --out (ValueError otherwise)."""
+    if not name or name in (".", "..") or name.startswith(".") or "/" in name or "\\" in name or Path(name).is_absolute():
+        raise ValueError(f"--name must be a plain folder name inside --out (no path separators, not starting with '.'), got {name!r}")
+    return name
 
 
 def export(model: str, draft: str | None, out_root: Path, options: ExportOptions, progress=print) -> Path:
@@ -139,7 +152,9 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
     checkpoint = resolve_model(model)
     draft_spec = None if draft == "random" else (draft or checkpoint.default_draft)
     head_dir = resolve_draft(draft_spec)
-    out = Path(out_root) / (options.name or checkpoint.name)
+    out = Path(out_root) / check_export_name(checkpoint.name if options.name is None else options.name)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not an export folder; remove it or choose another --name")
     if out.exists() and not options.force:
         raise FileExistsError(f"{out} exists; pass --force to replace it")
     _say(progress, f"loading {checkpoint.hf_dir}")
@@ -150,6 +165,9 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
         raise ValueError(f"--max-length {max_length} must be in [2, {dims.max_position_embeddings}] (max_position_embeddings)")
     head = load_head(head_dir, hf) if head_dir else random_head(hf, seed=options.seed)
     draft_vocab = checkpoint.draft_vocab if options.draft_vocab is None else options.draft_vocab
+    if draft_vocab and not options.graph_top_k <= draft_vocab <= dims.vocab:
+        raise ValueError(f"--draft-vocab {draft_vocab} must be 0 (full vocabulary) or in [--graph-top-k {options.graph_top_k}, "
+                         f"vocabulary size {dims.vocab}]")
     vocab_ids = draft_vocab_ids(head_dir, draft_vocab if head_dir else 0, dims.vocab, _eos_ids(checkpoint.hf_dir, hf.config, None))
     notes = [] if head_dir else ["draft head is RANDOMLY INITIALISED (untrained): expect acceptance near 1 token per round"]
     if dtype != "float32":

@@ -18,8 +18,8 @@ import numpy as np
 from .backends import load_backend
 from .decode import Decoder, Stats, TokenStopper
 from .drafter import Drafter, EagleDrafter
-from .manifest import Manifest
-from .sampling import SamplingParams
+from .manifest import Manifest, ManifestError
+from .sampling import SamplingParams, whole_number
 from .text import TextStream
 from .tree import TreeConfig
 
@@ -67,7 +67,13 @@ class EagleRuntime:
         if manifest.tokenizer:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest.tokenizer))
+            tok_dir = folder / manifest.tokenizer
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(tok_dir)) if tok_dir.is_dir() else None
+            except Exception as err:  # unreadable tokenizer files
+                raise ManifestError(f"cannot load the tokenizer in {tok_dir} ({type(err).__name__}); re-export") from None
+            if tokenizer is None:
+                raise ManifestError(f"the tokenizer folder {tok_dir} named by the manifest is missing; re-export")
         return cls(folder, manifest, target, draft, tokenizer, tree, acceptance, threshold, drafter)
 
     def set_tree(self, tree: TreeConfig) -> None:
@@ -131,7 +137,7 @@ class EagleRuntime:
         """`encode`, then check the prompt leaves room for output. Raises ValueError."""
         ids = self.encode(prompt, chat)
         if len(ids) >= self.manifest.max_length:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this export's maximum length is {self.manifest.max_length} (prompt + output)")
+            raise ValueError(f"the prompt has {len(ids)} tokens; this export holds at most {self.manifest.max_length - 1} prompt tokens (max_length {self.manifest.max_length} = KV rows)")
         return ids
 
     def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, text: TextStream | None, mode: str,
@@ -179,9 +185,7 @@ def check_request(max_new_tokens, temperature: float = 0.0, top_p: float = 1.0, 
     A single string is one stop string. Raises ValueError naming the bad setting."""
     if mode not in ("eagle", "vanilla"):
         raise ValueError(f"mode must be 'eagle' or 'vanilla', got {mode!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Real) \
-            or not np.isfinite(max_new_tokens) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    whole_number(max_new_tokens, "max_new_tokens", 1)
     params = SamplingParams(temperature, top_p, top_k, seed)
     stop = [stop] if isinstance(stop, str) else list(stop or ())
     if any(not isinstance(s, str) or s == "" for s in stop):

@@ -70,6 +70,8 @@ class Manifest:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise ManifestError(f"{path} is not valid JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise ManifestError(f"{path} is malformed: expected a JSON object, got {type(data).__name__}; re-export")
         if data.get("format_version") != FORMAT_VERSION:
             raise ManifestError(f"{path} has format_version {data.get('format_version')}, this runtime reads {FORMAT_VERSION}; re-export")
         try:

@@ -5,11 +5,25 @@ transformers' logits warpers do); verification then samples exactly from it (see
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 _PARTIAL = 1024  # top-p: sort only this many best tokens when they already hold top_p mass
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def whole_number(value, name: str, minimum: int) -> int:
+    """`value` as an int if it is a whole number >= `minimum` (3 and 3.0 pass; True, 3.5,
+    inf and "3" do not); else ValueError naming `name`."""
+    if not _is_real(value) or not math.isfinite(value) or int(value) != value or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}{' or None' if name == 'seed' else ''}, got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -23,14 +37,13 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
-        if self.seed is not None and (isinstance(self.seed, bool) or int(self.seed) != self.seed or self.seed < 0):
-            raise ValueError(f"seed must be an integer >= 0 or None, got {self.seed}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        object.__setattr__(self, "top_k", whole_number(self.top_k, "top_k", 0))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", whole_number(self.seed, "seed", 0))
 
     @property
     def greedy(self) -> bool:

@@ -9,8 +9,20 @@ import numpy as np
 from eagle_deploy.exporter import contract as c
 
 from ..kv import KVBuffer
-from ..manifest import GraphEntry
+from ..manifest import GraphEntry, ManifestError
 from .base import DTYPES, StepInputs, resolve_shape
+
+
+def open_session(path: Path, options, providers):
+    """An onnxruntime InferenceSession over `path`; a truncated or corrupt graph raises
+    ManifestError (onnxruntime's own exceptions are not ValueErrors)."""
+    import onnxruntime as ort
+
+    try:
+        return ort.InferenceSession(str(path), options, providers=providers)
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ManifestError(f"onnxruntime cannot load {path} ({first}); the export folder is damaged: re-export it") from None
 
 
 def session_options(threads: int | None = None, spinning: bool = False):
@@ -49,8 +61,7 @@ class OrtBackend:
         path = Path(folder) / graph.path
         if not path.exists():
             raise FileNotFoundError(f"graph {path} is missing from the export folder")
-        self.session = ort.InferenceSession(str(path), session_options(threads, spinning),
-                                            providers=providers or ["CPUExecutionProvider"])
+        self.session = open_session(path, session_options(threads, spinning), providers or ["CPUExecutionProvider"])
         self.name = "ort-" + self.session.get_providers()[0].replace("ExecutionProvider", "").lower()
         self.kv_names = [(p, q) for p, q in c.kv_names(self._num_kv_layers())]
         self.kv_dtype = DTYPES[graph.dtype]

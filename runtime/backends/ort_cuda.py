@@ -125,7 +125,7 @@ class OrtCudaBackend:
         import onnxruntime as ort
         import torch
 
-        from .ort import session_options
+        from .ort import open_session, session_options
 
         self.torch, self.graph, self.dims = torch, graph, dims
         self.device = torch.device(device if device == "cpu" else f"cuda:{device_id}")
@@ -137,7 +137,7 @@ class OrtCudaBackend:
             raise FileNotFoundError(f"graph {path} is missing from the export folder")
         providers = ([("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
                      if self.device.type == "cuda" else ["CPUExecutionProvider"])
-        self.session = ort.InferenceSession(str(path), session_options(threads), providers=providers)
+        self.session = open_session(path, session_options(threads), providers)
         active = self.session.get_providers()[0]
         if self.device.type == "cuda" and active != "CUDAExecutionProvider":
             raise RuntimeError(f"onnxruntime has no CUDA execution provider here (active: {active}; available: "

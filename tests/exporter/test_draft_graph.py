@@ -176,7 +176,39 @@ BROKEN = {
     "misshaped fc.weight": (lambda s: s.update({"fc.weight": torch.zeros(64, 64)}), ["fc.weight", "[64, 64]", "[64, 128]"]),
     "misshaped fc.bias": (lambda s: s.update({"fc.bias": torch.zeros(65)}), ["fc.bias", "[65]"]),
     "unexpected tensor": (lambda s: s.update({"layers.1.mlp.up_proj.weight": torch.zeros(2, 2)}), ["layers.1.mlp.up_proj.weight"]),
+    "int8 weights": (lambda s: s.update({"fc.weight": s["fc.weight"].to(torch.int8)}), ["fc.weight", "int8"]),
+    "NaN weights": (lambda s: s["layers.0.mlp.up_proj.weight"].__setitem__((0, 0), float("nan")), ["layers.0.mlp.up_proj.weight", "NaN"]),
 }
+
+# head config.json edits -> words the one error line must contain
+BROKEN_CONFIG = {
+    "a list": (lambda cfg: [], ["JSON object", "list"]),
+    "null": (lambda cfg: None, ["JSON object", "NoneType"]),
+    "zero heads": (lambda cfg: {**cfg, "num_attention_heads": 0}, ["num_attention_heads", "target has"]),
+    "other head count": (lambda cfg: {**cfg, "num_attention_heads": 2}, ["num_attention_heads", "target has"]),
+    "other hidden size": (lambda cfg: {**cfg, "hidden_size": 32}, ["hidden_size", "target has"]),
+    "gelu": (lambda cfg: {**cfg, "hidden_act": "nonsense"}, ["hidden_act", "'nonsense'"]),
+    "text rope_theta": (lambda cfg: {**cfg, "rope_theta": "abc"}, ["rope_theta", "'abc'"]),
+    "zero intermediate": (lambda cfg: {**cfg, "intermediate_size": 0}, ["intermediate_size"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN_CONFIG))
+def test_bad_head_config_is_one_clear_error_and_writes_nothing(mha, tmp_path, capsys, case):
+    from eagle_deploy.exporter.cli import main
+
+    head = tmp_path / "head"
+    shutil.copytree(mha.head_dir, head)
+    change, words = BROKEN_CONFIG[case]
+    (head / "config.json").write_text(json.dumps(change(json.loads((head / "config.json").read_text()))))
+    with pytest.raises(HeadCheckpointError):
+        load_head(head, mha.hf)
+    out_root = tmp_path / "engines"
+    rc = main(["--model", str(mha.target_dir), "--draft", str(head), "--out", str(out_root), "--max-length", "64"])
+    err = capsys.readouterr().err
+    error_lines = [line for line in err.splitlines() if line.startswith("eagle-export: error:")]
+    assert rc == 2 and len(error_lines) == 1 and all(w in error_lines[0] for w in words), err
+    assert not out_root.exists() or list(out_root.iterdir()) == []
 
 
 @pytest.mark.parametrize("case", list(BROKEN))

@@ -161,3 +161,60 @@ def test_existing_export_is_not_overwritten_without_force(mha, capsys):
     line = _one_error(capsys.readouterr().err)
     assert rc == 2 and "--force" in line
     assert sorted(p.name for p in mha.export_dir.iterdir()) == before
+
+
+@pytest.mark.parametrize("name", [".", "..", "/tmp/elsewhere", "a/b", ".hidden", ""])
+def test_name_must_be_a_plain_folder_name_and_nothing_is_touched(mha, tmp_path, capsys, name):
+    """--name . / .. with --force would replace --out itself or its parent: refused up front."""
+    out_root = tmp_path / "outer" / "engines"
+    keep = tmp_path / "outer" / "sibling" / "important.txt"
+    keep.parent.mkdir(parents=True)
+    keep.write_text("keep me")
+    (out_root / "old").mkdir(parents=True)
+    rc = main(["--model", str(mha.target_dir), "--draft", str(mha.head_dir), "--out", str(out_root), "--name", name,
+               "--force", "--max-length", "64"])
+    line = _one_error(capsys.readouterr().err)
+    assert rc == 2 and "--name must be a plain folder name" in line
+    assert keep.read_text() == "keep me" and sorted(p.name for p in out_root.iterdir()) == ["old"]
+
+
+def test_force_onto_a_regular_file_is_refused(mha, tmp_path, capsys):
+    out_root = tmp_path / "engines"
+    out_root.mkdir()
+    (out_root / "afile").write_text("x")
+    rc = main(["--model", str(mha.target_dir), "--draft", str(mha.head_dir), "--out", str(out_root), "--name", "afile",
+               "--force", "--max-length", "64"])
+    line = _one_error(capsys.readouterr().err)
+    assert rc == 2 and "not an export folder" in line
+    assert (out_root / "afile").read_text() == "x" and sorted(p.name for p in out_root.iterdir()) == ["afile"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_model_folder_with_damaged_weights_is_one_clear_error(mha, tmp_path, capsys, damage):
+    folder = tmp_path / "model"
+    shutil.copytree(mha.target_dir, folder)
+    weights = folder / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    else:
+        weights.unlink()
+    rc = main(["--model", str(folder), "--draft", "random", "--out", str(tmp_path / "engines"), "--max-length", "64"])
+    line = _one_error(capsys.readouterr().err)
+    assert rc == 2 and "cannot load the checkpoint" in line and all(f in line for f in FAMILY_NAMES)
+    assert not (tmp_path / "engines").exists() or list((tmp_path / "engines").iterdir()) == []
+
+
+def test_draft_vocab_smaller_than_graph_top_k_fails_before_export(mha, tmp_path, capsys):
+    rc = main(["--model", str(mha.target_dir), "--draft", str(mha.head_dir), "--out", str(tmp_path / "engines"),
+               "--max-length", "64", "--draft-vocab", "5"])
+    line = _one_error(capsys.readouterr().err)
+    assert rc == 2 and "--draft-vocab 5" in line and "--graph-top-k 10" in line
+    assert not (tmp_path / "engines").exists() or list((tmp_path / "engines").iterdir()) == []
+
+
+@pytest.mark.parametrize("flag", ["--total-tokens", "--depth", "--tree-top-k"])
+def test_static_tree_with_size_flags_is_refused(mha, tmp_path, capsys, flag):
+    rc = main(["--model", str(mha.target_dir), "--draft", str(mha.head_dir), "--out", str(tmp_path / "engines"),
+               "--tree", "eagle1", flag, "3"])
+    line = _one_error(capsys.readouterr().err)
+    assert rc == 2 and "--tree eagle1" in line and flag in line

@@ -125,6 +125,12 @@ BAD = {
     "max_new_tokens=0": (dict(max_new_tokens=0), "max_new_tokens"),
     "max_new_tokens<0": (dict(max_new_tokens=-4), "max_new_tokens"),
     "max_new_tokens-float": (dict(max_new_tokens=2.5), "max_new_tokens"),
+    "max_new_tokens-huge-float": (dict(max_new_tokens=float("inf")), "max_new_tokens"),
+    "max_new_tokens-str": (dict(max_new_tokens="8"), "max_new_tokens"),
+    "top_k-str": (dict(temperature=0.5, top_k="3"), "top_k"),
+    "top_k-bool": (dict(temperature=0.5, top_k=True), "top_k"),
+    "seed-float": (dict(temperature=0.5, seed=1.5), "seed"),
+    "temperature-str": (dict(temperature="0.5"), "temperature"),
     "stop-empty": (dict(stop=[""]), "stop"),
     "stop-one-empty": (dict(stop=["ok", ""]), "stop"),
     "stop-empty-str": (dict(stop=""), "stop"),  # a plain string is one stop string
@@ -133,9 +139,9 @@ BAD = {
     "empty-text": (dict(prompt=""), "empty"),
     "blank-text": (dict(prompt="  \n "), "empty"),
     "empty-ids": (dict(prompt=[]), "empty"),
-    "too-long-ids": (dict(prompt=LONG), "maximum length"),
-    "max-length-ids": (dict(prompt=[5] * MAX_LENGTH), "maximum length"),
-    "too-long-text": (dict(prompt="x" * (MAX_LENGTH + 5)), "maximum length"),
+    "too-long-ids": (dict(prompt=LONG), "holds at most"),
+    "max-length-ids": (dict(prompt=[5] * MAX_LENGTH), "holds at most"),
+    "too-long-text": (dict(prompt="x" * (MAX_LENGTH + 5)), "holds at most"),
     "id-out-of-vocab": (dict(prompt=[5, 256]), r"\[0, 256\)"),
 }
 
@@ -233,3 +239,41 @@ def test_cli_seed_is_reproducible_and_matches_the_api(mha, capsys):
     api_run = mha.rt.generate("Seeds: é€🙂", max_new_tokens=20, temperature=0.9, top_p=0.95, top_k=40, seed=5, chat=False)
     assert api_run.token_ids == runs[0]["token_ids"] and api_run.text == runs[0]["text"]
     assert runs[0]["stats"]["lossless"] is True
+
+
+def test_whole_number_settings_given_as_floats_or_huge_ints_run(mha):
+    """top_k=3.0, seed=1.0 and max_new_tokens=10**30 are whole numbers: they run like 3, 1
+    and a request bounded by the KV capacity (no TypeError after the prefill)."""
+    rt = mha.runtime()
+    a = rt.generate(PROMPTS[0], max_new_tokens=6, temperature=0.8, top_k=3.0, seed=1.0)
+    b = rt.generate(PROMPTS[0], max_new_tokens=6, temperature=0.8, top_k=3, seed=1)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 6
+    r = rt.generate(PROMPTS[0], max_new_tokens=10**30)
+    assert r.finish_reason in ("stop", "length") and 0 < len(r.token_ids) <= MAX_LENGTH
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: 1 << 12])
+
+
+DAMAGED = {
+    "truncated target graph": (lambda d: _truncate(d / "target.onnx"), "target.onnx"),
+    "truncated draft graph": (lambda d: _truncate(d / "draft.onnx"), "draft.onnx"),
+    "tokenizer removed": (lambda d: __import__("shutil").rmtree(d / "tokenizer"), "tokenizer"),
+    "manifest is a list": (lambda d: (d / "manifest.json").write_text("[]"), "manifest.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_damaged_export_folder_is_one_clear_error(mha, tmp_path, capsys, case):
+    import shutil
+
+    folder = tmp_path / "export"
+    shutil.copytree(mha.export_dir, folder)
+    damage, word = DAMAGED[case]
+    damage(folder)
+    rc = cli.main(["--engines", str(folder), "--prompt", "hello", "--raw", "--threads", str(THREADS)])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("eagle-run: error: ") and word in lines[0], err
