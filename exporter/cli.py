@@ -24,6 +24,16 @@ def add_tree_args(parser: argparse.ArgumentParser, defaults_from: str) -> None:
     g.add_argument("--tree-top-k", dest="tree_top_k", type=int, default=None, help="children per expanded node")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: ...)" except for on/off flags and help texts that state their own default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.nargs == 0 or "default:" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
 def tree_from_args(args, base: TreeConfig | None) -> TreeConfig | None:
     """The tree the flags ask for; `base` (the manifest's, or None for the export default)
     when no tree flag is given, with any given flag overriding it."""
@@ -48,7 +58,7 @@ def tree_from_args(args, base: TreeConfig | None) -> TreeConfig | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle-export", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help=f"alias ({', '.join(ALIASES)}), a Hugging Face model folder, or a .gguf file")
     p.add_argument("--draft", default=None, help="EAGLE head folder or cached hub id; 'random' for an untrained head; default: the alias's head")
     p.add_argument("--out", type=Path, default=Path("engines"), help="output root; the export goes to OUT/NAME")

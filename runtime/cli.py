@@ -6,13 +6,13 @@ import json
 import sys
 from pathlib import Path
 
-from eagle_deploy.exporter.cli import add_tree_args, tree_from_args
+from eagle_deploy.exporter.cli import HelpFormatter, add_tree_args, tree_from_args
 
 LOSSY = "NOT LOSSLESS"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="eagle-run", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="eagle-run", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--engines", type=Path, required=True, help="an export folder written by eagle-export")
     p.add_argument("--prompt", required=True, help="user message (the chat template is applied when the model has one)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")

@@ -152,7 +152,7 @@ def baseline_unavailable(name: str, manifest) -> str | None:
 
     if name.startswith("llamacpp"):
         if importlib.util.find_spec("llama_cpp") is None:
-            return "llama-cpp-python is not installed (pip install 'eagle-deploy[bench]'; it compiles llama.cpp, ~6 min): skipped"
+            return "llama-cpp-python is not installed (pip install '.[bench]' in the repository; it compiles llama.cpp, ~6 min): skipped"
         src = target_source(manifest)
         if src is None or src.suffix != ".gguf" or not src.is_file():
             return f"the export's target ({src}) is not a GGUF file llama.cpp can load: skipped"
