@@ -44,9 +44,31 @@ def weight_bytes(model) -> int:
 
 
 def constant_matmuls(model) -> list[str]:
-    """Names of the MatMul nodes whose second input is an initializer (the quantisable ones)."""
+    """Names of the MatMul nodes whose second input is an initializer (the quantisable ones),
+    except exact ones (see exact_matmuls)."""
     inits = {t.name for t in model.graph.initializer}
-    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+    exact = set(exact_matmuls(model))
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits and n.name not in exact]
+
+
+def exact_matmuls(model) -> list[str]:
+    """MatMul nodes whose constant second input is a signed permutation matrix (entries 0 and
+    +-1, one non-zero per row and column: RoPE's rotate-half). They are exact in fp32 and must
+    stay so; quantising them would perturb every position's rotation."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    consts = {t.name: t for t in model.graph.initializer}
+    consts.update({n.output[0]: a.t for n in model.graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"})
+    names = []
+    for n in model.graph.node:
+        t = consts.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) > 1 else None
+        if t is None or len(t.dims) != 2 or t.dims[0] != t.dims[1]:
+            continue
+        w = numpy_helper.to_array(t)
+        if np.isin(w, (-1, 0, 1)).all() and (np.abs(w).sum(0) == 1).all() and (np.abs(w).sum(1) == 1).all():
+            names.append(n.name)
+    return names
 
 
 def quantised_nodes(model) -> list:
@@ -64,7 +86,8 @@ def nbits_model_from_onnx(model, bits: int = 4, block_size: int = 32, accuracy_l
                           f"pip install onnx-ir ml_dtypes") from err
 
     quant = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
-                                 accuracy_level=accuracy_level, op_types_to_quantize=("MatMul",))
+                                 accuracy_level=accuracy_level, op_types_to_quantize=("MatMul",),
+                                 nodes_to_exclude=exact_matmuls(model))
     quant.process()
     return quant.model.model
 
@@ -80,6 +103,7 @@ def dynamic_int8_model_from_file(path: Path, per_channel: bool = True, reduce_ra
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         out = Path(scratch) / path.name
         quantize_dynamic(path, out, op_types_to_quantize=["MatMul"], per_channel=per_channel,
+                         nodes_to_exclude=exact_matmuls(onnx.load(str(path), load_external_data=True)),
                          reduce_range=reduce_range, weight_type=QuantType.QInt8, use_external_data_format=external,
                          extra_options={"MatMulConstBOnly": True})
         return onnx.load(str(out), load_external_data=True)

@@ -204,3 +204,31 @@ def test_quant_needs_fp32(tmp_path):
 
     with pytest.raises(ValueError, match="fp32"):
         export("unused", None, tmp_path, ExportOptions(quant="int8", dtype="fp16"), progress=None)
+
+
+@pytest.mark.parametrize("method", ["nbits", "dynamic"])
+def test_rotate_half_matmul_stays_exact_even_as_an_initializer(tmp_path, method):
+    """A graph whose rotate-half matrix is an initializer (another exporter's choice): the
+    weight MatMul is quantised, the signed-permutation MatMul is left in fp32."""
+    from onnx import TensorProto, helper
+
+    from eagle_deploy.exporter.layers import rotate_half_matrix
+    from eagle_deploy.exporter.quantize import dynamic_int8_model_from_file, exact_matmuls, nbits_model_from_onnx
+
+    w = numpy_helper.from_array(np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32), "w")
+    r = numpy_helper.from_array(rotate_half_matrix(64).numpy(), "r")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="proj"), helper.make_node("MatMul", ["h", "r"], ["y"], name="rotate")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [w, r])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    assert exact_matmuls(model) == ["rotate"]
+    if method == "nbits":
+        out = nbits_model_from_onnx(model, bits=4, block_size=32)
+    else:
+        path = tmp_path / "g.onnx"
+        onnx.save_model(model, str(path))
+        out = dynamic_int8_model_from_file(path)
+    kept = [n for n in out.graph.node if n.op_type == "MatMul"]
+    assert [n.name for n in kept] == ["rotate"]
+    assert any(n.op_type in ("MatMulNBits", "MatMulInteger", "DynamicQuantizeMatMul") for n in out.graph.node)
