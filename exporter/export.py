@@ -6,7 +6,7 @@ from __future__ import annotations
 import platform
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from eagle_deploy.runtime.manifest import Manifest

@@ -24,11 +24,13 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 from eagle_deploy.runtime.manifest import GraphEntry
 
 TWO_GIB = 2 * 1024**3
 QUANT_KINDS = ("int4", "int8")
+MAX_HEAD_DIM = 1024  # exact_matmuls looks only at square constants up to this size
 NBITS_OPTIONS = {"block_size": 32, "accuracy_level": 4, "symmetric": True}
 DYNAMIC_OPTIONS = {"per_channel": True, "reduce_range": False}
 DEFAULTS = {
@@ -43,12 +45,12 @@ def weight_bytes(model) -> int:
     return sum(len(t.raw_data) or t.ByteSize() for t in model.graph.initializer)
 
 
-def constant_matmuls(model) -> list[str]:
+def constant_matmuls(model, exact: Sequence[str] | None = None) -> list[str]:
     """Names of the MatMul nodes whose second input is an initializer (the quantisable ones),
-    except exact ones (see exact_matmuls)."""
+    except the exact ones (`exact`, default exact_matmuls(model))."""
     inits = {t.name for t in model.graph.initializer}
-    exact = set(exact_matmuls(model))
-    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits and n.name not in exact]
+    skip = set(exact_matmuls(model) if exact is None else exact)
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits and n.name not in skip]
 
 
 def exact_matmuls(model) -> list[str]:
@@ -63,7 +65,9 @@ def exact_matmuls(model) -> list[str]:
     names = []
     for n in model.graph.node:
         t = consts.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) > 1 else None
-        if t is None or len(t.dims) != 2 or t.dims[0] != t.dims[1]:
+        # a head-dim-sized square; weight matrices of large models are square too, and reading
+        # them all would cost seconds per layer
+        if t is None or len(t.dims) != 2 or t.dims[0] != t.dims[1] or t.dims[0] > MAX_HEAD_DIM:
             continue
         w = numpy_helper.to_array(t)
         if np.isin(w, (-1, 0, 1)).all() and (np.abs(w).sum(0) == 1).all() and (np.abs(w).sum(1) == 1).all():
@@ -76,9 +80,11 @@ def quantised_nodes(model) -> list:
     return [n for n in model.graph.node if n.op_type in QUANT_OPS]
 
 
-def nbits_model_from_onnx(model, bits: int = 4, block_size: int = 32, accuracy_level: int = 4, symmetric: bool = True):
-    """Every constant-weight MatMul -> MatMulNBits (`bits`-bit weights, one scale per
-    `block_size` rows along K; accuracy_level 4 = int8 activations in the kernel, 0 = fp32)."""
+def nbits_model_from_onnx(model, bits: int = 4, block_size: int = 32, accuracy_level: int = 4, symmetric: bool = True,
+                          exclude: Sequence[str] | None = None):
+    """Every constant-weight MatMul except `exclude` (default exact_matmuls(model)) ->
+    MatMulNBits (`bits`-bit weights, one scale per `block_size` rows along K;
+    accuracy_level 4 = int8 activations in the kernel, 0 = fp32)."""
     try:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
     except ModuleNotFoundError as err:  # it imports onnx_ir, which onnxruntime does not declare
@@ -87,14 +93,16 @@ def nbits_model_from_onnx(model, bits: int = 4, block_size: int = 32, accuracy_l
 
     quant = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
                                  accuracy_level=accuracy_level, op_types_to_quantize=("MatMul",),
-                                 nodes_to_exclude=exact_matmuls(model))
+                                 nodes_to_exclude=list(exact_matmuls(model) if exclude is None else exclude))
     quant.process()
     return quant.model.model
 
 
-def dynamic_int8_model_from_file(path: Path, per_channel: bool = True, reduce_range: bool = False):
+def dynamic_int8_model_from_file(path: Path, per_channel: bool = True, reduce_range: bool = False,
+                                 exclude: Sequence[str] | None = None):
     """Dynamic int8 quantisation (weights int8, activations quantised per call) of every
-    constant-weight MatMul of the graph at `path`."""
+    constant-weight MatMul of the graph at `path` except `exclude` (default: exact_matmuls of
+    the graph, which then is read once more)."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -103,7 +111,7 @@ def dynamic_int8_model_from_file(path: Path, per_channel: bool = True, reduce_ra
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         out = Path(scratch) / path.name
         quantize_dynamic(path, out, op_types_to_quantize=["MatMul"], per_channel=per_channel,
-                         nodes_to_exclude=exact_matmuls(onnx.load(str(path), load_external_data=True)),
+                         nodes_to_exclude=list(exact_matmuls(onnx.load(str(path), load_external_data=True)) if exclude is None else exclude),
                          reduce_range=reduce_range, weight_type=QuantType.QInt8, use_external_data_format=external,
                          extra_options={"MatMulConstBOnly": True})
         return onnx.load(str(out), load_external_data=True)
@@ -179,14 +187,15 @@ def quantize_graph(folder: Path, entry: GraphEntry, kind: str, external_data: st
     settings = {**allowed, **options}
     path = Path(folder) / entry.path
     model = onnx.load(str(path), load_external_data=True)
-    todo = constant_matmuls(model)
+    exact = exact_matmuls(model)
+    todo = constant_matmuls(model, exact)
     with quiet_logging():
         if method == "nbits":
-            quantised = nbits_model_from_onnx(model, bits=int(kind[3:]), **settings)
+            quantised = nbits_model_from_onnx(model, bits=int(kind[3:]), exclude=exact, **settings)
         else:
             del model
-            quantised = dynamic_int8_model_from_file(path, **settings)
-    left = set(todo) & set(constant_matmuls(quantised))
+            quantised = dynamic_int8_model_from_file(path, exclude=exact, **settings)
+    left = set(todo) & set(constant_matmuls(quantised, exact))
     if left:
         raise RuntimeError(f"{entry.path}: {len(left)} weight MatMul(s) were not quantised, e.g. {sorted(left)[:3]}")
     n_quant = len(quantised_nodes(quantised))

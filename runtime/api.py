@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import numpy as np
-
 from .backends import load_backend
 from .decode import Decoder, Stats, TokenStopper
 from .drafter import Drafter, EagleDrafter

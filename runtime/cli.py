@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from .api import EagleRuntime, check_request
+    from .decode import check_acceptance
     from .manifest import Manifest, ManifestError
     from .tree import TreeConfig, TreeConfigError
 
@@ -49,8 +50,7 @@ def main(argv=None) -> int:
             raise ValueError("--stream and --json cannot be combined (--json prints one object at the end)")
         if not args.prompt.strip():
             raise ValueError("the prompt is empty")
-        if args.acceptance == "threshold" and not 0.0 < args.threshold <= 1.0:
-            raise ValueError(f"--threshold must be in (0, 1], got {args.threshold}")
+        check_acceptance(args.acceptance, args.threshold)
         manifest = Manifest.load(args.engines)
         tree = tree_from_args(args, TreeConfig.from_json(manifest.tree))
         rt = EagleRuntime.load(args.engines, backend=args.backend, tree=tree, threads=args.threads,

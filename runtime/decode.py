@@ -15,7 +15,7 @@ import numpy as np
 from eagle_deploy.exporter import contract as c
 
 from .backends.base import Backend, StepInputs
-from .drafter import DraftRequest, Drafter
+from .drafter import DraftRequest, Drafter, causal_mask
 from .sampling import SamplingParams, greedy_token, sample, target_probs
 from .tree import DraftTree
 from .verify import Verification, verify_sampling, verify_threshold
@@ -78,6 +78,14 @@ class _State:
     finish_reason: str | None = None
 
 
+def check_acceptance(acceptance: str, threshold: float) -> None:
+    """ValueError unless acceptance is "lossless" or "threshold" with threshold in (0, 1]."""
+    if acceptance not in ("lossless", "threshold"):
+        raise ValueError(f"acceptance must be 'lossless' or 'threshold', got {acceptance!r}")
+    if acceptance == "threshold" and not 0.0 < threshold <= 1.0:
+        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+
+
 class Decoder:
     """Speculative (or vanilla) decoding over one target graph.
 
@@ -86,10 +94,7 @@ class Decoder:
 
     def __init__(self, target: Backend, drafter: Drafter | None, max_length: int,
                  acceptance: str = "lossless", threshold: float = 0.0):
-        if acceptance not in ("lossless", "threshold"):
-            raise ValueError(f"acceptance must be 'lossless' or 'threshold', got {acceptance!r}")
-        if acceptance == "threshold" and not 0.0 < threshold <= 1.0:  # fail at load, not after the first forward
-            raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+        check_acceptance(acceptance, threshold)  # fail at load, not after the first forward
         self.target, self.drafter = target, drafter
         self.max_length = max_length
         self.kv = target.allocate_kv(max_length)
@@ -140,7 +145,7 @@ class Decoder:
             raise ValueError(f"the prompt has {n} tokens; this export holds at most {self.max_length - 1} prompt tokens")
         stats.prompt_tokens = n
         out = self.target.run(StepInputs(np.asarray(prompt, np.int64)[None], np.arange(n)[None],
-                                         np.tril(np.ones((n, n), dtype=bool))[None], np.array([[n - 1]])), self.kv, 0)
+                                         causal_mask(0, n), np.array([[n - 1]])), self.kv, 0)
         logits = out[c.LOGITS][0, 0]
         token = greedy_token(logits) if params.greedy else sample(target_probs(logits, params), rng)
         return _State(list(prompt) + [token], n, out[c.FEATURES][0].copy())

@@ -22,7 +22,7 @@ def whole_number(value, name: str, minimum: int) -> int:
     """`value` as an int if it is a whole number >= `minimum` (3 and 3.0 pass; True, 3.5,
     inf and "3" do not); else ValueError naming `name`."""
     if not _is_real(value) or not math.isfinite(value) or int(value) != value or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}{' or None' if name == 'seed' else ''}, got {value!r}")
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
 
@@ -43,7 +43,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         object.__setattr__(self, "top_k", whole_number(self.top_k, "top_k", 0))
         if self.seed is not None:
-            object.__setattr__(self, "seed", whole_number(self.seed, "seed", 0))
+            object.__setattr__(self, "seed", whole_number(self.seed, "seed (or None)", 0))
 
     @property
     def greedy(self) -> bool:

@@ -15,7 +15,7 @@ import torch
 
 from eagle_deploy.exporter import contract as c
 from eagle_deploy.runtime.backends.base import StepInputs
-from eagle_deploy.runtime.drafter import DraftRequest
+from eagle_deploy.runtime.drafter import DraftRequest, causal_mask  # noqa: F401 (re-exported for the tests)
 from eagle_deploy.runtime.tree import DraftTree
 
 # --------------------------------------------------------------------------- references
@@ -60,13 +60,6 @@ def until_eos(tokens: Sequence[int], eos_ids: Sequence[int], n: int) -> list[int
 
 
 # --------------------------------------------------------------------------- graph runners
-
-
-def causal_mask(past: int, seq: int) -> np.ndarray:
-    """[1, seq, past + seq] bool: all past rows, causal among the new tokens."""
-    mask = np.ones((1, seq, past + seq), dtype=bool)
-    mask[0, :, past:] = np.tril(np.ones((seq, seq), dtype=bool))
-    return mask
 
 
 def run_step(backend, kv, tokens, positions, mask, past: int, logits_at=None, features=None) -> dict:

@@ -51,8 +51,6 @@ class OrtBackend:
                  spinning: bool | None = None, providers: list[str] | None = None):
         """spinning: intra-op threads spin between ops; None = on for the target graph (the
         one with logits), off for the draft (see session_options)."""
-        import onnxruntime as ort
-
         if spinning is None:
             spinning = any(o["name"] == c.LOGITS for o in graph.outputs)
 
