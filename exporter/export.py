@@ -21,8 +21,9 @@ DRAFT_VOCAB_FILE = "draft_vocab.npy"
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
                  "bf16": "bfloat16", "bfloat16": "bfloat16"}
 # Default draft trees by target precision, chosen by `eagle-bench --tune` on SmolLM2-135M on a
-# 2-core x86 CPU (2026-11-29): fp32 8 tokens/depth 4/top-2 (1.44x vanilla), int8 and int4
-# 4/2/2 (1.40x, 1.16x). Re-run `eagle-bench --tune` on your machine: it rewrites the export's tree.
+# 2-core x86 CPU (2026-11-29, final graphs): fp32 8 tokens/depth 4/top-2 (1.55x vanilla), int4
+# 4/2/2 (1.19x), int8 4/2/2 (1.30x; 4/2/8 was 1% faster, within noise). Re-run
+# `eagle-bench --tune` on your machine: it rewrites the export's tree.
 DEFAULT_TREES = {
     None: TreeConfig(kind="dynamic", total_tokens=8, depth=4, top_k=2),
     "int8": TreeConfig(kind="dynamic", total_tokens=4, depth=2, top_k=2),
