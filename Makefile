@@ -3,14 +3,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: demo test test-fast setup clean
+.PHONY: demo test test-fast lint setup clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
 	$(PY) -m pip install -q --no-deps $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['tool']['eagle-deploy']['no-deps-requirements']))")
 	touch $@
 
@@ -21,8 +21,12 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+# The fast lane: everything but the real-model export and the Monte-Carlo distribution tests.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not statistical"
+
+lint: setup
+	$(VENV)/bin/ruff check src tests
 
 clean:
 	rm -rf $(VENV)

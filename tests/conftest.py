@@ -9,15 +9,10 @@ from functools import cached_property
 from pathlib import Path
 
 import pytest
+import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `tests.tiny` / `tests.helpers` importable from any rootdir
-    sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from tests import tiny  # noqa: E402
-from tests.helpers import hf_greedy, until_eos  # noqa: E402
+from tests import tiny
+from tests.helpers import hf_greedy, until_eos
 
 MAX_LENGTH = 256
 THREADS = 1  # the CPU is shared; one intra-op thread also keeps runs bit-reproducible
@@ -52,7 +47,7 @@ class TinyModel:
 
     @cached_property
     def manifest(self):
-        from eagle_deploy.runtime.manifest import Manifest
+        from eagle_deploy.contract.manifest import Manifest
 
         return Manifest.load(self.export_dir)
 

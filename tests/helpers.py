@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from eagle_deploy.exporter import contract as c
+from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.runtime.backends.base import StepInputs
 from eagle_deploy.runtime.drafter import DraftRequest, causal_mask  # noqa: F401 (re-exported for the tests)
 from eagle_deploy.runtime.tree import DraftTree

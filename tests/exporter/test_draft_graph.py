@@ -12,10 +12,10 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from eagle_deploy.exporter import contract as c
+from eagle_deploy.contract import onnx_io as c
+from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.exporter.draft_head import HeadCheckpointError, load_head
-from eagle_deploy.runtime.backends.torch_ref import TorchBackend
-from eagle_deploy.runtime.manifest import Manifest
+from eagle_deploy.validate.torch_backend import TorchBackend
 from tests import tiny
 from tests.helpers import causal_mask, run_step
 

@@ -18,10 +18,10 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.exporter.models import sha256_file
 from eagle_deploy.exporter.quantize import constant_matmuls, quantize_graph
 from eagle_deploy.runtime.drafter import ScriptedDrafter
-from eagle_deploy.runtime.manifest import Manifest
 from tests import tiny
 from tests.conftest import MAX_LENGTH, PROMPTS, THREADS
 from tests.helpers import causal_mask, prefill, run_step

@@ -7,7 +7,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from eagle_deploy.exporter import contract as c
+from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.exporter.layers import rotate_half_matrix
 from eagle_deploy.runtime.tree import DraftTree
 from tests.helpers import causal_mask, hf_features, hf_logits, kv_rows, prefill, run_step, run_tree

@@ -11,25 +11,25 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from eagle_deploy.contract import onnx_io as c
+from eagle_deploy.contract.manifest import Manifest
+from eagle_deploy.exporter import trt_build as tb
+from eagle_deploy.runtime.backends.trt import (
+    ProfileShapeError,
+    TreeProfileError,
+    check_tree_fits,
+    profile_order,
+    select_profile,
+    step_shapes,
+)
+from eagle_deploy.runtime.tree import TreeConfig, TreeConfigError
 from tests.helpers import gpu_skip_reason
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from eagle_deploy.exporter import contract as c  # noqa: E402
-from eagle_deploy.exporter import trt_build as tb  # noqa: E402
-from eagle_deploy.runtime.backends.trt import (ProfileShapeError, TreeProfileError, check_tree_fits,  # noqa: E402
-                                               profile_order, select_profile, step_shapes)
-from eagle_deploy.runtime.manifest import Manifest  # noqa: E402
-from eagle_deploy.runtime.tree import TreeConfig, TreeConfigError  # noqa: E402
 
 MAX_LENGTH = 256
 

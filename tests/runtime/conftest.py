@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from eagle_deploy.exporter import contract as c
+from eagle_deploy.contract import onnx_io as c
 from tests import tiny
 from tests.conftest import build_tiny
 

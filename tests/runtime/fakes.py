@@ -14,11 +14,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from eagle_deploy.exporter import contract as c
+from eagle_deploy.contract import onnx_io as c
+from eagle_deploy.contract.manifest import GraphEntry, Manifest
 from eagle_deploy.runtime.api import EagleRuntime
 from eagle_deploy.runtime.drafter import ScriptedDrafter
 from eagle_deploy.runtime.kv import KVBuffer
-from eagle_deploy.runtime.manifest import GraphEntry, Manifest
 from eagle_deploy.runtime.tree import TreeConfig
 
 HIDDEN = 4

@@ -13,8 +13,18 @@ import pytest
 from eagle_deploy.runtime.drafter import EagleDrafter
 from eagle_deploy.runtime.tree import TreeConfig
 from tests.conftest import PROMPTS, THREADS
-from tests.helpers import (CommitSpy, ForcingDrafter, RecordingBackend, ReferenceScript, assert_kv_close, causal_mask, hf_features,
-                           kv_rows, run_step, wrong_token)
+from tests.helpers import (
+    CommitSpy,
+    ForcingDrafter,
+    RecordingBackend,
+    ReferenceScript,
+    assert_kv_close,
+    causal_mask,
+    hf_features,
+    kv_rows,
+    run_step,
+    wrong_token,
+)
 
 ATOL = 1e-4
 

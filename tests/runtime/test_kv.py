@@ -6,13 +6,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eagle_deploy.exporter import contract as c
+from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.runtime.drafter import ScriptedDrafter
 from eagle_deploy.runtime.kv import CapacityError, KVBuffer
 from eagle_deploy.runtime.tree import DraftTree
 from tests.conftest import PROMPTS
-from tests.helpers import (CommitSpy, RecordingBackend, ReferenceScript, assert_kv_close, kv_rows, prefill, run_tree,
-                           wrong_token)
+from tests.helpers import (
+    CommitSpy,
+    RecordingBackend,
+    ReferenceScript,
+    assert_kv_close,
+    kv_rows,
+    prefill,
+    run_tree,
+    wrong_token,
+)
 
 
 def _numbered(capacity=16, layers=2):

@@ -161,6 +161,7 @@ CASES_A = [("1", "T1"), ("4", "T1"), ("12", "T1"), ("random-12", "T1"),
            ("12", "k3-T1.3"), ("random-12", "k3-T1.3")]
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("tree_name, params_name", CASES_A)
 def test_verification_output_follows_the_target_exactly(tree_name, params_name):
     T, top_p, top_k = PARAMS[params_name]
@@ -205,6 +206,7 @@ def _fixed_pair_drafter(paths):
 N_E2E_JOINT = 6000
 
 
+@pytest.mark.statistical
 def test_end_to_end_two_token_joint_follows_the_target(v16, v16_logits):
     """generate(max_new_tokens=4): t0 from the prefill; round 1 verifies a depth-2 tree that
     always holds the paths [a, b] and [b, a] (a, b: the two likeliest second tokens). The
@@ -250,6 +252,7 @@ def _two_tokens(rt, params: SamplingParams, n: int) -> np.ndarray:
 N_S2 = 10_000
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("T, top_p, top_k", [(1.0, 1.0, 3), (0.7, 0.5, 0)], ids=["top-k=3,T=1", "top-p=0.5,T=0.7"])
 def test_s2_truncation_applies_to_the_target(v16, v16_logits, T, top_p, top_k):
     """CASES S2 over 10k seeds: t0 (prefill) and t1 (first verification round; the drafter

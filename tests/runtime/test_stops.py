@@ -9,8 +9,16 @@ import pytest
 from eagle_deploy.runtime.api import GenerationResult
 from eagle_deploy.runtime.drafter import ScriptedDrafter
 from tests.conftest import PROMPTS
-from tests.helpers import (CommitSpy, ReferenceScript, UnclippedDrafter, assert_kv_close, clone_runtime_export, kv_rows,
-                           prefill, wrong_token)
+from tests.helpers import (
+    CommitSpy,
+    ReferenceScript,
+    UnclippedDrafter,
+    assert_kv_close,
+    clone_runtime_export,
+    kv_rows,
+    prefill,
+    wrong_token,
+)
 
 PROMPT = PROMPTS[1]
 DEPTH = 5

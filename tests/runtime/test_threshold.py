@@ -56,6 +56,7 @@ def _t1_draws(rt, n: int, T: float, **kw) -> tuple[np.ndarray, list]:
     return t1, stats
 
 
+@pytest.mark.statistical
 def test_end_to_end_threshold_changes_the_distribution(v16, v16_logits):
     """The drafter always proposes token z, the token whose smallest probability over the
     contexts (prompt + t0) is largest among the tokens with mean probability < 0.1; the
@@ -110,6 +111,7 @@ def test_not_lossless_is_labelled(v16, capsys):
     assert "NOT LOSSLESS" not in err
 
 
+@pytest.mark.statistical
 def test_threshold_gain_and_divergence(v16, v16_logits, record_property):
     """Measured on the vocab-16 tiny target with its random EAGLE head (default tree), T = 1:
     tau (tokens per target forward, over 24-token requests) and the total variation of the

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import enum
 import shutil
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,25 +23,26 @@ import pytest
 
 from tests.helpers import gpu_skip_reason
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 torch = pytest.importorskip("torch")
 
-from eagle_deploy.exporter import contract as c  # noqa: E402
-from eagle_deploy.exporter import trt_build as tb  # noqa: E402
-from eagle_deploy.runtime.backends.base import StepInputs  # noqa: E402
-from eagle_deploy.runtime.backends.ort import OrtBackend  # noqa: E402
-from eagle_deploy.runtime.backends.ort_cuda import OrtCudaBackend, coerce_host_array  # noqa: E402
-from eagle_deploy.runtime.backends.trt import (ProfileShapeError, TreeProfileError, TrtBackend,  # noqa: E402
-                                               profile_violation, select_profile)
-from eagle_deploy.runtime.decode import Decoder, TokenStopper  # noqa: E402
-from eagle_deploy.runtime.drafter import EagleDrafter, ScriptedDrafter, causal_mask  # noqa: E402
-from eagle_deploy.runtime.kv import CapacityError, KVBuffer  # noqa: E402
-from eagle_deploy.runtime.manifest import Manifest  # noqa: E402
-from eagle_deploy.runtime.sampling import SamplingParams  # noqa: E402
-from eagle_deploy.runtime.tree import TreeConfig, TreeConfigError  # noqa: E402
+from eagle_deploy.contract import onnx_io as c
+from eagle_deploy.contract.manifest import Manifest
+from eagle_deploy.exporter import trt_build as tb
+from eagle_deploy.runtime.backends.base import StepInputs
+from eagle_deploy.runtime.backends.ort import OrtBackend
+from eagle_deploy.runtime.backends.ort_cuda import OrtCudaBackend, coerce_host_array
+from eagle_deploy.runtime.backends.trt import (
+    ProfileShapeError,
+    TreeProfileError,
+    TrtBackend,
+    profile_violation,
+    select_profile,
+)
+from eagle_deploy.runtime.decode import Decoder, TokenStopper
+from eagle_deploy.runtime.drafter import EagleDrafter, ScriptedDrafter, causal_mask
+from eagle_deploy.runtime.kv import CapacityError, KVBuffer
+from eagle_deploy.runtime.sampling import SamplingParams
+from eagle_deploy.runtime.tree import TreeConfig, TreeConfigError
 
 MAX_LENGTH = 256
 THREADS = 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eagle_deploy.exporter import contract as c
+from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.runtime.drafter import ScriptedDrafter
 from eagle_deploy.runtime.sampling import SamplingParams, greedy_token, target_probs
 from eagle_deploy.runtime.tree import DraftTree

@@ -14,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle_deploy.exporter import contract as c
-from eagle_deploy.tools.bench import cli, divergence as dv, report, tune as tn
+from eagle_deploy.bench import cli, report
+from eagle_deploy.bench import divergence as dv
+from eagle_deploy.bench import tune as tn
+from eagle_deploy.contract import onnx_io as c
 from tests.tools.tiny_export import PROMPTS, copy_export, prompt_file, tiny_export
 
 RUN_KEYS = {"new_tokens", "seconds", "tokens_per_s", "ttft_ms", "finish_reason", "token_ids"}
@@ -117,7 +119,7 @@ def fake_llama_cpp(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", spec)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
-    from eagle_deploy.tools.bench import reference
+    from eagle_deploy.validate import reference
 
     monkeypatch.setattr(reference, "target_source", lambda manifest: gguf)
     _FakeLlama.instances = []
@@ -142,7 +144,7 @@ def test_llamacpp_path_with_a_fake_module(export_dir, tmp_path, fake_llama_cpp):
 
 
 def test_llamacpp_stops_at_eos(fake_llama_cpp):
-    from eagle_deploy.tools.bench.systems import LlamaCppSystem
+    from eagle_deploy.bench.systems import LlamaCppSystem
 
     system = LlamaCppSystem(fake_llama_cpp, eos_ids=[14], threads=2, n_ctx=64)
     run = system.run([1, 2, 3], max_new_tokens=50)
@@ -189,8 +191,8 @@ def test_divergence_classification():
 
 
 def test_batch_vs_single_on_the_tiny_engine(export_dir):
+    from eagle_deploy.contract.manifest import Manifest
     from eagle_deploy.runtime.backends.ort import OrtBackend
-    from eagle_deploy.runtime.manifest import Manifest
 
     m = Manifest.load(export_dir)
     diff = dv.batch_vs_single(OrtBackend(export_dir, m.target, m.dims, threads=1), list(range(20, 36)))
@@ -243,7 +245,7 @@ def test_growth_and_overhead_fit():
 
 
 def test_tune_writes_the_tree_to_the_manifest(export_dir, tmp_path):
-    from eagle_deploy.runtime.manifest import Manifest
+    from eagle_deploy.contract.manifest import Manifest
     from eagle_deploy.runtime.tree import TreeConfig
 
     folder = copy_export(export_dir, tmp_path / "tuned")

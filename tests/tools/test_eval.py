@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle_deploy.tools.train import evaluate as ev
+from eagle_deploy.train import evaluate as ev
 from tests.tools.tiny_export import PROMPTS, prompt_file, tiny_export
 
 

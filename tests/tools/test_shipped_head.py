@@ -1,4 +1,4 @@
-"""The trained SmolLM2 head shipped in exporter/heads/smollm2-135m (slow: real export)."""
+"""The trained SmolLM2 head shipped in src/eagle_deploy/data/heads/smollm2-135m (slow: real export)."""
 from __future__ import annotations
 
 import json

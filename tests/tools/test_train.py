@@ -8,8 +8,8 @@ import torch
 
 from eagle_deploy.exporter.draft_head import load_head, random_head, save_head
 from eagle_deploy.exporter.export import ExportOptions, export
-from eagle_deploy.tools.train.data import BatchedGenerator, TokenData, compute_features
-from eagle_deploy.tools.train.trainer import TrainConfig, evaluate, split, train_head, unroll_masks, unrolled_forward
+from eagle_deploy.train.data import BatchedGenerator, TokenData, compute_features
+from eagle_deploy.train.trainer import TrainConfig, evaluate, split, train_head, unroll_masks, unrolled_forward
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 77, 20, 21, 22, 23, 1, 2], [65, 32, 119], [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9]]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle_deploy.exporter import contract as c
-from eagle_deploy.tools import validate as v
+from eagle_deploy.contract import onnx_io as c
+from eagle_deploy.validate import cli as v
 from tests.tools.tiny_export import copy_export, tiny_export
 
 
@@ -144,7 +144,7 @@ def test_shape_mismatch_fails():
 
 
 def test_policy_by_dtype_and_quant():
-    from eagle_deploy.runtime.manifest import GraphEntry
+    from eagle_deploy.contract.manifest import GraphEntry
 
     assert v.policy_for(GraphEntry("t.onnx", "float32", [], [])).kind == "elementwise"
     assert v.policy_for(GraphEntry("t.onnx", "float16", [], [])).rel == 2e-2

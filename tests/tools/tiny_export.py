@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 PROMPTS = [
     {"id": "code-1", "category": "code", "prompt": "def add(a, b):"},

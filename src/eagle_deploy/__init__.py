@@ -1,0 +1,10 @@
+"""eagle-deploy: export a Llama-family target model and its EAGLE draft head to ONNX/TensorRT
+and decode with EAGLE-2/3 draft trees.
+
+Packages (no import crosses between `exporter` and `runtime`; both import `contract`):
+- `contract`: the ONNX I/O contract, the manifest schema, tree settings, profile arithmetic.
+- `exporter`: Hugging Face checkpoint + draft head -> ONNX graphs (+ TensorRT engines).
+- `runtime`: backends, KV buffer, drafting, verification, the decode loop, the Python API.
+- `bench`, `train`, `validate`: tools built on both halves.
+- `data`: shipped draft heads and prompt sets.
+"""

@@ -1,0 +1,151 @@
+"""`eagle-bench`: EAGLE vs vanilla decoding on the same engine, plus baselines, on prompt sets.
+
+    eagle-bench --engines engines/smollm2-135m --limit 5 --max-new-tokens 64
+    eagle-bench --engines engines/smollm2-135m --temperatures 0,0.7,1.0 --baselines hf,llamacpp
+    eagle-bench --engines engines/smollm2-135m --backends ort,trt --no-baselines
+    eagle-bench --engines engines/smollm2-135m --tune       # pick the tree, write it to the manifest
+
+Per prompt and aggregated: tokens/s, tau (tokens per target forward), speed-up over vanilla
+decoding (run interleaved with EAGLE, alternating order), EAGLE's time split
+(draft/verify/commit/other), TTFT, peak memory, and for greedy prompts whether EAGLE matched
+vanilla token for token (each divergence classified "numerics" or "bug"; see
+bench/divergence.py). Baselines (greedy, same prompt token ids, same thread count):
+hf (transformers generate), hf-lookup (prompt_lookup_num_tokens=10), llamacpp and
+llamacpp-lookup (llama-cpp-python on the export's GGUF; skipped with a note when that
+package is absent). Writes a JSON file and a PNG plot beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import sys
+from pathlib import Path
+
+from eagle_deploy.contract.cli_args import add_tree_args, tree_from_args
+
+from .systems import BASELINES
+
+DEFAULT_BASELINES = "hf,hf-lookup,llamacpp,llamacpp-lookup"
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not vals or any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"temperatures must be >= 0, got {text!r}")
+    return vals
+
+
+def _names(allowed):
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [n for n in names if n not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
+        return names
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from eagle_deploy.runtime.backends import BACKENDS
+
+    p = argparse.ArgumentParser(prog="eagle-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", type=Path, required=True, help="export folder written by eagle-export")
+    p.add_argument("--sets", default="humaneval,chat", help="prompt sets: humaneval, chat (comma-separated)")
+    p.add_argument("--prompts", type=Path, action="append", default=[], help="a JSONL prompt file ({\"prompt\": ...} per line); replaces --sets")
+    p.add_argument("--limit", type=int, default=0, help="first N prompts of each set (0 = all)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperatures", type=_floats, default=[0.0], help="comma-separated, 0 = greedy (e.g. 0,0.7,1.0)")
+    p.add_argument("--seed", type=int, default=0, help="sampled runs use seed + prompt index")
+    p.add_argument("--baselines", type=_names(BASELINES), default=None, help=f"comma-separated subset of {','.join(BASELINES)} (default: all)")
+    p.add_argument("--no-baselines", action="store_true", help="EAGLE and vanilla only")
+    p.add_argument("--backends", type=_names(BACKENDS), default=["ort"], help="comma-separated: ort, ort-cuda, trt (first = plain names)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every system (ORT sessions, torch, llama.cpp)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generation per system")
+    p.add_argument("--out", type=Path, default=None, help="result JSON (default bench_results/<export>-<time>.json); the PNG goes beside it")
+    p.add_argument("--json", action="store_true", help="print the aggregate as JSON on stdout (the table goes to stderr)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no per-prompt progress lines")
+    t = p.add_argument_group("tuning (--tune)")
+    t.add_argument("--tune", action="store_true", help="measure cost curves and acceptance, pick the tree, write it to the manifest")
+    t.add_argument("--calib", type=int, default=4, help="calibration prompts for --tune")
+    t.add_argument("--repeats", type=int, default=5, help="timed forwards per cost-curve point (median)")
+    t.add_argument("--no-save", action="store_true", help="--tune: report the choice without writing the manifest")
+    add_tree_args(p, "the export's manifest")
+    return p
+
+
+def _default_out(engines: Path) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("bench_results") / f"{engines.resolve().name}-{stamp}.json"
+
+
+def _bench(args, tree, say) -> int:
+    from . import report
+    from .run import BenchConfig, run_bench
+
+    baselines = [] if args.no_baselines else (args.baselines if args.baselines is not None else DEFAULT_BASELINES.split(","))
+    sets = [str(p) for p in args.prompts] or [s.strip() for s in args.sets.split(",") if s.strip()]
+    cfg = BenchConfig(args.engines, sets, args.limit, args.max_new_tokens, args.temperatures, baselines, args.backends,
+                      args.threads, tree, args.seed, not args.no_warmup)
+    result = run_bench(cfg, log=(lambda m: None) if args.quiet else say)
+    out = args.out or _default_out(args.engines)
+    report.write_json(result, out)
+    png = report.plot(result, out.with_suffix(".png"))
+    summary = report.format_summary(result)
+    if args.json:
+        print(summary, file=sys.stderr)
+        print(json.dumps({"aggregate": result["aggregate"], "greedy_identity": result["greedy_identity"],
+                          "baselines": result["baselines"], "memory": result["memory"], "json": str(out), "png": str(png)}))
+    else:
+        print(summary)
+        print(f"wrote {out} and {png}")
+    return 0
+
+
+def _tune(args, tree, say) -> int:
+    from .run import load_prompts
+    from .tune import TuneConfig, tune
+
+    sets = [str(p) for p in args.prompts] or [s.strip() for s in args.sets.split(",") if s.strip()]
+    prompts = load_prompts(sets, 0)
+    cfg = TuneConfig(args.engines, prompts, calib=args.calib, max_new_tokens=min(args.max_new_tokens, 64),
+                     repeats=args.repeats, threads=args.threads, backend=args.backends[0], save=not args.no_save)
+    record = tune(cfg, log=(lambda m: None) if args.quiet else say)
+    chosen = record["chosen"]
+    line = (f"chosen tree: total_tokens={chosen['total_tokens']} depth={chosen['depth']} top_k={chosen['top_k']} "
+            f"({record['chosen_measured_tokens_per_s']:.1f} tokens/s measured, {record['speedup_vs_vanilla']:.2f}x vanilla; "
+            f"{'written to the manifest' if cfg.save else 'not saved (--no-save)'})")
+    if args.json:
+        print(line, file=sys.stderr)
+        print(json.dumps(record))
+    else:
+        print(line)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from eagle_deploy.contract.manifest import Manifest, ManifestError
+    from eagle_deploy.runtime.tree import TreeConfig, TreeConfigError
+
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.max_new_tokens < 1 or args.limit < 0 or (args.threads or 1) < 1:
+        print("eagle-bench: error: --max-new-tokens and --threads must be >= 1, --limit >= 0", file=sys.stderr)
+        return 2
+    try:
+        manifest = Manifest.load(args.engines)
+        tree = None  # the manifest's own tree unless a tree flag is given
+        if any(v is not None for v in (args.tree, args.total_tokens, args.depth, args.tree_top_k)):
+            tree = tree_from_args(args, TreeConfig.from_json(manifest.tree)).validate(manifest.draft.extra["graph_top_k"])
+        return _tune(args, tree, say) if args.tune else _bench(args, tree, say)
+    except (ManifestError, TreeConfigError, FileNotFoundError, ModuleNotFoundError, ValueError) as err:
+        print(f"eagle-bench: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Realistic graph feeds, shaped as the runtime makes them (eagle-validate, eagle-bench --tune).
+
+Target: a prefill (past 0, causal), a one-token decode step and a tree verification (past
+from that prefill; a 10-node tree with three branches at the root, its tree mask and
+depth-based positions). Draft: the extension over the prompt's (feature, shifted token)
+pairs, then two frontier expansions in scratch rows with the tree mask over their
+ancestors (depth 1, then depth 2), exactly as `runtime.drafter.EagleDrafter` feeds them.
+The past KV and features come from a reference forward (`forward(feeds) -> (outputs,
+presents)`), run in float32 and cast to the graph dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from eagle_deploy.contract import onnx_io as c
+from eagle_deploy.runtime.drafter import causal_mask
+from eagle_deploy.runtime.tree import DraftTree
+
+# node i's parent; depths 0 1 1 1 2 2 2 3 3 4: three branches at the root, two under node 1
+VERIFY_PARENTS = (-1, 0, 0, 0, 1, 1, 2, 4, 4, 7)
+PROMPT_TEXT = ("Write a Python function that returns the n-th Fibonacci number, "
+               "then explain how it works in two sentences.")
+
+Forward = Callable[[dict], tuple[dict, list]]  # feeds (incl. past by name) -> (outputs, presents)
+
+
+@dataclass
+class Feed:
+    """One named graph input set (every input of the graph, by contract name)."""
+
+    label: str
+    inputs: dict[str, np.ndarray]
+
+
+def reference_forward(backend) -> Forward:
+    """Adapter over TorchBackend.forward: feeds with the past by name -> (outputs, presents)."""
+    def forward(feeds: dict) -> tuple[dict, list]:
+        f32 = {k: v.astype(np.float32) if v.dtype.kind == "f" else v for k, v in feeds.items()}
+        return backend.forward(f32, [f32[p] for p, _ in backend.kv_names])
+    return forward
+
+
+def prompt_ids(tokenizer, n: int, vocab: int, chat: bool) -> list[int]:
+    """n prompt token ids: PROMPT_TEXT through the chat template (when the export has one),
+    repeated or cut to n; deterministic pseudo-random ids without a tokenizer."""
+    if tokenizer is None:
+        return np.random.default_rng(0).integers(3, vocab, n).tolist()
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT_TEXT}], add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    else:
+        ids = list(tokenizer.encode(PROMPT_TEXT))
+    while len(ids) < n:
+        ids += ids
+    return [int(t) % vocab for t in ids[-n:]]  # the end keeps the template's assistant header
+
+
+def _kv(arrays, dtype) -> list[np.ndarray]:
+    return [np.ascontiguousarray(a, dtype=dtype) for a in arrays]
+
+
+def _step(ids, pos, mask, logits_at) -> dict[str, np.ndarray]:
+    return {c.INPUT_IDS: np.asarray(ids, np.int64)[None], c.POSITION_IDS: np.asarray(pos, np.int64)[None],
+            c.ATTENTION_MASK: mask, c.LOGITS_INDICES: np.asarray(logits_at, np.int64)[None]}
+
+
+def _with_past(feed: dict, kv_pairs, past: list[np.ndarray]) -> dict:
+    feed = dict(feed)
+    for (name, _), arr in zip(kv_pairs, past):
+        feed[name] = arr
+    return feed
+
+
+def verify_tree(root: int, vocab: int, rng) -> DraftTree:
+    tokens = [root] + rng.integers(3, vocab, len(VERIFY_PARENTS) - 1).tolist()
+    return DraftTree(np.array(tokens), np.array(VERIFY_PARENTS), -np.arange(len(tokens), dtype=np.float32))
+
+
+def target_feeds(forward: Forward, prompt: list[int], dims: dict, dtype) -> tuple[list[Feed], dict]:
+    """[prefill, decode, tree verification] feeds and the reference prefill state
+    {"features" [n, H] fp32, "root": int, "present": fp32 KV arrays}."""
+    n, kv_pairs = len(prompt), c.kv_names(dims["num_layers"])
+    empty = [np.zeros((0, 1, dims["num_kv_heads"], dims["head_dim"]), dtype) for _ in kv_pairs]
+    prefill = _with_past(_step(prompt, np.arange(n), causal_mask(0, n), np.arange(n)), kv_pairs, empty)
+    outs, present = forward(prefill)
+    root = int(np.argmax(outs[c.LOGITS][0, -1]))
+    past = _kv(present, dtype)
+    decode = _with_past(_step([root], [n], np.ones((1, 1, n + 1), bool), [0]), kv_pairs, past)
+    tree = verify_tree(root, dims["vocab"], np.random.default_rng(0))
+    mask = np.ones((1, tree.size, n + tree.size), bool)
+    mask[0, :, n:] = tree.tree_mask
+    verify = _with_past(_step(tree.tokens, tree.positions(n), mask, np.arange(tree.size)), kv_pairs, past)
+    feeds = [Feed(f"prefill (S={n}, past 0)", prefill), Feed(f"decode (S=1, past {n})", decode),
+             Feed(f"tree verify (S={tree.size}, past {n}, depth {int(tree.depths.max())})", verify)]
+    return feeds, {"features": outs[c.FEATURES][0], "root": root, "present": present}
+
+
+def _expand_mask(committed: int, scratch_parents: list[int | None], scratch: int) -> np.ndarray:
+    """[1, F, committed + scratch + F]: committed rows, each node's ancestor scratch row, itself."""
+    F = len(scratch_parents)
+    mask = np.zeros((1, F, committed + scratch + F), bool)
+    mask[0, :, :committed] = True
+    for j, parent_row in enumerate(scratch_parents):
+        if parent_row is not None:
+            mask[0, j, committed + parent_row] = True
+        mask[0, j, committed + scratch + j] = True
+    return mask
+
+
+def draft_feeds(forward: Forward, prompt: list[int], state: dict, dtype, frontier: int = 4) -> list[Feed]:
+    """[extension, expansion at depth 1, expansion at depth 2 (tree mask)] feeds for the
+    draft graph, from the target's prefill `state` (see target_feeds)."""
+    n = len(prompt)
+    kv_pairs = c.kv_names(1)
+    H = state["features"].shape[-1]
+    kvh, hd = state["present"][0].shape[2:]
+    empty = [np.zeros((0, 1, kvh, hd), dtype) for _ in kv_pairs]
+    feats = state["features"].astype(dtype)[None]  # (1, n, H)
+    ext = _with_past(_step(list(prompt[1:]) + [state["root"]], np.arange(n), causal_mask(0, n), [n - 1]), kv_pairs, empty)
+    ext[c.FEATURES] = feats
+    outs, present = forward(ext)
+    K = min(frontier, outs[c.TOPK_IDS].shape[-1])
+    root_feature = outs[c.NEXT_FEATURES][0, -1]
+    d1 = _with_past(_step(outs[c.TOPK_IDS][0, 0, :K], np.full(K, n), _expand_mask(n, [None] * K, 0), np.arange(K)),
+                    kv_pairs, _kv(present, dtype))
+    d1[c.FEATURES] = np.repeat(root_feature[None, None], K, axis=1).astype(dtype).reshape(1, K, H)
+    outs1, present1 = forward(d1)
+    # depth-2 frontier: two children of scratch node 0, one each of nodes 1 and 2
+    picks = [(0, 0), (0, 1), (1, 0), (2 % K, 0)]
+    ids = [int(outs1[c.TOPK_IDS][0, p, r]) for p, r in picks]
+    past2 = [np.concatenate([a, b]).astype(dtype) for a, b in zip(present, present1)]
+    d2 = _with_past(_step(ids, np.full(len(picks), n + 1), _expand_mask(n, [p for p, _ in picks], K), np.arange(len(picks))),
+                    kv_pairs, past2)
+    d2[c.FEATURES] = np.stack([outs1[c.NEXT_FEATURES][0, p] for p, _ in picks])[None].astype(dtype)
+    return [Feed(f"draft extend (S={n}, past 0)", ext), Feed(f"draft expand d1 (S={K}, past {n})", d1),
+            Feed(f"draft expand d2 (S={len(picks)}, past {n + K}, tree mask)", d2)]

@@ -1,0 +1,208 @@
+"""The eagle-bench run: every system is loaded first, then each prompt runs on all of them,
+interleaved (the order reverses from one prompt to the next, so EAGLE and vanilla alternate
+and a burst of load on a shared machine hits every system alike). Baselines run greedy
+prompts only. Then the greedy identity check and aggregation.
+
+Result JSON keys: schema, engines, manifest, date, machine, config, tree, numerics
+({backend: batched-vs-single max |logit diff|}), prompts (one record per prompt and
+temperature: id, set, category, temperature, seed, prompt_ids, prompt_tokens, order, runs
+{system: run}, greedy {backend: {identical, divergence}}), aggregate ({temperature:
+{category: {systems, speedup}}}), greedy_identity ({backend: summary}), baselines ({name:
+{status, note}}), memory ({system: {load_rss_mb}, "process": {peak_rss_mb, rss_mb}}), notes.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import divergence as dv
+from .report import aggregate
+from .systems import EagleSystem, baseline_unavailable, make_baseline, peak_rss_mb, rss_mb
+
+SCHEMA = "eagle-bench/1"
+NOISE_PREFIX = 16  # tokens in the batched-vs-single noise measurement
+
+
+@dataclass
+class BenchConfig:
+    engines: Path
+    prompt_sets: list[str] = field(default_factory=lambda: ["humaneval", "chat"])
+    limit: int = 0
+    max_new_tokens: int = 128
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    baselines: list[str] = field(default_factory=list)
+    backends: list[str] = field(default_factory=lambda: ["ort"])
+    threads: int = 2
+    tree: object | None = None  # TreeConfig; None = the manifest's
+    seed: int = 0
+    warmup: bool = True
+
+
+def load_prompts(sets: list[str], limit: int = 0) -> list[dict]:
+    """[{id, set, category, prompt}] from each set (humaneval | chat | JSONL path), first
+    `limit` of each (0 = all)."""
+    from eagle_deploy.train.data import prompt_set
+
+    out = []
+    for name in sets:
+        rows = prompt_set(name)
+        label = Path(name).stem if name not in ("humaneval", "chat") else name
+        for row in rows[: limit] if limit else rows:
+            out.append({"id": row.get("id"), "set": label, "category": row.get("category") or label, "prompt": row["prompt"]})
+    return out
+
+
+def machine_info(threads: int) -> dict:
+    import onnxruntime
+    import torch
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "threads": threads, "python": platform.python_version(),
+            "onnxruntime": onnxruntime.__version__, "torch": torch.__version__}
+
+
+def system_name(mode: str, backend_index: int, backend: str) -> str:
+    """"eagle"/"vanilla" on the first backend, "eagle@trt" etc. on the others."""
+    return mode if backend_index == 0 else f"{mode}@{backend}"
+
+
+class _Loaded:
+    """The systems of one run, in run order, with each one's RSS growth at load."""
+
+    def __init__(self):
+        self.systems: list = []
+        self.engines: list[tuple[str, object, EagleSystem, EagleSystem]] = []  # (backend, runtime, eagle, vanilla)
+
+    def add(self, system, memory: dict, before: float) -> None:
+        self.systems.append(system)
+        memory[system.name] = {"load_rss_mb": round(rss_mb() - before, 1)}
+
+
+def load_systems(cfg: BenchConfig, manifest, result: dict, log: Callable) -> _Loaded:
+    from eagle_deploy.runtime.api import EagleRuntime
+
+    loaded = _Loaded()
+    for i, backend in enumerate(cfg.backends):
+        before = rss_mb()
+        rt = EagleRuntime.load(cfg.engines, backend=backend, tree=cfg.tree, threads=cfg.threads)
+        eagle, vanilla = (EagleSystem(rt, m, system_name(m, i, backend)) for m in ("eagle", "vanilla"))
+        loaded.add(eagle, result["memory"], before)
+        loaded.add(vanilla, result["memory"], before)  # the same engine and buffers
+        loaded.engines.append((backend, rt, eagle, vanilla))
+    result["tree"] = loaded.engines[0][1].tree.to_json()
+    hf_model = None
+    for name in cfg.baselines:
+        reason = baseline_unavailable(name, manifest)
+        if reason is None and 0.0 not in cfg.temperatures:
+            reason = "baselines run greedy only and --temperatures has no 0: skipped"
+        if reason:
+            result["baselines"][name] = {"status": "skipped", "note": reason}
+            log(f"note: baseline {name}: {reason}")
+            continue
+        before = rss_mb()
+        try:
+            if name.startswith("hf") and hf_model is None:
+                from eagle_deploy.validate.reference import load_reference_target
+
+                hf_model = load_reference_target(manifest)
+            loaded.add(make_baseline(name, manifest, cfg.threads, hf_model), result["memory"], before)
+            result["baselines"][name] = {"status": "ok", "note": ""}
+        except Exception as err:  # a baseline failing must not lose the EAGLE numbers
+            result["baselines"][name] = {"status": "failed", "note": f"{type(err).__name__}: {err}"}
+            log(f"note: baseline {name} failed to load: {err}")
+    return loaded
+
+
+def _encode(records: list[dict], rt, cfg: BenchConfig, result: dict) -> list[dict]:
+    """Prompt token ids (the export's chat template) once for every system; drops prompts
+    that leave no room for max_new_tokens."""
+    for r in records:
+        r["prompt_ids"] = rt.encode(r.pop("prompt"))
+        r["prompt_tokens"] = len(r["prompt_ids"])
+    room = rt.manifest.max_length - cfg.max_new_tokens
+    too_long = sorted({str(r["id"]) for r in records if r["prompt_tokens"] > room})
+    if too_long:
+        result["notes"].append(f"skipped {len(too_long)} prompt(s) longer than max_length - max_new_tokens = {room} tokens: {', '.join(too_long)}")
+    kept = [r for r in records if r["prompt_tokens"] <= room]
+    if not kept:
+        raise ValueError(f"no prompt fits this export: every prompt is longer than {room} tokens (max_length - max_new_tokens)")
+    return kept
+
+
+def _run_one(system, r: dict, cfg: BenchConfig, result: dict, loaded: _Loaded, log: Callable) -> None:
+    try:
+        run = system.run(r["prompt_ids"], cfg.max_new_tokens, r["temperature"], r["seed"]).to_json()
+        run["peak_rss_mb"] = peak_rss_mb()  # the process high-water mark after this run
+        r["runs"][system.name] = run
+    except Exception as err:
+        if isinstance(system, EagleSystem):
+            raise
+        result["baselines"][system.name] = {"status": "failed", "note": f"{type(err).__name__}: {err}"}
+        log(f"note: baseline {system.name} failed: {err}")
+        loaded.systems.remove(system)
+
+
+def _finish_record(r: dict, loaded: _Loaded, floors: dict, log: Callable) -> None:
+    for backend, rt, eagle, vanilla in loaded.engines:
+        e, v = r["runs"][eagle.name], r["runs"][vanilla.name]
+        e["speedup_vs_vanilla"] = round(e["tokens_per_s"] / max(v["tokens_per_s"], 1e-9), 3)
+        if r["temperature"] == 0:
+            d = dv.check_greedy(rt.decoder.target, r["prompt_ids"], e["token_ids"], v["token_ids"], floors[backend])
+            r.setdefault("greedy", {})[backend] = {"identical": d is None, "divergence": d.to_json() if d else None}
+    vanilla = r["runs"].get("vanilla")
+    for name, run in r["runs"].items():
+        if vanilla and not name.startswith(("eagle", "vanilla")):
+            run["first_difference_vs_vanilla"] = dv.first_difference(run["token_ids"], vanilla["token_ids"])
+    log(f"{r['id']} T={r['temperature']:g}: " + ", ".join(f"{n} {run['tokens_per_s']:.1f} tok/s" for n, run in r["runs"].items()))
+
+
+def run_bench(cfg: BenchConfig, log: Callable = print) -> dict:
+    """Run the benchmark described by `cfg`; returns the result dict (see module docstring)."""
+    from eagle_deploy.contract.manifest import Manifest
+
+    manifest = Manifest.load(cfg.engines)
+    prompts = load_prompts(cfg.prompt_sets, cfg.limit)
+    if not prompts:
+        raise ValueError("no prompts selected")
+    records = [{"id": p["id"], "set": p["set"], "category": p["category"], "prompt": p["prompt"], "temperature": float(t),
+                "seed": cfg.seed + i, "runs": {}}
+               for i, p in enumerate(prompts) for t in cfg.temperatures]
+    result = {"schema": SCHEMA, "engines": str(cfg.engines), "manifest": manifest.name,
+              "date": _dt.datetime.now().isoformat(timespec="seconds"), "machine": machine_info(cfg.threads),
+              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "tree"},
+              "tree": None, "numerics": {}, "greedy_identity": {}, "baselines": {}, "memory": {},
+              "notes": list(manifest.notes)}
+    if not manifest.draft.extra.get("trained", True):
+        result["notes"].append("this export's draft head is untrained (random): expect tau near 1")
+    loaded = load_systems(cfg, manifest, result, log)
+    records = _encode(records, loaded.engines[0][1], cfg, result)
+    floors = {}
+    for backend, rt, _, _ in loaded.engines:
+        noise_ids = (list(records[0]["prompt_ids"]) * NOISE_PREFIX)[:NOISE_PREFIX]
+        floors[backend] = dv.batch_vs_single(rt.decoder.target, noise_ids)
+        result["numerics"][backend] = {"batch_vs_single_max_logit_diff": floors[backend], "prefix_tokens": NOISE_PREFIX}
+    if cfg.warmup:
+        for system in list(loaded.systems):
+            _run_one(system, {"prompt_ids": records[0]["prompt_ids"], "temperature": 0.0, "seed": 0, "runs": {}},
+                     BenchConfig(cfg.engines, max_new_tokens=min(8, cfg.max_new_tokens)), result, loaded, log)
+    for i, r in enumerate(records):
+        active = [s for s in loaded.systems if r["temperature"] == 0 or isinstance(s, EagleSystem)]
+        order = active if i % 2 == 0 else active[::-1]
+        for system in order:
+            _run_one(system, r, cfg, result, loaded, log)
+        r["order"] = [s.name for s in order if s.name in r["runs"]]
+        _finish_record(r, loaded, floors, log)
+    for name, b in result["baselines"].items():
+        if b["status"] == "failed":
+            for r in records:
+                r["runs"].pop(name, None)
+    for backend in floors:
+        result["greedy_identity"][backend] = dv.summarize([r["greedy"][backend] for r in records if "greedy" in r], floors[backend])
+    result["memory"]["process"] = {"peak_rss_mb": peak_rss_mb(), "rss_mb": rss_mb()}
+    result["prompts"] = records
+    result["aggregate"] = aggregate(records)
+    return result

@@ -1,0 +1,174 @@
+"""The systems eagle-bench times, one small class each behind `run(ids, max_new_tokens,
+temperature, seed) -> Run`: EAGLE and vanilla decoding on one EagleRuntime, transformers'
+`generate()` (plain greedy and prompt-lookup), llama.cpp through llama-cpp-python (plain and
+its `LlamaPromptLookupDecoding`). Every system gets the same prompt token ids (the export's
+chat template applied once) and the same thread count.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BASELINES = ("hf", "hf-lookup", "llamacpp", "llamacpp-lookup")
+LOOKUP_TOKENS = 10  # draft tokens per prompt-lookup step (HF prompt_lookup_num_tokens, llama.cpp num_pred_tokens)
+
+
+@dataclass
+class Run:
+    """One timed generation. seconds: wall time of the whole request (prefill included)."""
+
+    system: str
+    token_ids: list[int]
+    seconds: float
+    ttft_ms: float | None = None
+    finish_reason: str | None = None
+    stats: dict = field(default_factory=dict)  # EAGLE/vanilla: tau, time_ms breakdown, rounds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / max(self.seconds, 1e-9)
+
+    def to_json(self) -> dict:
+        out = {"new_tokens": len(self.token_ids), "seconds": round(self.seconds, 4),
+               "tokens_per_s": round(self.tokens_per_s, 2), "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 2),
+               "finish_reason": self.finish_reason, "token_ids": list(self.token_ids)}
+        out.update(self.stats)
+        return out
+
+
+def peak_rss_mb() -> float:
+    """This process's resident-set high-water mark (MiB); it never goes down."""
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(kb / (1024 * 1024 if sys.platform == "darwin" else 1024), 1)
+
+
+def rss_mb() -> float:
+    """Current resident set (MiB)."""
+    try:
+        import psutil
+
+        return round(psutil.Process().memory_info().rss / 2**20, 1)
+    except ImportError:
+        return peak_rss_mb()
+
+
+class EagleSystem:
+    """EAGLE (mode "eagle") or plain one-token-per-forward decoding (mode "vanilla") on the
+    same engine and KV buffers."""
+
+    def __init__(self, runtime, mode: str, name: str | None = None):
+        self.rt, self.mode, self.name = runtime, mode, name or mode
+
+    def run(self, ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int | None = 0) -> Run:
+        r = self.rt.generate(list(ids), max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, mode=self.mode)
+        s = r.stats
+        keep = {k: s[k] for k in ("mean_accept_len", "target_forwards", "draft_forwards", "time_ms", "accepted_per_round",
+                                  "tree_depth_per_round") if k in s}
+        return Run(self.name, list(r.token_ids), s["time_ms"]["total"] / 1e3, s["ttft_ms"], r.finish_reason, keep)
+
+
+class _FirstToken:
+    """A transformers streamer that notes when the first generated token arrives (the first
+    `put` is the prompt itself)."""
+
+    def __init__(self):
+        self.puts, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class HfSystem:
+    """transformers `generate()` on the export's own checkpoint: greedy, or prompt-lookup
+    decoding (`prompt_lookup_num_tokens`). Greedy only (baselines are not run sampled)."""
+
+    def __init__(self, hf_model, eos_ids: list[int], threads: int, lookup: int = 0, name: str = "hf"):
+        self.hf, self.eos, self.threads, self.lookup, self.name = hf_model, list(eos_ids), threads, lookup, name
+
+    def run(self, ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int | None = 0) -> Run:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        x = torch.tensor([list(ids)], dtype=torch.long)
+        kw = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=self.eos or None,
+                  pad_token_id=self.eos[0] if self.eos else None, temperature=None, top_p=None, top_k=None)
+        if self.lookup:
+            kw["prompt_lookup_num_tokens"] = self.lookup
+        streamer = _FirstToken()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.hf.generate(x, attention_mask=torch.ones_like(x), streamer=streamer, **kw)
+        seconds = time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        reason = "stop" if new and new[-1] in self.eos else "length"
+        ttft = None if streamer.first is None else (streamer.first - t0) * 1e3
+        return Run(self.name, new, seconds, ttft, reason)
+
+
+class LlamaCppSystem:
+    """llama.cpp on the export's GGUF file through llama-cpp-python: plain decoding, or its
+    prompt-lookup speculation (`LlamaPromptLookupDecoding`)."""
+
+    def __init__(self, gguf: Path, eos_ids: list[int], threads: int, n_ctx: int, lookup: int = 0, name: str = "llamacpp"):
+        llama_cpp = importlib.import_module("llama_cpp")
+        draft = None
+        if lookup:
+            spec = importlib.import_module("llama_cpp.llama_speculative")
+            draft = spec.LlamaPromptLookupDecoding(num_pred_tokens=lookup)
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                   draft_model=draft, verbose=False, seed=0)
+        self.eos, self.name = set(eos_ids), name
+
+    def run(self, ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int | None = 0) -> Run:
+        self.llm.reset()  # no prompt-prefix reuse across requests (each request prefills, as the others do)
+        tokens, first, reason = [], None, "length"
+        t0 = time.perf_counter()
+        for tok in self.llm.generate(list(ids), temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+            if first is None:
+                first = time.perf_counter()
+            tokens.append(int(tok))
+            if int(tok) in self.eos:
+                reason = "stop"
+                break
+            if len(tokens) >= max_new_tokens:
+                break
+        seconds = time.perf_counter() - t0
+        return Run(self.name, tokens, seconds, None if first is None else (first - t0) * 1e3, reason)
+
+
+def baseline_unavailable(name: str, manifest) -> str | None:
+    """Why baseline `name` cannot run here (None when it can)."""
+    from eagle_deploy.validate.reference import target_source
+
+    if name.startswith("llamacpp"):
+        if importlib.util.find_spec("llama_cpp") is None:
+            return "llama-cpp-python is not installed (pip install '.[bench]' in the repository; it compiles llama.cpp, ~6 min): skipped"
+        src = target_source(manifest)
+        if src is None or src.suffix != ".gguf" or not src.is_file():
+            return f"the export's target ({src}) is not a GGUF file llama.cpp can load: skipped"
+    return None
+
+
+def make_baseline(name: str, manifest, threads: int, hf_model=None):
+    """A baseline system by name (see BASELINES). `hf_model` is loaded once and shared."""
+    from eagle_deploy.validate.reference import target_source
+
+    eos = list(manifest.eos_token_ids)
+    if name == "hf":
+        return HfSystem(hf_model, eos, threads, 0, "hf")
+    if name == "hf-lookup":
+        return HfSystem(hf_model, eos, threads, LOOKUP_TOKENS, "hf-lookup")
+    if name in ("llamacpp", "llamacpp-lookup"):
+        return LlamaCppSystem(target_source(manifest), eos, threads, manifest.max_length,
+                              LOOKUP_TOKENS if name.endswith("lookup") else 0, name)
+    raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")

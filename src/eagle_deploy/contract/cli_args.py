@@ -1,0 +1,49 @@
+"""Command-line argument groups shared by every CLI (eagle-export, eagle-run, eagle-bench,
+eagle-eval): the draft-tree flags and the help formatter. Imports nothing heavy."""
+from __future__ import annotations
+
+import argparse
+
+from .tree_config import DEFAULT_TREE, STATIC_TREES, TreeConfig, TreeConfigError
+
+
+def add_tree_args(parser: argparse.ArgumentParser, defaults_from: str) -> None:
+    """The draft-tree flags shared by eagle-export, eagle-run and eagle-bench."""
+    g = parser.add_argument_group("draft tree", f"defaults: {defaults_from}")
+    g.add_argument("--tree", choices=["dynamic", *STATIC_TREES], default=None,
+                   help="'dynamic' = EAGLE-2 tree; a static EAGLE-1 tree by name")
+    g.add_argument("--total-tokens", type=int, default=None, help="verification tokens per round, root included")
+    g.add_argument("--depth", type=int, default=None, help="draft steps per round")
+    g.add_argument("--tree-top-k", dest="tree_top_k", type=int, default=None, help="children per expanded node")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: ...)" except for on/off flags and help texts that state their own default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.nargs == 0 or "default:" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
+def tree_from_args(args, base: TreeConfig | None) -> TreeConfig | None:
+    """The tree the flags ask for; `base` (the manifest's, or None for the export default)
+    when no tree flag is given, with any given flag overriding it."""
+    given = {"total_tokens": args.total_tokens, "depth": args.depth, "tree_top_k": args.tree_top_k}
+    if args.tree and args.tree != "dynamic":
+        sized = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+        if sized:
+            raise TreeConfigError(f"--tree {args.tree} is a fixed EAGLE-1 tree; {', '.join(sized)} only apply to --tree dynamic")
+        return TreeConfig.static(args.tree)
+    if not args.tree and all(v is None for v in given.values()):
+        return base
+    for name, value in given.items():
+        if value is not None and value < 1:
+            raise TreeConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.total_tokens == 1:
+        raise TreeConfigError("--total-tokens 1 verifies only the root, which is vanilla decoding: use --vanilla, or >= 2")
+    start = base if base is not None and base.kind == "dynamic" else DEFAULT_TREE
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return TreeConfig("dynamic", pick(args.total_tokens, start.total_tokens), pick(args.depth, start.depth),
+                      pick(args.tree_top_k, start.top_k))

@@ -1,0 +1,102 @@
+"""Draft-tree settings (`TreeConfig`), the static EAGLE-1 trees and the default trees by
+target precision.
+
+Glossary. The *root* is the last committed token: the target has chosen it but not yet run
+it, so it is node 0 of every tree and the first token of the verification forward. *Depth*
+counts edges from the root. `total_tokens` is the number of tree tokens the target verifies
+in one forward, root included (as in the EAGLE-2 reference, arXiv 2406.16858 §4), so a tree
+holds `total_tokens - 1` draft tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# A static EAGLE-1-style tree (arXiv 2401.15077 §3.2): 25 draft nodes, depth 5, 4/8/8/3/2
+# nodes per depth; each path lists child ranks in the head's top-k, root excluded.
+STATIC_TREES: dict[str, list[tuple[int, ...]]] = {
+    "eagle1": [
+        (0,), (1,), (2,), (3,),
+        (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (2, 0), (3, 0),
+        (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 2, 0), (1, 0, 0), (1, 1, 0), (2, 0, 0),
+        (0, 0, 0, 0), (0, 0, 0, 1), (0, 1, 0, 0),
+        (0, 0, 0, 0, 0), (0, 0, 0, 1, 0),
+    ],
+}
+
+
+class TreeConfigError(ValueError):
+    """Tree settings that cannot work with this export."""
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """How the drafter grows a tree.
+
+    kind: "dynamic" (EAGLE-2: per depth keep the `top_k` nodes of highest cumulative draft
+    log-probability, expand each by `top_k` children, finally keep the best
+    `total_tokens - 1` nodes) or "static" (EAGLE-1: the fixed `choices`).
+    depth: draft steps per round (the deepest node's depth). top_k: children per expanded
+    node. total_tokens: verification tokens per round, root included.
+    """
+
+    kind: str = "dynamic"
+    total_tokens: int = 16
+    depth: int = 4
+    top_k: int = 4
+    choices: tuple[tuple[int, ...], ...] | None = None
+
+    @classmethod
+    def static(cls, name_or_choices) -> "TreeConfig":
+        choices = STATIC_TREES[name_or_choices] if isinstance(name_or_choices, str) else name_or_choices
+        choices = tuple(tuple(int(r) for r in c) for c in choices)
+        return cls("static", total_tokens=len(choices) + 1, depth=max(len(c) for c in choices),
+                   top_k=1 + max(max(c) for c in choices), choices=choices)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TreeConfig":
+        data = dict(data)
+        if data.get("choices") is not None:
+            data["choices"] = tuple(tuple(c) for c in data["choices"])
+        return cls(**data)
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "total_tokens": self.total_tokens, "depth": self.depth, "top_k": self.top_k,
+                "choices": [list(c) for c in self.choices] if self.choices else None}
+
+    def validate(self, graph_top_k: int) -> "TreeConfig":
+        """Return self, or raise TreeConfigError naming the bad setting."""
+        if self.kind not in ("dynamic", "static"):
+            raise TreeConfigError(f"tree kind {self.kind!r} is not 'dynamic' or 'static'")
+        for name in ("total_tokens", "depth", "top_k"):
+            if getattr(self, name) < 1:
+                raise TreeConfigError(f"tree {name} must be >= 1, got {getattr(self, name)}")
+        if self.top_k > graph_top_k:
+            raise TreeConfigError(f"tree top_k {self.top_k} exceeds the draft graph's top-k {graph_top_k} (re-export with --graph-top-k)")
+        if self.kind == "static":
+            if not self.choices:
+                raise TreeConfigError("a static tree needs choices")
+            known = {()}
+            for c in sorted(self.choices, key=len):
+                if c[:-1] not in known:
+                    raise TreeConfigError(f"static tree path {list(c)} has no parent path {list(c[:-1])}")
+                known.add(c)
+        return self
+
+    def max_draft_inputs(self) -> int:
+        """Upper bound on tree nodes fed through the draft per round (sizes its KV scratch)."""
+        if self.kind == "static":
+            return len({c[:-1] for c in self.choices if len(c) > 1})
+        return self.top_k * max(self.depth - 1, 0)
+
+
+
+# Default draft trees by target precision, chosen by `eagle-bench --tune` on SmolLM2-135M on a
+# 2-core x86 CPU (2026-11-29, final graphs): fp32 8 tokens/depth 4/top-2 (1.55x vanilla), int4
+# 4/2/2 (1.19x), int8 4/2/2 (1.30x; 4/2/8 was 1% faster, within noise). Re-run
+# `eagle-bench --tune` on your machine: it rewrites the export's tree.
+DEFAULT_TREES = {
+    None: TreeConfig(kind="dynamic", total_tokens=8, depth=4, top_k=2),
+    "int8": TreeConfig(kind="dynamic", total_tokens=4, depth=2, top_k=2),
+    "int4": TreeConfig(kind="dynamic", total_tokens=4, depth=2, top_k=2),
+}
+DEFAULT_TREE = DEFAULT_TREES[None]

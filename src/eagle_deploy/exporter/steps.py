@@ -1,0 +1,122 @@
+"""Export steps, each named for what it builds from what (as Polygraphy's loaders are).
+
+    OnnxFromModule      torch module + contract       -> .onnx (+ external data when large)
+    TargetOnnxFromHF    transformers model            -> target.onnx   (GraphEntry)
+    DraftOnnxFromHead   EAGLE head (+ target weights) -> draft.onnx    (GraphEntry)
+    TokenizerFromHF     transformers folder           -> tokenizer/
+"""
+from __future__ import annotations
+
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle_deploy.contract import onnx_io as c
+from eagle_deploy.contract.manifest import GraphEntry
+
+from .draft_head import EagleHead, ExportableDraft
+from .target import ExportableTarget
+
+OPSET = 17
+TWO_GIB = 2 * 1024**3
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _dynamic_axes(specs) -> dict[str, dict[int, str]]:
+    return {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)} for s in specs}
+
+
+def trace_inputs(dims, dtype: torch.dtype, layers: int, hidden_input: bool, seq: int = 3, past: int = 2) -> tuple:
+    """Small dummy inputs for tracing (seq 3, past 2); no size is baked into the graph."""
+    ids = torch.arange(seq, dtype=torch.int64)[None] % dims.vocab
+    pos = torch.arange(past, past + seq, dtype=torch.int64)[None]
+    mask = torch.ones(1, seq, past + seq, dtype=torch.bool)
+    mask[0, :, past:] = torch.tril(torch.ones(seq, seq, dtype=torch.bool))
+    idx = torch.tensor([[seq - 2, seq - 1]], dtype=torch.int64)
+    kv = [torch.zeros(past, 1, dims.num_kv_heads, dims.head_dim, dtype=dtype) for _ in range(2 * layers)]
+    head = (torch.zeros(1, seq, dims.hidden, dtype=dtype),) if hidden_input else ()
+    return (*head, ids, pos, mask, idx, *kv)
+
+
+@dataclass
+class OnnxFromModule:
+    """Trace `module` with the TorchScript exporter into `path` following (inputs, outputs).
+
+    external_data: "auto" (external data above 2 GiB of weights), "always" or "never".
+    Writes `<file>.data` beside the graph when external."""
+
+    external_data: str = "auto"
+
+    def __call__(self, module: torch.nn.Module, args: tuple, inputs, outputs, path: Path) -> None:
+        import onnx
+
+        path = Path(path)
+        weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        external = self.external_data == "always" or (self.external_data == "auto" and weight_bytes > TWO_GIB - (64 << 20))
+        if self.external_data == "never" and weight_bytes > TWO_GIB - (64 << 20):
+            raise ValueError(f"{path.name}: {weight_bytes / 2**30:.1f} GiB of weights need external data (protobuf limit 2 GiB)")
+        with tempfile.TemporaryDirectory(dir=path.parent) as scratch:  # whatever torch spills stays here
+            raw = Path(scratch) / path.name
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(module, args, str(raw), input_names=[s.name for s in inputs],
+                                  output_names=[s.name for s in outputs], dynamic_axes=_dynamic_axes(inputs + outputs),
+                                  opset_version=OPSET, do_constant_folding=True, dynamo=False)
+            model = onnx.load(str(raw), load_external_data=True)
+        if external:
+            onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=path.name + ".data", size_threshold=1024)
+        else:
+            onnx.save_model(model, str(path))
+
+
+@dataclass
+class TargetOnnxFromHF:
+    """transformers model (a supported family) -> target.onnx; returns its GraphEntry."""
+
+    dtype: str = "float32"
+    external_data: str = "auto"
+
+    def __call__(self, hf_model: torch.nn.Module, folder: Path) -> GraphEntry:
+        module = ExportableTarget(hf_model).eval()
+        inputs, outputs = c.target_io(module.dims.num_layers, self.dtype)
+        args = trace_inputs(module.dims, TORCH_DTYPES[self.dtype], module.dims.num_layers, hidden_input=False)
+        OnnxFromModule(self.external_data)(module, args, inputs, outputs, Path(folder) / c.TARGET_FILE)
+        return GraphEntry(c.TARGET_FILE, self.dtype, [s.to_json() for s in inputs], [s.to_json() for s in outputs])
+
+
+@dataclass
+class DraftOnnxFromHead:
+    """EAGLE head bound to its target -> draft.onnx with in-graph top-k; returns its GraphEntry."""
+
+    dtype: str = "float32"
+    top_k: int = 10
+    draft_vocab: torch.Tensor | None = None
+    external_data: str = "auto"
+
+    def __call__(self, head: EagleHead, folder: Path) -> GraphEntry:
+        module = ExportableDraft(head, self.top_k, self.draft_vocab).eval()
+        inputs, outputs = c.draft_io(self.dtype, self.top_k)
+        args = trace_inputs(head.dims, TORCH_DTYPES[self.dtype], 1, hidden_input=True)
+        OnnxFromModule(self.external_data)(module, args, inputs, outputs, Path(folder) / c.DRAFT_FILE)
+        extra = {"graph_top_k": self.top_k,
+                 "draft_vocab_size": int(len(self.draft_vocab)) if self.draft_vocab is not None else head.dims.vocab}
+        return GraphEntry(c.DRAFT_FILE, self.dtype, [s.to_json() for s in inputs], [s.to_json() for s in outputs], extra=extra)
+
+
+@dataclass
+class TokenizerFromHF:
+    """transformers folder -> `tokenizer/` in the export (None when the folder has none)."""
+
+    def __call__(self, hf_dir: Path, folder: Path):
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=False)
+        except (OSError, ValueError, TypeError):
+            return None
+        tok.save_pretrained(str(Path(folder) / c.TOKENIZER_DIR))
+        return tok

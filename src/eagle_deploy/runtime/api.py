@@ -1,0 +1,192 @@
+"""The Python API (the one `eagle-run` uses): load an export folder once, then generate or
+stream as many requests as you like.
+
+    rt = EagleRuntime.load("engines/smollm2-135m")
+    result = rt.generate("Write a haiku about rain.", max_new_tokens=64)
+    for delta in rt.stream([{"role": "user", "content": "Hi"}], temperature=0.7, seed=1):
+        print(delta, end="")
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from eagle_deploy.contract.manifest import Manifest, ManifestError
+
+from .backends import load_backend
+from .decode import Decoder, Stats, TokenStopper
+from .drafter import Drafter, EagleDrafter
+from .sampling import SamplingParams, whole_number
+from .text import TextStream
+from .tree import TreeConfig
+
+Prompt = str | Sequence[dict] | Sequence[int]
+
+
+@dataclass
+class GenerationResult:
+    """text (stop string excluded), token_ids (generated only; an EOS id is kept),
+    finish_reason ("stop" | "length"), stats (see decode.Stats.to_json)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+
+
+class EagleRuntime:
+    """An export folder loaded once: target + draft backends, KV buffers, tokenizer.
+
+    acceptance "threshold" is NOT lossless (see verify.verify_threshold); the default
+    "lossless" reproduces the target's distribution exactly (greedy: token for token).
+    """
+
+    def __init__(self, folder: Path, manifest: Manifest, target, draft, tokenizer, tree: TreeConfig,
+                 acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None):
+        self.folder, self.manifest, self.tokenizer, self.tree = Path(folder), manifest, tokenizer, tree
+        if drafter is None and draft is not None:
+            drafter = EagleDrafter(draft, tree, manifest.max_length, manifest.draft.extra["graph_top_k"])
+        self.decoder = Decoder(target, drafter, manifest.max_length, acceptance, threshold)
+        self.eos_ids = list(manifest.eos_token_ids)
+        self._requests = 0  # requests started on this instance (see _stream)
+
+    @classmethod
+    def load(cls, folder, backend: str = "ort", tree: TreeConfig | None = None, threads: int | None = None,
+             acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None) -> "EagleRuntime":
+        """Load `folder` (an eagle-export output). backend: "ort" (CPU), "ort-cuda", "trt".
+        Raises ManifestError, TreeConfigError, FileNotFoundError."""
+        folder = Path(folder)
+        manifest = Manifest.load(folder)
+        tree = (tree or TreeConfig.from_json(manifest.tree)).validate(manifest.draft.extra["graph_top_k"])
+        target = load_backend(backend, folder, manifest, "target", threads, tree=tree)
+        draft = None if drafter is not None else load_backend(backend, folder, manifest, "draft", threads, tree=tree)
+        tokenizer = None
+        if manifest.tokenizer:
+            from transformers import AutoTokenizer
+
+            tok_dir = folder / manifest.tokenizer
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(tok_dir)) if tok_dir.is_dir() else None
+            except Exception as err:  # unreadable tokenizer files
+                raise ManifestError(f"cannot load the tokenizer in {tok_dir} ({type(err).__name__}); re-export") from None
+            if tokenizer is None:
+                raise ManifestError(f"the tokenizer folder {tok_dir} named by the manifest is missing; re-export")
+        return cls(folder, manifest, target, draft, tokenizer, tree, acceptance, threshold, drafter)
+
+    def set_tree(self, tree: TreeConfig) -> None:
+        """Use another draft tree from the next request on (a new drafter over the same draft
+        backend; its KV buffer is sized for the new tree). Raises TreeConfigError."""
+        drafter = self.decoder.drafter
+        if not isinstance(drafter, EagleDrafter):
+            raise TypeError("set_tree needs the EAGLE drafter (this runtime uses a custom drafter)")
+        tree = tree.validate(self.manifest.draft.extra["graph_top_k"])
+        self.decoder.drafter = EagleDrafter(drafter.backend, tree, self.manifest.max_length, self.manifest.draft.extra["graph_top_k"])
+        self.tree = tree
+
+    def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """Prompt -> token ids. A string is wrapped in the chat template when the export has
+        one (unless chat=False); a list of {"role", "content"} dicts always is; a list of ints
+        is used as is. Raises ValueError on an empty prompt."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("the prompt is empty")
+            use_chat = self.manifest.chat_template if chat is None else chat
+            if use_chat:
+                return self._chat_ids([{"role": "user", "content": prompt}])
+            return list(self._tok().encode(prompt, add_special_tokens=True))
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if all(isinstance(m, dict) for m in prompt):
+            return self._chat_ids(prompt)
+        if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            prompt = [int(t) for t in prompt]
+            vocab = self.manifest.dims["vocab"]
+            if any(t < 0 or t >= vocab for t in prompt):
+                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            return prompt
+        raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
+
+    def _tok(self):
+        if self.tokenizer is None:
+            raise ValueError("this export has no tokenizer; pass token ids")
+        return self.tokenizer
+
+    def _chat_ids(self, messages) -> list[int]:
+        ids = self._tok().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int | None = None, stop: Sequence[str] | str = (), mode: str = "eagle",
+               chat: bool | None = None, result: GenerationResult | None = None) -> Iterator[str]:
+        """Yield text deltas as tokens are committed. `result`, if given, is filled in at
+        the end. mode: "eagle" or "vanilla" (same engine, one token per target forward).
+        Raises ValueError on bad settings when called (before any forward), not at the
+        first `next()`."""
+        params, stop = check_request(max_new_tokens, temperature, top_p, top_k, seed, stop, mode)
+        ids = self.prompt_ids(prompt, chat)
+        if self.tokenizer is None and stop:
+            raise ValueError("stop strings need a tokenizer")
+        text = TextStream(self.tokenizer, self.eos_ids, stop) if self.tokenizer is not None else None
+        return self._stream(ids, int(max_new_tokens), params, text, mode, result)
+
+    def prompt_ids(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """`encode`, then check the prompt leaves room for output. Raises ValueError."""
+        ids = self.encode(prompt, chat)
+        if len(ids) >= self.manifest.max_length:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this export holds at most {self.manifest.max_length - 1} prompt tokens (max_length {self.manifest.max_length} = KV rows)")
+        return ids
+
+    def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, text: TextStream | None, mode: str,
+                result: GenerationResult | None) -> Iterator[str]:
+        stopper = text or TokenStopper(self.eos_ids)
+        stats = Stats()
+        tokens: list[int] = []
+        # one request at a time owns the KV buffers: a stream resumed after another request
+        # started on this instance would decode from overwritten KV, so it fails instead
+        self._requests += 1
+        me = self._requests
+        for chunk in self.decoder.decode(ids, max_new_tokens, params, stopper, vanilla=(mode == "vanilla"), stats=stats):
+            tokens += chunk
+            if text is not None:
+                delta = text.take()
+                if delta:
+                    yield delta
+            if self._requests != me:
+                raise RuntimeError("another request started on this EagleRuntime while this stream was paused; "
+                                   "streams on one instance cannot be interleaved (load a second instance)")
+        if text is not None:
+            tail = text.take(final=True)
+            if tail:
+                yield tail
+        if result is not None:
+            result.text = text.text if text is not None else ""
+            result.token_ids = tokens
+            result.finish_reason = stats.finish_reason
+            result.stats = {**stats.to_json(), "mode": mode, "acceptance": self.decoder.acceptance,
+                            "lossless": self.decoder.acceptance == "lossless"}
+
+    def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, stop: Sequence[str] | str = (), mode: str = "eagle",
+                 chat: bool | None = None) -> GenerationResult:
+        """Generate to completion; see `stream` for the arguments."""
+        result = GenerationResult("", [], "length")
+        for _ in self.stream(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, mode, chat, result):
+            pass
+        return result
+
+
+def check_request(max_new_tokens, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                  stop: Sequence[str] | str = (), mode: str = "eagle") -> tuple[SamplingParams, list[str]]:
+    """Validate one request's settings (no model needed) -> (SamplingParams, stop list).
+    A single string is one stop string. Raises ValueError naming the bad setting."""
+    if mode not in ("eagle", "vanilla"):
+        raise ValueError(f"mode must be 'eagle' or 'vanilla', got {mode!r}")
+    whole_number(max_new_tokens, "max_new_tokens", 1)
+    params = SamplingParams(temperature, top_p, top_k, seed)
+    stop = [stop] if isinstance(stop, str) else list(stop or ())
+    if any(not isinstance(s, str) or s == "" for s in stop):
+        raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+    return params, stop

@@ -1,0 +1,120 @@
+"""`eagle-run`: generate with EAGLE speculative decoding from an export folder."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from eagle_deploy.contract.cli_args import HelpFormatter, add_tree_args, tree_from_args
+
+LOSSY = "NOT LOSSLESS"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="eagle-run", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--engines", type=Path, required=True, help="an export folder written by eagle-export")
+    p.add_argument("--prompt", required=True, help="user message (the chat template is applied when the model has one)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus truncation of the target distribution, in (0, 1] (1 = off)")
+    p.add_argument("--top-k", dest="top_k", type=int, default=0, help="top-k truncation of the target distribution (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="makes sampled runs reproducible")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text ends before it. Taken literally: in bash, $'\\n' is a newline")
+    p.add_argument("--stream", action="store_true", help="print text as tokens are committed")
+    p.add_argument("--vanilla", action="store_true", help="plain one-token-per-forward decoding on the same engine")
+    p.add_argument("--compare-vanilla", action="store_true", help="also run vanilla decoding and print the speed-up and whether outputs are identical")
+    p.add_argument("--backend", default="ort", choices=["ort", "ort-cuda", "trt"],
+                   help="ort = onnxruntime CPU (default); ort-cuda and trt need a CUDA GPU (trt: engines from eagle-export --backend trt)")
+    p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads per session")
+    p.add_argument("--acceptance", default="lossless", choices=["lossless", "threshold"],
+                   help=f"'threshold' accepts a draft token when the target's probability of it is >= --threshold: {LOSSY}, output no longer follows the target distribution")
+    p.add_argument("--threshold", type=float, default=0.3, help=f"probability threshold for --acceptance threshold ({LOSSY})")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_tree_args(p, "the export's manifest")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from eagle_deploy.contract.manifest import Manifest, ManifestError
+
+    from .api import EagleRuntime, check_request
+    from .decode import check_acceptance
+    from .tree import TreeConfig, TreeConfigError
+
+    try:
+        # settings that need no model fail before anything is loaded or run
+        check_request(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop)
+        if args.json and args.stream:
+            raise ValueError("--stream and --json cannot be combined (--json prints one object at the end)")
+        if not args.prompt.strip():
+            raise ValueError("the prompt is empty")
+        check_acceptance(args.acceptance, args.threshold)
+        manifest = Manifest.load(args.engines)
+        tree = tree_from_args(args, TreeConfig.from_json(manifest.tree))
+        rt = EagleRuntime.load(args.engines, backend=args.backend, tree=tree, threads=args.threads,
+                               acceptance=args.acceptance, threshold=args.threshold)
+        kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.seed, stop=args.stop, chat=False if args.raw else None)
+        mode = "vanilla" if args.vanilla else "eagle"
+        rt.prompt_ids(args.prompt, kw["chat"])  # an empty or too long prompt fails before any note or forward
+        for note in manifest.notes:
+            print(f"note: {note}", file=sys.stderr)
+        if args.acceptance != "lossless":
+            print(f"note: --acceptance {args.acceptance} is {LOSSY}: output does not follow the target distribution", file=sys.stderr)
+        result = _run(rt, args, kw, mode)
+        if args.compare_vanilla and not args.vanilla:
+            rt.generate(args.prompt, **{**kw, "max_new_tokens": 4}, mode="vanilla")  # warm-up
+            vanilla = rt.generate(args.prompt, **kw, mode="vanilla")
+            speed = result.stats["tokens_per_s"] / max(vanilla.stats["tokens_per_s"], 1e-9)
+            result.stats.update(vanilla_tokens_per_s=vanilla.stats["tokens_per_s"], speedup=round(speed, 3),
+                                identical_to_vanilla=vanilla.token_ids == result.token_ids)
+    except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
+        print("eagle-run: error: " + " ".join(str(err).split()), file=sys.stderr)  # one line, no traceback
+        return 2
+    except (ImportError, RuntimeError) as err:  # a backend that cannot run here (no GPU, no TensorRT)
+        print(f"eagle-run: error: backend {args.backend!r} unavailable: {err}", file=sys.stderr)
+        return 3
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                          "stats": result.stats, "notes": manifest.notes}))
+    else:
+        if not args.stream:
+            print(result.text)
+        print(_summary(result, manifest, args), file=sys.stderr)
+    return 0
+
+
+def _run(rt, args, kw, mode):
+    from .api import GenerationResult
+
+    if args.compare_vanilla or not args.stream:
+        rt.generate(args.prompt, **{**kw, "max_new_tokens": 4}, mode=mode)  # warm-up: first-call allocations
+    result = GenerationResult("", [], "length")
+    for delta in rt.stream(args.prompt, **kw, mode=mode, result=result):
+        if args.stream and not args.json:
+            print(delta, end="", flush=True)
+    if args.stream and not args.json:
+        print()
+    return result
+
+
+def _summary(result, manifest, args) -> str:
+    s = result.stats
+    line = (f"[{s['mode']}] {s['new_tokens']} new tokens, {s['tokens_per_s']:.1f} tokens/s, "
+            f"tau {s['mean_accept_len']:.2f} tokens/forward, {s['target_forwards']} target forwards, "
+            f"TTFT {s['ttft_ms']:.0f} ms, finish: {result.finish_reason}")
+    if not s.get("lossless", True):
+        line += f" [{LOSSY}: threshold acceptance]"
+    if "speedup" in s:
+        line += (f"\n[vanilla] {s['vanilla_tokens_per_s']:.1f} tokens/s; speed-up {s['speedup']:.2f}x; "
+                 f"identical to vanilla: {s['identical_to_vanilla']}")
+    if not manifest.draft.extra.get("trained", True):
+        line += "\nnote: this export uses a RANDOMLY INITIALISED draft head, so acceptance is near 1 token per round"
+    return line
+
+
+if __name__ == "__main__":
+    sys.exit(main())

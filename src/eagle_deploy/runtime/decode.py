@@ -1,0 +1,214 @@
+"""The decode loop: prefill -> expand_tree -> verify -> commit.
+
+One `Decoder` owns the target backend and its `KVBuffer` (allocated once) and a drafter.
+Vanilla decoding is the same loop with root-only trees, so both modes share every line of
+stop, capacity and KV handling.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from eagle_deploy.contract import onnx_io as c
+
+from .backends.base import Backend, StepInputs
+from .drafter import Drafter, DraftRequest, causal_mask
+from .sampling import SamplingParams, greedy_token, sample, target_probs
+from .tree import DraftTree
+from .verify import Verification, verify_sampling, verify_threshold
+
+
+class Stopper(Protocol):
+    def push(self, token: int) -> str | None:
+        """Record one committed token; return a finish reason ("stop") to end here."""
+        ...
+
+
+@dataclass
+class Stats:
+    """Per-request counters; times in seconds."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    finish_reason: str | None = None
+    rounds: int = 0  # verification forwards (prefill excluded)
+    round_tokens: int = 0  # tokens committed by those rounds
+    accepted_per_round: list[int] = field(default_factory=list)  # tokens committed per round
+    tree_depth_per_round: list[int] = field(default_factory=list)  # deepest draft node per round
+    draft_forwards: int = 0
+    t_prefill: float = 0.0
+    t_draft: float = 0.0
+    t_verify: float = 0.0
+    t_commit: float = 0.0
+    t_total: float = 0.0
+
+    @property
+    def mean_accept_len(self) -> float:
+        """tau: tokens committed per verification forward, bonus token included."""
+        return self.round_tokens / self.rounds if self.rounds else 0.0
+
+    def to_json(self) -> dict:
+        decode_time = max(self.t_total - self.t_prefill, 1e-9)
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "finish_reason": self.finish_reason,
+            "target_forwards": self.rounds + 1, "draft_forwards": self.draft_forwards,
+            "mean_accept_len": round(self.mean_accept_len, 4),
+            "tokens_per_s": round(self.new_tokens / max(self.t_total, 1e-9), 2),
+            "decode_tokens_per_s": round(max(self.new_tokens - 1, 0) / decode_time, 2),
+            "ttft_ms": round(self.t_prefill * 1e3, 2),
+            "time_ms": {"prefill": round(self.t_prefill * 1e3, 2), "draft": round(self.t_draft * 1e3, 2),
+                        "verify": round(self.t_verify * 1e3, 2), "commit": round(self.t_commit * 1e3, 2),
+                        "other": round((self.t_total - self.t_prefill - self.t_draft - self.t_verify - self.t_commit) * 1e3, 2),
+                        "total": round(self.t_total * 1e3, 2)},
+            "accepted_per_round": self.accepted_per_round, "tree_depth_per_round": self.tree_depth_per_round,
+        }
+
+
+@dataclass
+class _State:
+    """One request in flight. The root (committed[-1]) is chosen but not yet in the target KV."""
+
+    committed: list[int]
+    target_len: int  # rows in the target KV
+    features: np.ndarray  # [k, H] target features not yet fed to the drafter
+    generated: int = 0
+    finish_reason: str | None = None
+
+
+def check_acceptance(acceptance: str, threshold: float) -> None:
+    """ValueError unless acceptance is "lossless" or "threshold" with threshold in (0, 1]."""
+    if acceptance not in ("lossless", "threshold"):
+        raise ValueError(f"acceptance must be 'lossless' or 'threshold', got {acceptance!r}")
+    if acceptance == "threshold" and not 0.0 < threshold <= 1.0:
+        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+
+
+class Decoder:
+    """Speculative (or vanilla) decoding over one target graph.
+
+    acceptance: "lossless" (default) or "threshold" (NOT lossless; see verify_threshold).
+    """
+
+    def __init__(self, target: Backend, drafter: Drafter | None, max_length: int,
+                 acceptance: str = "lossless", threshold: float = 0.0):
+        check_acceptance(acceptance, threshold)  # fail at load, not after the first forward
+        self.target, self.drafter = target, drafter
+        self.max_length = max_length
+        self.kv = target.allocate_kv(max_length)
+        self.acceptance, self.threshold = acceptance, threshold
+        # called as f(tree, logits [n, V], verification) after every round (tuning, analysis)
+        self.round_observers: list[Callable[[DraftTree, np.ndarray, Verification], None]] = []
+
+    def decode(self, prompt: Sequence[int], max_new_tokens: int, params: SamplingParams,
+               stopper: Stopper, vanilla: bool = False, stats: Stats | None = None) -> Iterator[list[int]]:
+        """Yield committed token chunks until a stop, `max_new_tokens`, or KV capacity."""
+        stats = stats if stats is not None else Stats()
+        rng = params.rng()
+        t0 = time.perf_counter()
+        state = self.prefill(prompt, params, rng, stats)
+        first = self.commit_tokens(state, [state.committed.pop()], max_new_tokens, stopper)
+        stats.t_prefill = time.perf_counter() - t0
+        yield first
+        drafter = None if vanilla else self.drafter
+        if drafter is not None:
+            drafter.reset()
+        while state.finish_reason is None:
+            t1 = time.perf_counter()
+            tree = self.expand_tree(state, drafter, max_new_tokens)
+            t2 = time.perf_counter()
+            logits, features = self.verify_forward(tree, state)
+            t3 = time.perf_counter()
+            verification = self.accept(tree, logits, params, rng)
+            for observe in self.round_observers:
+                observe(tree, logits, verification)
+            chunk = self.commit(state, verification, features, max_new_tokens, stopper)
+            t4 = time.perf_counter()
+            stats.t_draft, stats.t_verify, stats.t_commit = stats.t_draft + t2 - t1, stats.t_verify + t3 - t2, stats.t_commit + t4 - t3
+            stats.rounds += 1
+            stats.round_tokens += len(chunk)
+            stats.accepted_per_round.append(len(chunk))
+            stats.tree_depth_per_round.append(int(tree.depths.max()))
+            yield chunk
+        stats.new_tokens = state.generated
+        stats.finish_reason = state.finish_reason
+        stats.draft_forwards = getattr(drafter, "forwards", 0)
+        stats.t_total = time.perf_counter() - t0
+
+    def prefill(self, prompt: Sequence[int], params: SamplingParams, rng, stats: Stats) -> _State:
+        n = len(prompt)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_length:
+            raise ValueError(f"the prompt has {n} tokens; this export holds at most {self.max_length - 1} prompt tokens")
+        stats.prompt_tokens = n
+        out = self.target.run(StepInputs(np.asarray(prompt, np.int64)[None], np.arange(n)[None],
+                                         causal_mask(0, n), np.array([[n - 1]])), self.kv, 0)
+        logits = out[c.LOGITS][0, 0]
+        token = greedy_token(logits) if params.greedy else sample(target_probs(logits, params), rng)
+        return _State(list(prompt) + [token], n, out[c.FEATURES][0].copy())
+
+    def expand_tree(self, state: _State, drafter: Drafter | None, max_new_tokens: int) -> DraftTree:
+        root = state.committed[-1]
+        room = self.max_length - state.target_len  # KV rows left for this round's tree
+        left = max_new_tokens - state.generated  # a path of depth d commits d + 1 tokens
+        if drafter is None or room <= 1 or left <= 1:
+            return DraftTree.root_only(root)
+        request = DraftRequest(state.committed, state.features, state.target_len, room, max_depth=left - 1)
+        return drafter.propose(request)
+
+    def verify_forward(self, tree: DraftTree, state: _State) -> tuple[np.ndarray, np.ndarray]:
+        """One target forward over the tree; returns (logits [n, V], features [n, H])."""
+        n, past = tree.size, state.target_len
+        mask = np.ones((1, n, past + n), dtype=bool)
+        mask[0, :, past:] = tree.tree_mask
+        out = self.target.run(StepInputs(tree.tokens[None], tree.positions(past)[None], mask, np.arange(n)[None]),
+                              self.kv, past)
+        return out[c.LOGITS][0], out[c.FEATURES][0]
+
+    def accept(self, tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng) -> Verification:
+        if self.acceptance == "threshold":
+            return verify_threshold(tree, logits, params, rng, self.threshold)
+        return verify_sampling(tree, logits, params, rng)
+
+    def commit(self, state: _State, verification: Verification, features: np.ndarray,
+               max_new_tokens: int, stopper: Stopper) -> list[int]:
+        """Commit accepted + bonus tokens up to any stop; compact their KV into place."""
+        chunk = self.commit_tokens(state, verification.tokens, max_new_tokens, stopper)
+        kept = verification.path[: len(chunk)]  # the root and the accepted nodes now in context
+        self.kv.compact(state.target_len, kept)
+        state.features = features[kept].copy()
+        state.target_len += len(kept)
+        if state.finish_reason is None and state.target_len >= self.max_length:
+            state.finish_reason = "length"
+        return chunk
+
+    def commit_tokens(self, state: _State, tokens: Sequence[int], max_new_tokens: int, stopper: Stopper) -> list[int]:
+        """Append tokens one by one; stop at the first that ends the request."""
+        chunk = []
+        for token in tokens:
+            chunk.append(int(token))
+            state.committed.append(int(token))
+            state.generated += 1
+            reason = stopper.push(int(token))
+            if reason is None and state.generated >= max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                state.finish_reason = reason
+                break
+        return chunk
+
+
+class TokenStopper:
+    """Stops on any of `eos_ids` (the token is kept, as plain greedy decoding keeps it)."""
+
+    def __init__(self, eos_ids: Sequence[int] = (), on_token: Callable[[int], str | None] | None = None):
+        self.eos_ids = set(int(e) for e in eos_ids)
+        self.on_token = on_token
+
+    def push(self, token: int) -> str | None:
+        if token in self.eos_ids:
+            return "stop"
+        return self.on_token(token) if self.on_token else None

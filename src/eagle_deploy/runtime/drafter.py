@@ -1,0 +1,204 @@
+"""Drafters: propose a `DraftTree` each round.
+
+`EagleDrafter` runs the EAGLE draft graph: it first feeds the pairs (target feature at
+position p, token at p+1) that were committed since its last call (the *extension*; these
+rows of its KV are kept), then grows the tree from its own predicted features in scratch
+rows past the committed ones (discarded after the round, since they came from predicted
+rather than target features). `ScriptedDrafter` lets tests dictate trees.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from eagle_deploy.contract import onnx_io as c
+from eagle_deploy.contract.profiles import draft_kv_capacity
+
+from .backends.base import Backend, StepInputs
+from .tree import DraftTree, TreeConfig
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """What a drafter gets each round.
+
+    committed: every committed token id (prompt + generated); committed[-1] is the root.
+    features: [k, H] target features at positions root_position - k .. root_position - 1;
+      row i pairs with the shifted token committed[-k + i] (token shift, EAGLE §3).
+    root_position: the root's position (= rows in the target KV).
+    max_nodes: tree size cap, root included (KV capacity); max_depth: depth cap (tokens left).
+    """
+
+    committed: Sequence[int]
+    features: np.ndarray
+    root_position: int
+    max_nodes: int
+    max_depth: int
+
+
+class Drafter(Protocol):
+    def reset(self) -> None:
+        """Forget the previous request."""
+        ...
+
+    def propose(self, request: DraftRequest) -> DraftTree:
+        ...
+
+
+def causal_mask(past: int, seq: int) -> np.ndarray:
+    """[1, seq, past + seq] bool: every past row visible, causal among the new tokens."""
+    mask = np.ones((1, seq, past + seq), dtype=bool)
+    mask[0, :, past:] = np.tril(np.ones((seq, seq), dtype=bool))
+    return mask
+
+
+class _Growth:
+    """Tree nodes under construction (creation order keeps parents before children)."""
+
+    def __init__(self, root: int):
+        self.tokens, self.parents, self.scores, self.depths = [root], [-1], [0.0], [0]
+        self.rank: list[int] = [0]
+
+    def add_children(self, parent: int, ids: np.ndarray, logprobs: np.ndarray, ranks: Sequence[int]) -> list[int]:
+        new = []
+        for r in ranks:
+            new.append(len(self.tokens))
+            self.tokens.append(int(ids[r]))
+            self.parents.append(parent)
+            self.scores.append(self.scores[parent] + float(logprobs[r]))
+            self.depths.append(self.depths[parent] + 1)
+            self.rank.append(int(r))
+        return new
+
+    def best(self, nodes: Sequence[int], n: int) -> list[int]:
+        """The n best nodes by cumulative score; ties keep creation order."""
+        return sorted(nodes, key=lambda i: (-self.scores[i], i))[:n]
+
+    def subtree(self, keep: Sequence[int]) -> DraftTree:
+        """Root + `keep` (ancestor-closed) as a DraftTree in creation order."""
+        order = [0] + sorted(set(keep) - {0})
+        where = {old: new for new, old in enumerate(order)}
+        return DraftTree(np.array([self.tokens[i] for i in order]),
+                         np.array([-1] + [where[self.parents[i]] for i in order[1:]]),
+                         np.array([self.scores[i] for i in order]))
+
+
+class EagleDrafter:
+    """EAGLE-2 dynamic trees (arXiv 2406.16858 §4) and EAGLE-1 static trees (2401.15077 §3.2)
+    over a draft-graph backend. Draft forwards per round: 1 extension + (depth - 1) expansions."""
+
+    def __init__(self, backend: Backend, tree: TreeConfig, max_length: int, graph_top_k: int):
+        self.backend = backend
+        self.tree = tree.validate(graph_top_k)
+        self.kv = backend.allocate_kv(draft_kv_capacity(max_length, tree))
+        self.length = 0  # committed rows (pairs fed with target features)
+        self.forwards = 0
+        self._static_children = self._index_choices() if tree.kind == "static" else None
+
+    def reset(self) -> None:
+        self.length = 0
+        self.forwards = 0  # per request, as Stats.draft_forwards reports it
+
+    def _index_choices(self) -> dict[tuple, list[int]]:
+        kids: dict[tuple, list[int]] = {}
+        for path in self.tree.choices:
+            kids.setdefault(tuple(path[:-1]), []).append(path[-1])
+        return {k: sorted(v) for k, v in kids.items()}
+
+    def _run(self, features, tokens, positions, mask, logits_at) -> dict[str, np.ndarray]:
+        past = mask.shape[2] - len(tokens)
+        inputs = StepInputs(np.asarray(tokens, np.int64)[None], np.asarray(positions, np.int64)[None], mask,
+                            np.asarray(logits_at, np.int64)[None], np.ascontiguousarray(features)[None])
+        self.forwards += 1
+        return self.backend.run(inputs, self.kv, past)
+
+    def propose(self, request: DraftRequest) -> DraftTree:
+        k = len(request.features)
+        start = request.root_position - k
+        if start != self.length:
+            raise RuntimeError(f"drafter holds {self.length} committed rows but the request starts at {start}")
+        tokens = list(request.committed[-k:])
+        out = self._run(request.features, tokens, np.arange(start, start + k), causal_mask(start, k), [k - 1])
+        self.length += k
+        root_feature = out[c.NEXT_FEATURES][0, -1].copy()
+        ids, logprobs = out[c.TOPK_IDS][0, 0].copy(), out[c.TOPK_LOGPROBS][0, 0].copy()
+        growth = _Growth(int(request.committed[-1]))
+        depth = min(self.tree.depth, request.max_depth)
+        budget = min(self.tree.total_tokens, request.max_nodes) - 1
+        if budget <= 0 or depth <= 0:
+            return growth.subtree([])
+        if self.tree.kind == "static":
+            return self._grow_static(growth, root_feature, ids, logprobs, request.root_position, depth, budget)
+        return self._grow_dynamic(growth, root_feature, ids, logprobs, request.root_position, depth, budget)
+
+    def _expand(self, growth: _Growth, frontier: list[int], feats: dict, rows: dict, root_position: int, d: int):
+        """Feed the frontier nodes (all at depth d) through the draft in scratch rows; returns
+        (next_features [F, H], topk ids [F, K], topk logprobs [F, K])."""
+        past = self.length + len(rows)
+        F = len(frontier)
+        mask = np.zeros((1, F, past + F), dtype=bool)
+        mask[0, :, : self.length] = True
+        for j, node in enumerate(frontier):
+            a = growth.parents[node]
+            while a > 0:
+                mask[0, j, rows[a]] = True
+                a = growth.parents[a]
+            mask[0, j, past + j] = True
+        feats_in = np.stack([feats[growth.parents[n]] for n in frontier])
+        out = self._run(feats_in, [growth.tokens[n] for n in frontier], np.full(F, root_position + d - 1), mask, np.arange(F))
+        for j, node in enumerate(frontier):
+            rows[node] = past + j
+        return out[c.NEXT_FEATURES][0].copy(), out[c.TOPK_IDS][0].copy(), out[c.TOPK_LOGPROBS][0].copy()
+
+    def _grow_dynamic(self, growth, root_feature, ids, logprobs, root_position, depth, budget) -> DraftTree:
+        top_k = self.tree.top_k
+        feats, rows = {0: root_feature}, {}
+        layer = growth.add_children(0, ids, logprobs, range(top_k))
+        for d in range(1, depth):
+            frontier = growth.best(layer, top_k)
+            nf, tids, tlp = self._expand(growth, frontier, feats, rows, root_position, d)
+            layer = []
+            for j, node in enumerate(frontier):
+                feats[node] = nf[j]
+                layer += growth.add_children(node, tids[j], tlp[j], range(top_k))
+        return growth.subtree(growth.best(range(1, len(growth.tokens)), budget))
+
+    def _grow_static(self, growth, root_feature, ids, logprobs, root_position, depth, budget) -> DraftTree:
+        feats, rows, prefix = {0: root_feature}, {}, {0: ()}
+        layer = growth.add_children(0, ids, logprobs, self._static_children.get((), []))
+        for node in layer:
+            prefix[node] = (growth.rank[node],)
+        for d in range(1, depth):
+            frontier = [n for n in layer if prefix[n] in self._static_children]
+            if not frontier:
+                break
+            nf, tids, tlp = self._expand(growth, frontier, feats, rows, root_position, d)
+            layer = []
+            for j, node in enumerate(frontier):
+                feats[node] = nf[j]
+                for child in growth.add_children(node, tids[j], tlp[j], self._static_children[prefix[node]]):
+                    prefix[child] = prefix[node] + (growth.rank[child],)
+                    layer.append(child)
+        return growth.subtree(range(1, min(len(growth.tokens), budget + 1)))
+
+
+class ScriptedDrafter:
+    """Test hook: `script(committed) -> list of token paths below the root`; earlier paths
+    rank first among siblings. Replaces the head's proposals with any tree."""
+
+    def __init__(self, script: Callable[[Sequence[int]], list[list[int]]]):
+        self.script = script
+        self.forwards = 0
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, request: DraftRequest) -> DraftTree:
+        paths = [p[: request.max_depth] for p in self.script(list(request.committed)) if p]
+        tree = DraftTree.from_paths(int(request.committed[-1]), [p for p in paths if p])
+        if tree.size > request.max_nodes:
+            keep = np.arange(request.max_nodes)
+            tree = DraftTree(tree.tokens[keep], tree.parents[keep], tree.scores[keep])
+        return tree

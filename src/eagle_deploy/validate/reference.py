@@ -1,0 +1,102 @@
+"""The checkpoints an export came from, read back from its manifest (`sources`): the
+transformers target (for eagle-validate's PyTorch reference and eagle-bench's HF baselines)
+and the draft head.
+
+    hf_dir = target_checkpoint_dir(manifest)          # converted HF folder (GGUF sources: cached)
+    hf = load_reference_target(manifest)              # LlamaForCausalLM, fp32, eval
+    head, note = load_reference_head(manifest, hf)    # EagleHead bound to hf
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class ReferenceError(FileNotFoundError):
+    """The checkpoint named in the manifest is not on this machine."""
+
+
+def target_source(manifest) -> Path | None:
+    """The file or folder the export was made from (a .gguf file, an HF folder), if known."""
+    path = (manifest.sources.get("target") or {}).get("path")
+    return Path(path) if path else None
+
+
+def target_checkpoint_dir(manifest) -> Path:
+    """The transformers folder of the export's target. GGUF sources go through
+    `exporter.models.convert_gguf` (cached after the first conversion)."""
+    from eagle_deploy.exporter.models import convert_gguf, resolve_model
+
+    src = manifest.sources.get("target") or {}
+    path = target_source(manifest)
+    if path is not None and path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path is not None and path.is_dir():
+        return path
+    if src.get("spec"):
+        try:
+            return resolve_model(src["spec"]).hf_dir
+        except Exception as err:  # ModelNotAvailableError, UnsupportedModelError: one message
+            raise ReferenceError(f"the export's target {src.get('path') or src['spec']} is not available: {err}") from None
+    raise ReferenceError("the manifest names no target checkpoint (sources.target)")
+
+
+def load_reference_target(manifest):
+    """The export's target as a transformers model (fp32, CPU, eval mode)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = target_checkpoint_dir(manifest)
+    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+
+
+def head_dir_of(manifest) -> Path | None:
+    """The head folder named in the manifest (path, else the spec resolved again), or None
+    for a random head."""
+    from eagle_deploy.exporter.models import resolve_draft
+
+    src = manifest.sources.get("draft") or {}
+    trained = manifest.draft.extra.get("trained", src.get("trained", True))
+    if src.get("path") and Path(src["path"]).is_dir():
+        return Path(src["path"])
+    if not trained:
+        return None
+    try:
+        found = resolve_draft(src.get("spec"))
+    except Exception as err:
+        raise ReferenceError(f"the export's draft head {src.get('path') or src.get('spec')} is not available: {err}") from None
+    if found is None:
+        raise ReferenceError(f"the export's trained draft head {src.get('path') or src.get('spec')} is not on this machine")
+    return found
+
+
+def load_reference_head(manifest, hf):
+    """(EagleHead bound to `hf`, note). An untrained export's head is regenerated with
+    random_head(seed=0), as eagle-export made it."""
+    from eagle_deploy.exporter.draft_head import load_head, random_head
+
+    head_dir = head_dir_of(manifest)
+    if head_dir is None:
+        return random_head(hf, seed=0), "draft head: random_head(seed=0), regenerated (the export's head is untrained)"
+    return load_head(head_dir, hf), f"draft head: {head_dir}"
+
+
+def draft_vocab_of(manifest, folder):
+    """The reduced draft vocabulary ids baked into the draft graph (None = full vocabulary),
+    as eagle-export saved them beside the graph."""
+    name = manifest.draft.extra.get("draft_vocab_file")
+    if not name:
+        return None
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.load(Path(folder) / name))
+
+
+def reference_backends(manifest, hf, head, folder):
+    """{"target": TorchBackend, "draft": TorchBackend} over the exporter's own torch modules."""
+    from eagle_deploy.exporter.draft_head import ExportableDraft
+    from eagle_deploy.validate.torch_backend import TorchBackend
+
+    draft = ExportableDraft(head, int(manifest.draft.extra["graph_top_k"]), draft_vocab_of(manifest, folder))
+    return {"target": TorchBackend.target(hf),
+            "draft": TorchBackend(draft, 1, head.dims.to_json(), name="torch-draft")}

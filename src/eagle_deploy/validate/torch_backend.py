@@ -1,0 +1,62 @@
+"""The PyTorch reference backend: the exporter's own torch modules run eagerly behind the
+same `Backend` protocol (for tests, `eagle-validate` and training-time evaluation). Unlike
+the other backends it imports torch and the model code."""
+from __future__ import annotations
+
+import numpy as np
+
+from eagle_deploy.contract import onnx_io as c
+from eagle_deploy.runtime.backends.base import StepInputs
+from eagle_deploy.runtime.kv import KVBuffer
+
+
+class TorchBackend:
+    """Runs an `ExportableTarget` or `ExportableDraft` (fp32, CPU unless moved)."""
+
+    def __init__(self, module, num_layers: int, dims: dict, dtype=np.float32, name: str = "torch"):
+        import torch
+
+        self.torch = torch
+        self.module = module.eval()
+        self.name = name
+        self.is_draft = num_layers == 1 and hasattr(module, "head")
+        self.kv_names = c.kv_names(num_layers)
+        self.dims = dims
+        self.dtype = dtype
+        self.device = next(module.parameters()).device
+
+    @classmethod
+    def target(cls, hf_model) -> "TorchBackend":
+        from eagle_deploy.exporter.target import ExportableTarget
+
+        module = ExportableTarget(hf_model)
+        return cls(module, module.dims.num_layers, module.dims.to_json(), name="torch-target")
+
+    @classmethod
+    def draft(cls, head, top_k: int = 10) -> "TorchBackend":
+        from eagle_deploy.exporter.draft_head import ExportableDraft
+
+        return cls(ExportableDraft(head, top_k), 1, head.dims.to_json(), name="torch-draft")
+
+    def allocate_kv(self, capacity: int) -> KVBuffer:
+        return KVBuffer.allocate(self.kv_names, capacity, 1, self.dims["num_kv_heads"], self.dims["head_dim"], self.dtype)
+
+    def forward(self, feeds: dict[str, np.ndarray], past: list[np.ndarray]) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+        """Stateless forward: contract feeds + past arrays -> (outputs by name, present arrays)."""
+        t = lambda a: self.torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+        args = ([t(feeds[c.FEATURES])] if self.is_draft else []) + [
+            t(feeds[n]) for n in (c.INPUT_IDS, c.POSITION_IDS, c.ATTENTION_MASK, c.LOGITS_INDICES)]
+        with self.torch.no_grad():
+            outs = self.module(*args, *[t(p) for p in past])
+        outs = [o.detach().cpu().numpy() for o in outs]
+        names = [c.NEXT_FEATURES, c.TOPK_LOGPROBS, c.TOPK_IDS] if self.is_draft else [c.LOGITS, c.FEATURES]
+        return dict(zip(names, outs)), outs[len(names):]
+
+    def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> dict[str, np.ndarray]:
+        S = inputs.input_ids.shape[1]
+        kv.check(past, S)
+        inputs.check(past)
+        results, presents = self.forward(inputs.feeds(), [a[:past] for a in kv.arrays])
+        for a, new in zip(kv.arrays, presents):
+            a[past:past + S] = new
+        return results

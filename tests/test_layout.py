@@ -1,0 +1,70 @@
+"""The package layout shows the architecture: `exporter` and `runtime` never import each
+other, `contract` imports neither (nor anything heavy), and nothing imports the package
+under a second name."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import eagle_deploy
+
+PACKAGE = Path(eagle_deploy.__file__).resolve().parent
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Absolute module names imported anywhere in `path` (relative imports resolved)."""
+    package = ".".join(("eagle_deploy", *path.relative_to(PACKAGE).parent.parts))
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module
+            found.add(name)
+            found.update(f"{name}.{alias.name}" for alias in node.names)
+    return found
+
+
+def sources(subpackage: str) -> list[Path]:
+    return sorted((PACKAGE / subpackage).rglob("*.py"))
+
+
+@pytest.mark.parametrize("src, forbidden", [("exporter", "runtime"), ("runtime", "exporter"),
+                                            ("contract", "runtime"), ("contract", "exporter")])
+def test_no_import_crosses_between_halves(src, forbidden):
+    crossings = [f"{path.relative_to(PACKAGE)} imports {name}"
+                 for path in sources(src) for name in imported_modules(path)
+                 if name.startswith(f"eagle_deploy.{forbidden}")]
+    assert not crossings, "\n".join(crossings)
+
+
+def test_contract_imports_nothing_heavy():
+    heavy = ("torch", "onnx", "onnxruntime", "transformers", "tensorrt", "polygraphy")
+    found = [f"{path.relative_to(PACKAGE)} imports {name}" for path in sources("contract")
+             for name in imported_modules(path) if name.split(".")[0] in heavy]
+    assert not found, "\n".join(found)
+
+
+def test_import_checker_sees_a_crossing(tmp_path):
+    """The checker itself finds relative and absolute crossings (so the tests above can fail)."""
+    fake = PACKAGE / "exporter" / "_crossing_probe.py"
+    fake.write_text("from ..runtime import decode\nimport eagle_deploy.runtime.kv\n")
+    try:
+        names = imported_modules(fake)
+    finally:
+        fake.unlink()
+    assert "eagle_deploy.runtime" in names and "eagle_deploy.runtime.kv" in names
+
+
+def test_package_comes_from_src_layout():
+    """Tests import the package from src/, never from a folder that shadows it at the repo root."""
+    assert PACKAGE.parent.name == "src", PACKAGE
+    root = PACKAGE.parent.parent
+    assert not any((root / name / "__init__.py").exists() for name in ("exporter", "runtime", "tools"))
