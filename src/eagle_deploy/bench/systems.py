@@ -48,13 +48,13 @@ def peak_rss_mb() -> float:
 
 
 def rss_mb() -> float:
-    """Current resident set (MiB)."""
+    """Current resident set (MiB). Needs psutil (the `[bench]` extra); raises ImportError
+    naming the extra instead of silently reporting the peak."""
     try:
         import psutil
-
-        return round(psutil.Process().memory_info().rss / 2**20, 1)
     except ImportError:
-        return peak_rss_mb()
+        raise ImportError("eagle-bench needs psutil to measure memory: pip install 'eagle-deploy[bench]'") from None
+    return round(psutil.Process().memory_info().rss / 2**20, 1)
 
 
 class EagleSystem:

@@ -3,7 +3,7 @@
 Stages, each cached in --work so an interrupted run resumes where it stopped:
   1. data:     prompts -> the target's own responses (token ids; `data/part-*.npz`)
   2. features: token ids -> target features (`features.pt`, fp16)
-  3. train:    head training (`checkpoint.pt` after every epoch)
+  3. train:    head training (`head.pt` once trained, keyed by data, settings and seed)
   4. export:   the head in the published EAGLE layout (`--out`: config.json + model.safetensors)
 Existing token data (e.g. the ids shipped in data/tokens/) can be reused with --data.
 """
@@ -13,7 +13,11 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+FEATURES_FILE = "features.pt"
+HEAD_FILE = "head.pt"
 
 PRESETS = {
     # fits in ~60 minutes on a 2-core CPU, data generation included
@@ -31,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="folder for the trained head (published EAGLE layout)")
     p.add_argument("--work", type=Path, default=None, help="cache folder for the stages (default: OUT/../<out name>.work)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-quick")
-    p.add_argument("--prompts", default="train", help="'train' (src/eagle_deploy/data/prompts/train_prompts.jsonl) or a JSONL file")
+    p.add_argument("--prompts", default="train", help="'train' (data/prompts/train_prompts.jsonl) or a JSONL file")
     p.add_argument("--data", type=Path, nargs="*", default=None, help="existing token-data .npz files to train on (skips generation)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--seed", type=int, default=0)
@@ -64,96 +68,161 @@ def main(argv=None) -> int:
         return 2
 
 
+@dataclass
+class Session:
+    """What every stage of one eagle-train run shares: settings, device, work folder, log."""
+
+    args: argparse.Namespace
+    settings: dict
+    device: str
+    work: Path
+    log_lines: list = field(default_factory=list)
+
+    def log(self, msg: str) -> None:
+        from tqdm import tqdm
+
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        self.log_lines.append(line)
+        tqdm.write(line, file=sys.stderr)
+
+
 def run(args, s: dict) -> int:
+    """data -> features -> train -> export, each stage timed; see the module docstring."""
+    t_start = time.perf_counter()
+    session = open_session(args, s)
+    checkpoint, hf, tokenizer, eos = load_target_for_training(session)
+    timings = {}
+    t = time.perf_counter()
+    data = load_or_generate_data(session, hf, tokenizer, eos)
+    timings["data_s"] = round(time.perf_counter() - t, 1)
+    t = time.perf_counter()
+    features = features_from_data(session, hf, data)
+    timings["features_s"] = round(time.perf_counter() - t, 1)
+    t = time.perf_counter()
+    head, history = head_from_features(session, hf, data, features)
+    timings["train_s"] = round(time.perf_counter() - t, 1)
+    timings["total_s"] = round(time.perf_counter() - t_start, 1)
+    write_head(session, checkpoint, hf, head, data, history, timings)
+    print(args.out)
+    return 0
+
+
+def open_session(args, s: dict) -> Session:
+    """Pick the device and create the work folder."""
     import torch
-    from tqdm import tqdm
-
-    from eagle_deploy.exporter.draft_head import head_config_for, random_head, save_head
-    from eagle_deploy.exporter.export import _eos_ids, load_target
-    from eagle_deploy.exporter.models import resolve_model, sha256_file
-
-    from .data import TokenData, compute_features
-    from .trainer import TrainConfig, train_head
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device.startswith("cuda"):
         torch.set_float32_matmul_precision("high")  # TF32 matmuls for generation/features
+    if args.torch_dtype == "bf16" and not device.startswith("cuda"):
+        raise ValueError("--torch-dtype bf16 needs a CUDA device (the CPU path trains without autocast)")
     work = args.work or args.out.parent / (args.out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)
-    log_lines = []
+    return Session(args, s, device, work)
 
-    def log(msg):
-        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        log_lines.append(line)
-        tqdm.write(line, file=sys.stderr)
 
-    t_start = time.perf_counter()
-    checkpoint = resolve_model(args.model)
-    hf = load_target(checkpoint)
-    tdtype = torch.bfloat16 if args.torch_dtype == "bf16" else torch.float32
-    if tdtype == torch.bfloat16:
-        if not device.startswith("cuda"):
-            raise ValueError("--torch-dtype bf16 needs a CUDA device (the CPU path trains without autocast)")
-        hf.to(tdtype)
+def load_target_for_training(session: Session):
+    """(checkpoint, HF model in the training dtype, tokenizer, EOS ids) of --model."""
+    import torch
     from transformers import AutoTokenizer
 
+    from eagle_deploy.exporter.export import _eos_ids, load_target
+    from eagle_deploy.exporter.models import resolve_model
+
+    checkpoint = resolve_model(session.args.model)
+    hf = load_target(checkpoint)
+    if session.args.torch_dtype == "bf16":
+        hf.to(torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint.hf_dir))
     eos = _eos_ids(checkpoint.hf_dir, hf.config, tokenizer)
-    log(f"target {checkpoint.name} on {device}; settings {json.dumps(s)}")
+    session.log(f"target {checkpoint.name} on {session.device}; settings {json.dumps(session.settings)}")
+    return checkpoint, hf, tokenizer, eos
 
-    # 1. data
-    timings = {}
-    t = time.perf_counter()
-    if args.data:
-        data = TokenData.concat(TokenData.load(p) for p in args.data)
-        log(f"data: {len(data)} sequences, {data.response_tokens} response tokens from {len(args.data)} file(s)")
-    else:
-        data = _generate(args, s, hf, tokenizer, eos, device, work, log)
-    timings["data_s"] = round(time.perf_counter() - t, 1)
 
-    # 2. features
-    t = time.perf_counter()
-    feat_path = work / "features.pt"
-    key = {"sequences": len(data), "tokens": int(data.tokens.size), "sum": int(data.tokens.sum())}
+def load_or_generate_data(session: Session, hf, tokenizer, eos):
+    """Stage 1: --data files, else the target's own responses (chunks cached in WORK/data)."""
+    from .data import TokenData
+
+    if session.args.data:
+        data = TokenData.concat(TokenData.load(p) for p in session.args.data)
+        session.log(f"data: {len(data)} sequences, {data.response_tokens} response tokens "
+                    f"from {len(session.args.data)} file(s)")
+        return data
+    return _generate(session.args, session.settings, hf, tokenizer, eos, session.device, session.work, session.log)
+
+
+def data_key(data) -> dict:
+    """Identifies token data for the feature and head caches (count, size, checksum of the ids)."""
+    return {"sequences": len(data), "tokens": int(data.tokens.size), "sum": int(data.tokens.sum())}
+
+
+def features_from_data(session: Session, hf, data) -> list:
+    """Stage 2: the target's features for every sequence, cached in WORK/features.pt by data key."""
+    import torch
+    from tqdm import tqdm
+
+    from .data import compute_features
+
+    feat_path, key, device = session.work / FEATURES_FILE, data_key(data), session.device
     cached = torch.load(feat_path, weights_only=True) if feat_path.exists() else None
     if cached is not None and cached.get("key") == key:
-        features = [f.to(device) for f in cached["features"]]
-        log("features: cached")
-    else:
-        bar = tqdm(total=int(data.tokens.size), desc="features", unit="tok", file=sys.stderr)
-        features = compute_features(hf, data, device, batch_tokens=65536 if device != "cpu" else 4096, dtype=tdtype,
-                                    progress=bar.update)
-        bar.close()
-        if not args.no_cache_features:
-            torch.save({"key": key, "features": [f.cpu() for f in features]}, feat_path)
-    timings["features_s"] = round(time.perf_counter() - t, 1)
+        session.log("features: cached")
+        return [f.to(device) for f in cached["features"]]
+    bar = tqdm(total=int(data.tokens.size), desc="features", unit="tok", file=sys.stderr)
+    features = compute_features(hf, data, device, batch_tokens=65536 if device != "cpu" else 4096,
+                                dtype=next(hf.parameters()).dtype, progress=bar.update)
+    bar.close()
+    if not session.args.no_cache_features:
+        torch.save({"key": key, "features": [f.cpu() for f in features]}, feat_path)
+    return features
 
-    # 3. train
-    t = time.perf_counter()
-    cfg = TrainConfig(epochs=s["epochs"], lr=s["lr"], batch_tokens=s["batch_tokens"], ce_topk=s["ce_topk"],
-                      unroll=s["unroll"], seed=args.seed, time_budget_s=60.0 * s["time_budget_min"])
+
+def head_from_features(session: Session, hf, data, features):
+    """Stage 3: train a head; a finished head for the same data, settings and seed is reused
+    from WORK/head.pt (so a run interrupted during export restarts there)."""
+    import torch
+
+    from eagle_deploy.exporter.draft_head import random_head
+
+    from .trainer import TrainConfig, train_head
+
+    args, s = session.args, session.settings
+    key = {"data": data_key(data), "settings": s, "seed": args.seed, "init_from_layer": args.init_from_layer}
     head = random_head(hf, seed=args.seed)
+    head_path = session.work / HEAD_FILE
+    cached = torch.load(head_path, weights_only=False) if head_path.exists() else None
+    if cached is not None and cached.get("key") == key:
+        head.load_state_dict(cached["state"])
+        session.log("train: cached head")
+        return head, cached["history"]
     if args.init_from_layer is not None:
         _init_from_layer(head, hf, args.init_from_layer)
-    bar = tqdm(total=None, desc="train", unit="step", file=sys.stderr)
-    history = train_head(head, data, features, cfg, device, log=log)
-    bar.close()
-    timings["train_s"] = round(time.perf_counter() - t, 1)
+    cfg = TrainConfig(epochs=s["epochs"], lr=s["lr"], batch_tokens=s["batch_tokens"], ce_topk=s["ce_topk"],
+                      unroll=s["unroll"], seed=args.seed, time_budget_s=60.0 * s["time_budget_min"])
+    history = train_head(head, data, features, cfg, session.device, log=session.log)
+    torch.save({"key": key, "state": head.state_dict(), "history": history}, head_path)
+    return head, history
 
-    # 4. export
+
+def write_head(session: Session, checkpoint, hf, head, data, history, timings: dict) -> None:
+    """Stage 4: the head in the published EAGLE layout, token counts and the training log."""
+    import torch
+
+    from eagle_deploy.exporter.draft_head import head_config_for, save_head
+    from eagle_deploy.exporter.models import sha256_file
+
+    args = session.args
     head.to("cpu", torch.float32)
     head.config = head_config_for(hf.config)
     save_head(head, args.out)
     _save_token_counts(data, hf.config.vocab_size, args.out)
     card = {"target": {"spec": args.model, "source": str(checkpoint.source),
                        "sha256": sha256_file(checkpoint.source) if checkpoint.source.is_file() else None},
-            "settings": s, "train": history, "timings_s": {**timings, "total_s": round(time.perf_counter() - t_start, 1)},
-            "data": {"sequences": len(data), "response_tokens": data.response_tokens, "device": device}}
+            "settings": session.settings, "train": history, "timings_s": timings,
+            "data": {"sequences": len(data), "response_tokens": data.response_tokens, "device": session.device}}
     (args.out / "train_log.json").write_text(json.dumps(card, indent=2) + "\n")
-    (args.out / "train_log.txt").write_text("\n".join(log_lines) + "\n")
-    log(f"head written to {args.out} (total {card['timings_s']['total_s']} s)")
-    print(args.out)
-    return 0
+    session.log(f"head written to {args.out} (total {timings['total_s']} s)")
+    (args.out / "train_log.txt").write_text("\n".join(session.log_lines) + "\n")
 
 
 def _generate(args, s, hf, tokenizer, eos, device, work: Path, log):

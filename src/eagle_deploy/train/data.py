@@ -19,7 +19,9 @@ import torch
 
 from eagle_deploy.exporter.target import ExportableTarget
 
-PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
+PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"  # evaluation sets (in the wheel)
+# Training prompts stay in the repository (data/prompts/), out of the wheel.
+TRAIN_PROMPTS = Path(__file__).resolve().parents[3] / "data" / "prompts" / "train_prompts.jsonl"
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -53,8 +55,13 @@ def prompt_set(name: str) -> list[dict]:
     """"humaneval", "chat" (the project's evaluation set), "train", or a JSONL path."""
     if name == "humaneval":
         return humaneval_prompts()
-    if name in ("chat", "train"):
-        return read_jsonl(PROMPTS_DIR / ("chat_eval.jsonl" if name == "chat" else "train_prompts.jsonl"))
+    if name == "chat":
+        return read_jsonl(PROMPTS_DIR / "chat_eval.jsonl")
+    if name == "train":
+        if not TRAIN_PROMPTS.is_file():
+            raise ValueError(f"the training prompts ship with the repository, not the wheel ({TRAIN_PROMPTS} is "
+                             "missing): run from a clone, or pass --prompts FILE.jsonl")
+        return read_jsonl(TRAIN_PROMPTS)
     if not Path(name).is_file():
         raise ValueError(f"unknown prompt set {name!r}: expected humaneval, chat, train or a JSONL file ({{\"prompt\": ...}} per line)")
     return read_jsonl(Path(name))

@@ -1,0 +1,87 @@
+"""The eagle-train CLI on the tiny model: every stage caches in --work, a second run reuses
+them all, an interrupted run resumes from the finished stages, and changed settings retrain;
+plus the training prompts are disjoint from the evaluation sets."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from safetensors.numpy import load_file
+
+from eagle_deploy.train import cli
+from eagle_deploy.train.data import prompt_set
+
+SMALL = ["--limit", "6", "--modes", "0", "--max-new-tokens", "8", "--gen-batch", "4", "--epochs", "1",
+         "--batch-tokens", "64", "--time-budget-min", "0", "--device", "cpu"]
+
+
+@pytest.fixture()
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"count to {i} please"}) + "\n" for i in range(6)))
+    return path
+
+
+def _train(gqa, prompts, out, work, capsys, *extra):
+    code = cli.main(["--model", str(gqa.target_dir), "--out", str(out), "--work", str(work), "--prompts", str(prompts),
+                     *SMALL, *extra])
+    assert code == 0
+    return capsys.readouterr().err
+
+
+def _stamps(work):
+    return {p.name: p.stat().st_mtime_ns for p in [*sorted((work / "data").glob("part-*.npz")),
+                                                   work / cli.FEATURES_FILE, work / cli.HEAD_FILE]}
+
+
+def test_stages_are_cached_and_an_interrupted_run_resumes(gqa, prompts, tmp_path, capsys):
+    out, work = tmp_path / "head", tmp_path / "work"
+    log = _train(gqa, prompts, out, work, capsys)
+    assert "features: cached" not in log and "train: cached head" not in log
+    first = load_file(out / "model.safetensors")
+    stamps = _stamps(work)
+    assert set(stamps) == {"part-00000.npz", cli.FEATURES_FILE, cli.HEAD_FILE}
+    assert json.loads((out / "train_log.json").read_text())["data"]["sequences"] == 6
+
+    log = _train(gqa, prompts, out, work, capsys)  # everything cached: nothing is rewritten
+    assert "features: cached" in log and "train: cached head" in log
+    assert _stamps(work) == stamps
+    assert all((load_file(out / "model.safetensors")[k] == v).all() for k, v in first.items())
+
+    (work / cli.FEATURES_FILE).unlink()  # interrupted after the data stage
+    (work / cli.HEAD_FILE).unlink()
+    log = _train(gqa, prompts, out, work, capsys)
+    assert "features: cached" not in log and "train: cached head" not in log
+    assert _stamps(work)["part-00000.npz"] == stamps["part-00000.npz"]  # the generated data was reused
+    again = load_file(out / "model.safetensors")
+    assert all((again[k] == v).all() for k, v in first.items())  # same data + seed -> the same head
+
+
+def test_changed_settings_retrain_but_reuse_data_and_features(gqa, prompts, tmp_path, capsys):
+    out, work = tmp_path / "head", tmp_path / "work"
+    _train(gqa, prompts, out, work, capsys)
+    first = load_file(out / "model.safetensors")
+    log = _train(gqa, prompts, out, work, capsys, "--seed", "1")
+    assert "train: cached head" not in log and "features: cached" in log
+    second = load_file(out / "model.safetensors")
+    assert any(not (second[k] == v).all() for k, v in first.items())
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def test_training_prompts_are_disjoint_from_the_evaluation_sets():
+    """No evaluation prompt (HumanEval, the chat set) appears in the training prompts, nor
+    contains or is contained in one (whitespace and case ignored)."""
+    train = {_normalise(p["prompt"]) for p in prompt_set("train")}
+    assert len(train) > 1000
+    for name in ("humaneval", "chat"):
+        evaluation = [_normalise(p["prompt"]) for p in prompt_set(name)]
+        assert evaluation
+        assert not train.intersection(evaluation), name
+        long_eval = [e for e in evaluation if len(e) >= 40]
+        overlaps = [e[:60] for e in long_eval if any(e in t for t in train)]
+        overlaps += [t[:60] for t in train if len(t) >= 40 and any(t in e for e in evaluation)]
+        assert not overlaps, (name, overlaps[:3])
