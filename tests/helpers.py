@@ -16,6 +16,7 @@ import torch
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.runtime.backends.base import StepInputs
 from eagle_deploy.runtime.drafter import DraftRequest, causal_mask  # noqa: F401 (re-exported for the tests)
+from eagle_deploy.runtime.kv import KVBuffer
 from eagle_deploy.runtime.tree import DraftTree
 
 # --------------------------------------------------------------------------- references
@@ -63,13 +64,14 @@ def until_eos(tokens: Sequence[int], eos_ids: Sequence[int], n: int) -> list[int
 
 
 def run_step(backend, kv, tokens, positions, mask, past: int, logits_at=None, features=None) -> dict:
-    """One forward through `backend`; returns copies of the outputs (backends reuse theirs)."""
+    """One forward through `backend`; returns copies of the outputs by contract name (backends
+    reuse theirs)."""
     tokens = np.asarray(tokens, np.int64)[None]
     logits_at = np.arange(tokens.shape[1]) if logits_at is None else logits_at
     feats = None if features is None else np.ascontiguousarray(np.asarray(features, np.float32)[None])
     inputs = StepInputs(tokens, np.asarray(positions, np.int64)[None], np.asarray(mask, bool),
                         np.asarray(logits_at, np.int64)[None], feats)
-    return {k: v.copy() for k, v in backend.run(inputs, kv, past).items()}
+    return {k: v.copy() for k, v in backend.run(inputs, kv, past).named().items()}
 
 
 def prefill(backend, kv, tokens: Sequence[int], past: int = 0) -> dict:
@@ -80,9 +82,7 @@ def prefill(backend, kv, tokens: Sequence[int], past: int = 0) -> dict:
 
 def run_tree(backend, kv, tree: DraftTree, past: int) -> dict:
     """Verification forward of `tree` over `past` cached rows (as Decoder.verify_forward)."""
-    mask = np.ones((1, tree.size, past + tree.size), dtype=bool)
-    mask[0, :, past:] = tree.tree_mask
-    return run_step(backend, kv, tree.tokens, tree.positions(past), mask, past)
+    return run_step(backend, kv, tree.tokens, tree.positions(past), tree.attention_mask(past), past)
 
 
 def kv_rows(kv, n: int) -> list[np.ndarray]:
@@ -98,6 +98,13 @@ def assert_kv_close(got: Sequence[np.ndarray], want: Sequence[np.ndarray], atol:
 
 
 # --------------------------------------------------------------------------- instrumentation
+
+
+def poison(kv: KVBuffer, start: int = 0) -> None:
+    """Fill rows [start, capacity) of every KV array with NaN (numpy or torch), so that any
+    read past the valid rows shows up as NaN."""
+    for a in kv.arrays:
+        a[start:] = float("nan")
 
 
 @dataclass
@@ -132,14 +139,35 @@ class RecordingBackend:
         self.calls.append(Call(inputs.input_ids[0].copy(), inputs.position_ids[0].copy(), inputs.attention_mask[0].copy(),
                                None if inputs.features is None else inputs.features[0].copy(), past))
         if self.poison:
-            kv.poison(past)
+            poison(kv, past)
         out = self.inner.run(inputs, kv, past)
         if self.poison:
-            for name, arr in out.items():
+            for name, arr in out.named().items():
                 assert np.all(np.isfinite(arr)), f"{name} has non-finite values: a poisoned KV row was read"
             for a in kv.arrays:
                 assert np.all(np.isfinite(a[past:past + S])), "present rows were not written"
         return out
+
+
+class ScriptedDrafter:
+    """A drafter whose trees a test dictates: `script(committed) -> list of token paths below
+    the root`; earlier paths rank first among siblings. Replaces the head's proposals with any
+    tree (cut to the request's max_depth and max_nodes)."""
+
+    def __init__(self, script: Callable[[Sequence[int]], list[list[int]]]):
+        self.script = script
+        self.forwards = 0
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, request: DraftRequest) -> DraftTree:
+        paths = [p[: request.max_depth] for p in self.script(list(request.committed)) if p]
+        tree = DraftTree.from_paths(int(request.committed[-1]), [p for p in paths if p])
+        if tree.size > request.max_nodes:
+            keep = np.arange(request.max_nodes)
+            tree = DraftTree(tree.tokens[keep], tree.parents[keep], tree.scores[keep])
+        return tree
 
 
 class ReferenceScript:

@@ -56,9 +56,9 @@ def test_head_fixture_has_nonzero_fc_bias(model):
 def test_draft_onnx_equals_torch_reference_head(model):
     """E5: a head with non-zero fc.bias: the draft ONNX equals TorchBackend.draft (1e-4) on
     next features, top-k log-probs/ids and the KV it writes."""
-    top_k = model.manifest.draft.extra["graph_top_k"]
+    top_k = model.manifest.draft.graph_top_k
     ref = TorchBackend.draft(model.head(), top_k=top_k)
-    _compare_backends(model.backend("draft"), ref, model.manifest.dims["hidden"], top_k)
+    _compare_backends(model.backend("draft"), ref, model.manifest.dims.hidden, top_k)
 
 
 def _hf_eagle_head(head_dir, hf):
@@ -98,7 +98,7 @@ def test_draft_onnx_equals_independent_hf_layer_head(model):
     forward = _hf_eagle_head(model.head_dir, model.hf)
     be = model.backend("draft")
     kv = be.allocate_kv(16)
-    tokens, pos, mask, past, feats = next(_draft_steps(model.manifest.dims["hidden"], seed=3))
+    tokens, pos, mask, past, feats = next(_draft_steps(model.manifest.dims.hidden, seed=3))
     out = run_step(be, kv, tokens, pos, mask, past, features=feats)
     y, logp = forward(torch.from_numpy(feats)[None], torch.from_numpy(np.asarray(tokens))[None], torch.from_numpy(pos)[None])
     np.testing.assert_allclose(out[c.NEXT_FEATURES][0], y[0].numpy(), rtol=0, atol=ATOL)
@@ -117,7 +117,7 @@ def _find(inits: dict, shape) -> list[np.ndarray]:
 
 
 def test_shared_embedding_and_lm_head_are_the_targets_bit_for_bit(model):
-    V, H = model.manifest.dims["vocab"], model.manifest.dims["hidden"]
+    V, H = model.manifest.dims.vocab, model.manifest.dims.hidden
     embed = model.hf.model.embed_tokens.weight.detach().numpy()
     lm = model.hf.lm_head.weight.detach().numpy()
     assert not np.array_equal(embed, lm)  # untied fixture: a swap would show
@@ -151,10 +151,10 @@ def test_head_without_fc_bias_loads_exports_and_matches(mha, tmp_path):
     assert head.fc.bias is None
     out = export(str(mha.target_dir), str(head_dir), tmp_path / "out", ExportOptions(max_length=64), progress=None)
     manifest = Manifest.load(out)
-    assert manifest.draft.extra["trained"] is True
+    assert manifest.draft.trained is True
     ort = OrtBackend(out, manifest.draft, manifest.dims, threads=1)
-    _compare_backends(ort, TorchBackend.draft(head, top_k=manifest.draft.extra["graph_top_k"]), manifest.dims["hidden"],
-                      manifest.draft.extra["graph_top_k"])
+    _compare_backends(ort, TorchBackend.draft(head, top_k=manifest.draft.graph_top_k), manifest.dims.hidden,
+                      manifest.draft.graph_top_k)
 
 
 # ---------------------------------------------------------------- bad heads refused
@@ -272,14 +272,15 @@ def test_max_length_outside_the_model_is_refused(mha, tmp_path, capsys, bad):
 
 def test_manifest_records_the_export(model):
     m = model.manifest
-    assert m.max_length == 256 and m.eos_token_ids == [tiny.EOS_ID]
-    assert m.dims["num_kv_heads"] == (2 if model.name == "gqa" else 4) and m.dims["vocab"] == 256
-    assert m.draft.extra["trained"] is True and m.draft.extra["graph_top_k"] == 10
+    assert m.max_length == 256 and list(m.eos_token_ids) == [tiny.EOS_ID]
+    assert m.dims.num_kv_heads == (2 if model.name == "gqa" else 4) and m.dims.vocab == 256
+    assert m.draft.trained is True and m.draft.graph_top_k == 10
+    assert m.draft.max_position_embeddings == 256 and m.draft.draft_vocab_size == 256  # the head's own limit
     from eagle_deploy.exporter.models import sha256_file
 
     assert m.target.sha256 == sha256_file(model.export_dir / c.TARGET_FILE)
     assert m.draft.sha256 == sha256_file(model.export_dir / c.DRAFT_FILE)
-    assert m.sources["draft"]["sha256"]["model.safetensors"] == sha256_file(model.head_dir / "model.safetensors")
+    assert m.sources.draft.sha256["model.safetensors"] == sha256_file(model.head_dir / "model.safetensors")
 
 
 def test_reduced_draft_vocabulary_maps_ids_back_and_stays_lossless(mha, tmp_path):
@@ -296,11 +297,11 @@ def test_reduced_draft_vocabulary_maps_ids_back_and_stays_lossless(mha, tmp_path
     np.save(head_dir / TOKEN_COUNTS_FILE, counts)
     out = export(str(mha.target_dir), str(head_dir), tmp_path / "out", ExportOptions(max_length=128, draft_vocab=64), progress=None)
     manifest = Manifest.load(out)
-    assert manifest.draft.extra["draft_vocab_size"] == 64
+    assert manifest.draft.draft_vocab_size == 64
     allowed = set(np.argsort(-counts, kind="stable")[:63].tolist()) | {0}
     be = OrtBackend(out, manifest.draft, manifest.dims, threads=1)
     kv = be.allocate_kv(16)
-    tokens, pos, mask, past, feats = next(_draft_steps(manifest.dims["hidden"], seed=4))
+    tokens, pos, mask, past, feats = next(_draft_steps(manifest.dims.hidden, seed=4))
     got = run_step(be, kv, tokens, pos, mask, past, features=feats)
     assert set(got[c.TOPK_IDS].ravel().tolist()) <= allowed
     # equal to the full head's distribution renormalised over the allowed ids

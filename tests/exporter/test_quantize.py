@@ -8,10 +8,11 @@ Caveat measured on SmolLM2-135M (30 layers), not visible on this 2-layer fixture
 activations (accuracy_level 4, and dynamic int8) a token's logits depend on the other tokens of
 its forward, and greedy EAGLE matched vanilla on only 11-13 of 48 96-token outputs (all
 divergences at top-2 gaps < 0.3); see test_batch_invariance_flag_matches_the_kernels and
-extra.quant.batch_invariant. Exports take about a second each."""
+quant_info.batch_invariant. Exports take about a second each."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -21,10 +22,9 @@ from onnx import numpy_helper
 from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.exporter.models import sha256_file
 from eagle_deploy.exporter.quantize import constant_matmuls, quantize_graph
-from eagle_deploy.runtime.drafter import ScriptedDrafter
 from tests import tiny
 from tests.conftest import MAX_LENGTH, PROMPTS, THREADS
-from tests.helpers import causal_mask, prefill, run_step
+from tests.helpers import ScriptedDrafter, causal_mask, prefill, run_step
 
 KINDS = ("int8", "int4")
 # Teacher-forced top-1 agreement with the fp32 graph on random token streams; measured on this
@@ -95,10 +95,10 @@ def test_manifest_records_the_quantisation(exports, kind):
     folder = exports[kind]
     m = Manifest.load(folder)
     assert m.target.quant == kind and m.draft.quant == kind  # the draft follows by default (--no-quant-draft)
-    q = m.target.extra["quant"]
-    assert q["kind"] == kind and q["method"] == "nbits"
-    assert (q["block_size"], q["accuracy_level"], q["symmetric"]) == (32, 4, True)
-    assert q["quantised_matmuls"] == 15 and q["batch_invariant"] is False
+    q = m.target.quant_info
+    assert q.kind == kind and q.method == "nbits"
+    assert (q.settings["block_size"], q.settings["accuracy_level"], q.settings["symmetric"]) == (32, 4, True)
+    assert q.quantised_matmuls == 15 and q.batch_invariant is False
     assert m.target.sha256 == sha256_file(folder / m.target.path)  # hashed after quantising
     assert any(kind in note and "quantised target" in note for note in m.notes)
     assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in exports["fp32"].iterdir())  # no .data, no temp files
@@ -149,11 +149,11 @@ def test_oracle_draft_commits_vanilla_output_through_long_accepted_paths(exports
         out = _runtime(exports[kind], drafter=ScriptedDrafter(script)).generate(prompt, max_new_tokens=48)
         assert out.token_ids == ref, prompt
         if len(ref) > 8:
-            assert out.stats["mean_accept_len"] > 3.0
+            assert out.stats.mean_accept_len > 3.0
 
 
 def test_batch_invariance_flag_matches_the_kernels(exports, tmp_path):
-    """extra.quant.batch_invariant: a token's logits alone (S=1) vs as row 0 of a 4-token
+    """quant_info.batch_invariant: a token's logits alone (S=1) vs as row 0 of a 4-token
     forward. fp32 activations (accuracy_level 0) agree to rounding; dynamic int8 scales all
     rows together, so they do not (why it is not the default)."""
     tokens = [5, 17, 99, 3, 42, 7, 8, 200, 1]
@@ -161,7 +161,7 @@ def test_batch_invariance_flag_matches_the_kernels(exports, tmp_path):
         folder = tmp_path / name
         shutil.copytree(exports["fp32"], folder)
         m = Manifest.load(folder)
-        quantize_graph(folder, m.target, "int8", **options)
+        m = replace(m, target=quantize_graph(folder, m.target, "int8", **options))  # returns the updated entry
         m.save(folder)
         be = _runtime(folder).decoder.target
         kv = be.allocate_kv(64)
@@ -169,7 +169,7 @@ def test_batch_invariance_flag_matches_the_kernels(exports, tmp_path):
         alone = run_step(be, kv, tokens[5:6], [5], causal_mask(5, 1), 5)["logits"][0, 0]
         row0 = run_step(be, kv, tokens[5:9], np.arange(5, 9), causal_mask(5, 4), 5)["logits"][0, 0]
         diff = float(np.abs(alone - row0).max())
-        assert m.target.extra["quant"]["batch_invariant"] is (name == "a0")
+        assert m.target.quant_info.batch_invariant is (name == "a0")
         assert diff < 1e-4 if name == "a0" else diff > 1e-6, (name, diff)
 
 
@@ -183,9 +183,9 @@ def test_external_data_and_option_errors(exports, tmp_path):
         target = folder / m.target.path
         onnx.save_model(onnx.load(str(target)), str(target), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=target.name + ".data", size_threshold=1024)
-        quantize_graph(folder, m.target, "int8", method=method)
-        assert not (folder / "target.onnx.data").exists() and m.target.extra["quant"]["method"] == method
-        quantize_graph(folder, m.draft, "int8", external_data="always")  # --quant-draft
+        m = replace(m, target=quantize_graph(folder, m.target, "int8", method=method))
+        assert not (folder / "target.onnx.data").exists() and m.target.quant_info.method == method
+        m = replace(m, draft=quantize_graph(folder, m.draft, "int8", external_data="always"))  # --quant-draft
         assert (folder / "draft.onnx.data").exists() and m.draft.quant == "int8"
         m.save(folder)
         assert _runtime(folder).generate(PROMPTS[0], max_new_tokens=8).token_ids  # loads and runs

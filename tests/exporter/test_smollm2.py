@@ -19,7 +19,7 @@ def test_smollm2_export_then_eagle_equals_vanilla(smollm2_export):
     from eagle_deploy.runtime.api import EagleRuntime
 
     rt = EagleRuntime.load(folder, threads=2)
-    assert rt.manifest.dims["num_layers"] == 30 and rt.manifest.dims["vocab"] == 49152
+    assert rt.manifest.dims.num_layers == 30 and rt.manifest.dims.vocab == 49152
     assert rt.manifest.max_length == 2048 and rt.manifest.chat_template
     for prompt in PROMPTS:
         eagle = rt.generate(prompt, max_new_tokens=64)
@@ -28,6 +28,6 @@ def test_smollm2_export_then_eagle_equals_vanilla(smollm2_export):
         assert eagle.text == vanilla.text
         assert len(eagle.token_ids) == 64 or eagle.finish_reason == "stop"
         assert eagle.finish_reason == vanilla.finish_reason
-        assert vanilla.stats["target_forwards"] == len(vanilla.token_ids)
-        if rt.manifest.draft.extra["trained"]:  # the shipped head must actually save target forwards
-            assert eagle.stats["mean_accept_len"] > 1.2, eagle.stats["accepted_per_round"]
+        assert vanilla.stats.target_forwards == len(vanilla.token_ids)
+        if rt.manifest.draft.trained:  # the shipped head must actually save target forwards
+            assert eagle.stats.mean_accept_len > 1.2, eagle.stats.accepted_per_round

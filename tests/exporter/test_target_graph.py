@@ -10,7 +10,7 @@ from onnx import numpy_helper
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.exporter.layers import rotate_half_matrix
 from eagle_deploy.runtime.tree import DraftTree
-from tests.helpers import causal_mask, hf_features, hf_logits, kv_rows, prefill, run_step, run_tree
+from tests.helpers import causal_mask, hf_features, hf_logits, kv_rows, poison, prefill, run_step, run_tree
 
 ATOL = 1e-4
 
@@ -33,10 +33,10 @@ def _graph(model, which="target") -> onnx.ModelProto:
 
 def test_graph_io_follows_contract(model):
     g = _graph(model).graph
-    inputs, outputs = c.target_io(model.manifest.dims["num_layers"], "float32")
+    inputs, outputs = c.target_io(model.manifest.dims.num_layers, "float32")
     assert [i.name for i in g.input] == [s.name for s in inputs]
     assert [o.name for o in g.output] == [s.name for s in outputs]
-    assert model.manifest.target.inputs == [s.to_json() for s in inputs]
+    assert list(model.manifest.target.inputs) == inputs
     elem = {i.name: i.type.tensor_type.elem_type for i in g.input}
     assert elem[c.POSITION_IDS] == onnx.TensorProto.INT64
     assert elem[c.ATTENTION_MASK] == onnx.TensorProto.BOOL
@@ -63,7 +63,7 @@ def test_prefill_kv_matches_hf_cache(model):
     prefill(be, kv, prompt)
     with torch.no_grad():
         cache = model.hf(torch.tensor([prompt]), use_cache=True).past_key_values
-    for layer in range(model.manifest.dims["num_layers"]):
+    for layer in range(model.manifest.dims.num_layers):
         for kind, ours in (("keys", kv.arrays[2 * layer]), ("values", kv.arrays[2 * layer + 1])):
             theirs = getattr(cache.layers[layer], kind)[0].permute(1, 0, 2).numpy()  # (T, kvh, hd)
             np.testing.assert_allclose(ours[:9, 0], theirs, rtol=0, atol=ATOL, err_msg=f"layer {layer} {kind}")
@@ -113,7 +113,7 @@ def test_e1_last_position_of_the_export(model):
 def test_e1_no_rotary_table_sized_to_a_length(model):
     """RoPE comes from positions in-graph: the only rotary constant is inv_freq [head_dim/2];
     no float tensor is shaped like a cos/sin table [L, head_dim] or [L, head_dim/2]."""
-    hd = model.manifest.dims["head_dim"]
+    hd = model.manifest.dims.head_dim
     g = _graph(model).graph
     tensors = [numpy_helper.to_array(t) for t in g.initializer]
     tensors += [numpy_helper.to_array(a.t) for n in g.node if n.op_type == "Constant" for a in n.attribute if a.type == onnx.AttributeProto.TENSOR]
@@ -146,8 +146,7 @@ def test_e2_per_node_logits_follow_own_path(model):
 def test_e2_clearing_an_ancestor_bit_changes_the_node(model):
     prefix, tree, be, kv = _e2_setup(model)
     base = run_tree(be, kv, tree, 10)[c.LOGITS][0]
-    mask = np.ones((1, 5, 15), dtype=bool)
-    mask[0, :, 10:] = tree.tree_mask
+    mask = tree.attention_mask(10)
     mask[0, 3, 10 + 1] = False  # node 3 no longer sees its parent (node 1)
     cut = run_step(be, kv, tree.tokens, tree.positions(10), mask, 10)[c.LOGITS][0]
     assert np.abs(cut[3] - base[3]).max() > 1e-3
@@ -181,7 +180,7 @@ def test_e3_one_call_vs_chunks_vs_single_tokens(model):
     for name, chunks in (("one", [12]), ("7+5", [7, 5]), ("singles", [1] * 12)):
         be = model.backend()
         kv = be.allocate_kv(16)
-        kv.poison()
+        poison(kv)
         past = 0
         for n in chunks:
             out = prefill(be, kv, prompt[past:past + n], past=past)

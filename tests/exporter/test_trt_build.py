@@ -100,8 +100,8 @@ def _consistent(spec: tb.ProfileSpec):
 def test_target_profiles_cover_every_input_and_are_consistent(manifest):
     profiles = tb.target_profiles(manifest)
     assert [p.name for p in profiles] == ["prefill", "decode", "verify"]
-    names = {s["name"] for s in manifest.target.inputs}
-    kvh, hd = manifest.dims["num_kv_heads"], manifest.dims["head_dim"]
+    names = {s.name for s in manifest.target.inputs}
+    kvh, hd = manifest.dims.num_kv_heads, manifest.dims.head_dim
     for p in profiles:
         assert set(p.shapes) == names
         _consistent(p)
@@ -112,7 +112,7 @@ def test_target_profiles_cover_every_input_and_are_consistent(manifest):
     assert prefill.shapes[c.past_name(0, "key")][0][0] == 0  # empty past
     assert decode.shapes[c.INPUT_IDS] == ((1, 1), (1, 1), (1, 1))
     # tree verification: 1..64 tokens (default cap), opt = the manifest's tree, past up to max_length - 1
-    assert verify.shapes[c.INPUT_IDS] == ((1, 1), (1, manifest.tree["total_tokens"]), (1, 64))
+    assert verify.shapes[c.INPUT_IDS] == ((1, 1), (1, manifest.tree.total_tokens), (1, 64))
     assert verify.shapes[c.LOGITS_INDICES][2] == (1, 64)
     assert verify.shapes[c.past_name(0, "key")][2][0] == MAX_LENGTH - 1
 
@@ -123,7 +123,7 @@ def test_profile_options(manifest):
     assert verify.shapes[c.INPUT_IDS][2] == (1, 32)
     assert prefill.shapes[c.INPUT_IDS][2] == (1, 100)
     assert prefill.shapes[c.past_name(0, "key")][2][0] == MAX_LENGTH - 100
-    small = manifest.tree["total_tokens"] - 1
+    small = manifest.tree.total_tokens - 1
     with pytest.raises(ValueError, match=f"total_tokens={small + 1}.*max_tree_tokens={small}"):
         tb.target_profiles(manifest, tb.TrtBuildOptions(max_tree_tokens=small))
     with pytest.raises(ValueError, match="max_prompt"):
@@ -136,10 +136,10 @@ def test_draft_profiles(manifest):
     profiles = tb.draft_profiles(manifest)
     assert [p.name for p in profiles] == ["prefill", "step"]
     for p in profiles:
-        assert set(p.shapes) == {s["name"] for s in manifest.draft.inputs}
+        assert set(p.shapes) == {s.name for s in manifest.draft.inputs}
         _consistent(p)
         for i in range(3):
-            assert p.shapes[c.FEATURES][i] == (1, p.shapes[c.INPUT_IDS][i][1], manifest.dims["hidden"])
+            assert p.shapes[c.FEATURES][i] == (1, p.shapes[c.INPUT_IDS][i][1], manifest.dims.hidden)
     prefill, step = profiles
     cap = tb.draft_capacity(manifest)
     assert cap == MAX_LENGTH + 64
@@ -159,7 +159,7 @@ def test_t2_profile_bounds_64_nodes_length_256(manifest):
     raise a clear error naming the input, its size and the bounds."""
     profiles = _named(tb.target_profiles(manifest, tb.TrtBuildOptions(max_tree_tokens=64)))
     order = profile_order(profiles)
-    kv = c.kv_names(manifest.dims["num_layers"])
+    kv = c.kv_names(manifest.dims.num_layers)
     ok = step_shapes(64, MAX_LENGTH - 64, 64, manifest.dims, kv, draft=False)
     assert profiles[select_profile(ok, profiles, order)][0] == "verify"
     assert profiles[select_profile(step_shapes(1, 255, 1, manifest.dims, kv, False), profiles, order)][0] == "decode"
@@ -226,7 +226,7 @@ def test_build_config_is_strongly_typed_with_profiles_and_cache(manifest, tmp_pa
     assert cfg.timing_cache_path == str(tmp_path / "cache")
     assert len(cfg.profiles) == 3
     got = cfg.profiles[2][c.INPUT_IDS]
-    assert (tuple(got.min), tuple(got.opt), tuple(got.max)) == ((1, 1), (1, manifest.tree["total_tokens"]), (1, 64))
+    assert (tuple(got.min), tuple(got.opt), tuple(got.max)) == ((1, 1), (1, manifest.tree.total_tokens), (1, 64))
 
 
 def test_build_engines_from_another_cwd_with_relative_path(ext_copy, tmp_path, monkeypatch):
@@ -251,11 +251,11 @@ def test_build_engines_from_another_cwd_with_relative_path(ext_copy, tmp_path, m
     assert (ext_copy / "target.engine").read_bytes() == b"fake-engine" and (ext_copy / "draft.engine").is_file()
     assert not list(ext_copy.glob("*.partial"))
     m = Manifest.load(ext_copy)
-    assert m.engines["trt"] == json.loads(json.dumps(record))
-    assert record["files"] == {"target": "target.engine", "draft": "draft.engine"}
-    assert record["trt_version"] == "10.99.fake" and record["timing_cache"] == tb.TIMING_CACHE_FILE
-    assert [p["name"] for p in record["profiles"]["target"]] == ["prefill", "decode", "verify"]
-    assert record["profiles"]["target"][2]["shapes"][c.INPUT_IDS][2] == [1, 32]
+    assert m.engines.trt == record and m.engines.trt.to_json() == json.loads(json.dumps(record.to_json()))
+    assert record.files == {"target": "target.engine", "draft": "draft.engine"}
+    assert record.trt_version == "10.99.fake" and record.timing_cache == tb.TIMING_CACHE_FILE
+    assert [p.name for p in record.profiles["target"]] == ["prefill", "decode", "verify"]
+    assert record.profiles["target"][2].shapes[c.INPUT_IDS][2] == (1, 32)
 
 
 def test_build_failure_is_named_and_leaves_no_engine(ext_copy, monkeypatch):
@@ -271,7 +271,7 @@ def test_build_failure_is_named_and_leaves_no_engine(ext_copy, monkeypatch):
     monkeypatch.setattr(tb, "_polygraphy_loaders", lambda: pg)
     with pytest.raises(tb.EngineBuildError, match="could not build target.onnx: Invalid Engine"):
         tb.build_engines(ext_copy)
-    assert not list(ext_copy.glob("*.engine*")) and "trt" not in Manifest.load(ext_copy).engines
+    assert not list(ext_copy.glob("*.engine*")) and Manifest.load(ext_copy).engines.trt is None
 
 
 def test_external_data_files_are_found(ext_export):
@@ -299,7 +299,7 @@ def test_build_checks_external_data_before_tensorrt(ext_copy, monkeypatch):
     (ext_copy / "target.onnx.data").write_bytes(b"\0" * 10)  # truncated
     with pytest.raises(tb.ExternalDataError, match="truncated"):
         tb.build_engines(ext_copy)
-    assert "trt" not in Manifest.load(ext_copy).engines
+    assert Manifest.load(ext_copy).engines.trt is None
 
 
 def test_missing_graph_is_named(ext_copy):
@@ -374,7 +374,7 @@ def test_gpu_build_engines_records_manifest(ext_copy, tmp_path, monkeypatch):
     record = tb.build_engines(Path(os.path.relpath(ext_copy, elsewhere)), options=tb.TrtBuildOptions(max_tree_tokens=64))
     import tensorrt as trt
 
-    assert record["trt_version"] == trt.__version__
+    assert record.trt_version == trt.__version__
     assert (ext_copy / "target.engine").stat().st_size > 0 and (ext_copy / tb.TIMING_CACHE_FILE).stat().st_size > 0
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
     engine = runtime.deserialize_cuda_engine((ext_copy / "target.engine").read_bytes())
@@ -389,4 +389,4 @@ def test_gpu_fp16_build(fp16_export, tmp_path):
     folder = Path(shutil.copytree(fp16_export, tmp_path / "fp16"))
     tb.build_engines(folder, options=tb.TrtBuildOptions(max_tree_tokens=16))
     assert (folder / "target.engine").is_file() and (folder / "draft.engine").is_file()
-    np.testing.assert_equal(Manifest.load(folder).engines["trt"]["strongly_typed"], True)
+    np.testing.assert_equal(Manifest.load(folder).engines.trt.strongly_typed, True)

@@ -31,7 +31,7 @@ def v16(tiny_root):
     data = json.loads(path.read_text())
     data["eos_token_ids"] = []
     path.write_text(json.dumps(data))
-    assert model.manifest.dims["vocab"] == 16 and model.eos_ids == []
+    assert model.manifest.dims.vocab == 16 and model.eos_ids == []
     return model
 
 

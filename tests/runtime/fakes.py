@@ -14,12 +14,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from eagle_deploy.contract import onnx_io as c
-from eagle_deploy.contract.manifest import GraphEntry, Manifest
+from eagle_deploy.contract.manifest import Dims, DraftEntry, GraphEntry, Manifest
 from eagle_deploy.runtime.api import EagleRuntime
-from eagle_deploy.runtime.drafter import ScriptedDrafter
+from eagle_deploy.runtime.backends.base import TargetOutputs
 from eagle_deploy.runtime.kv import KVBuffer
 from eagle_deploy.runtime.tree import TreeConfig
+from tests.helpers import ScriptedDrafter
 
 HIDDEN = 4
 
@@ -37,7 +37,7 @@ class ScriptedTarget:
     def allocate_kv(self, capacity: int) -> KVBuffer:
         return KVBuffer(self.kv_names, [np.full((capacity, 1, 1, 1), np.nan)])
 
-    def run(self, inputs, kv: KVBuffer, past: int) -> dict:
+    def run(self, inputs, kv: KVBuffer, past: int) -> TargetOutputs:
         S = inputs.input_ids.shape[1]
         kv.check(past, S)
         inputs.check(past)
@@ -49,7 +49,7 @@ class ScriptedTarget:
         tokens = tokens.astype(np.int64)
         mask = inputs.attention_mask[0]
         logits = [self.next_logits(tuple(int(t) for t in tokens[mask[j]])) for j in inputs.logits_indices[0]]
-        return {c.LOGITS: np.asarray(logits, np.float32)[None], c.FEATURES: np.zeros((1, S, HIDDEN), np.float32)}
+        return TargetOutputs(np.asarray(logits, np.float32)[None], np.zeros((1, S, HIDDEN), np.float32))
 
     @staticmethod
     def kv_tokens(kv: KVBuffer, n: int) -> list[int]:
@@ -57,12 +57,13 @@ class ScriptedTarget:
 
 
 def fake_manifest(vocab: int = 256, max_length: int = 256, eos: Sequence[int] = (0,), chat_template: bool = False) -> Manifest:
-    graph = GraphEntry(path="none.onnx", dtype="float32", inputs=[], outputs=[], extra={"graph_top_k": 10, "trained": False})
-    dims = {"num_layers": 1, "hidden": HIDDEN, "num_heads": 1, "num_kv_heads": 1, "head_dim": 1, "vocab": vocab,
-            "max_position_embeddings": max_length, "rms_norm_eps": 1e-5}
-    return Manifest(name="fake", dims=dims, max_length=max_length, target=graph, draft=graph,
-                    tree=TreeConfig().to_json(), eos_token_ids=list(eos), tokenizer="tokenizer" if vocab else None,
-                    chat_template=chat_template, sources={}, tools={})
+    graph = GraphEntry(path="none.onnx", dtype="float32", inputs=(), outputs=())
+    draft = DraftEntry(path="none.onnx", dtype="float32", inputs=(), outputs=(), graph_top_k=10, trained=False)
+    dims = Dims(num_layers=1, hidden=HIDDEN, num_heads=1, num_kv_heads=1, head_dim=1, vocab=vocab,
+                max_position_embeddings=max_length, rms_norm_eps=1e-5)
+    return Manifest(name="fake", dims=dims, max_length=max_length, target=graph, draft=draft,
+                    tree=TreeConfig(), eos_token_ids=tuple(eos), tokenizer="tokenizer" if vocab else None,
+                    chat_template=chat_template)
 
 
 class Script:

@@ -60,14 +60,15 @@ def test_generation_result_fields(mha):
     assert isinstance(r, GenerationResult)
     assert isinstance(r.text, str) and all(isinstance(t, int) for t in r.token_ids)
     assert r.finish_reason in ("stop", "length")
-    assert len(r.token_ids) == r.stats["new_tokens"] and r.stats["prompt_tokens"] == len(PROMPTS[0])
-    assert STATS_KEYS <= set(r.stats) and r.stats["lossless"] is True and r.stats["acceptance"] == "lossless"
-    assert r.stats["target_forwards"] == 1 + len(r.stats["accepted_per_round"])
-    assert r.stats["mean_accept_len"] == pytest.approx(np.mean(r.stats["accepted_per_round"]), abs=1e-4)
-    json.dumps(r.stats)  # plain JSON types
+    assert len(r.token_ids) == r.stats.new_tokens and r.stats.prompt_tokens == len(PROMPTS[0])
+    assert STATS_KEYS <= set(r.stats.to_json()) and r.stats.lossless is True and r.stats.acceptance == "lossless"
+    assert r.stats.target_forwards == 1 + len(r.stats.accepted_per_round)
+    assert r.stats.mean_accept_len == pytest.approx(np.mean(r.stats.accepted_per_round), abs=1e-4)
+    json.dumps(r.stats.to_json())  # plain JSON types
     # stream() gives the same text as deltas and fills `result`
-    res = GenerationResult("", [], "")
-    deltas = list(rt.stream(PROMPTS[0], max_new_tokens=24, temperature=0.8, top_p=0.95, top_k=50, seed=3, result=res))
+    request = rt.stream(PROMPTS[0], max_new_tokens=24, temperature=0.8, top_p=0.95, top_k=50, seed=3)
+    deltas = list(request)
+    res = request.result
     assert "".join(deltas) == res.text == r.text and res.token_ids == r.token_ids and res.finish_reason == r.finish_reason
 
 
@@ -84,7 +85,7 @@ REQUESTS = [
 
 def _signature(r: GenerationResult):
     keep = ("new_tokens", "finish_reason", "target_forwards", "draft_forwards", "accepted_per_round", "tree_depth_per_round")
-    return r.text, r.token_ids, r.finish_reason, {k: r.stats[k] for k in keep}
+    return r.text, r.token_ids, r.finish_reason, {k: r.stats.to_json()[k] for k in keep}
 
 
 def test_many_requests_on_one_instance_equal_fresh_instances(model):

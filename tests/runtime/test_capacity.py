@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eagle_deploy.runtime.drafter import EagleDrafter, ScriptedDrafter
+from eagle_deploy.runtime.drafter import EagleDrafter
 from eagle_deploy.runtime.tree import TreeConfig
-from tests.helpers import CommitSpy, RecordingBackend, ReferenceScript
+from tests.helpers import CommitSpy, RecordingBackend, ReferenceScript, ScriptedDrafter, poison
 
 EXTRA = 32
 
@@ -23,10 +23,10 @@ def _guarded(rt, max_length: int):
     dec = rt.decoder
     dec.target = RecordingBackend(dec.target, poison=True, limit=max_length)
     dec.kv = dec.target.allocate_kv(max_length + EXTRA)
-    dec.kv.poison()
+    poison(dec.kv)
     if isinstance(dec.drafter, EagleDrafter):
         dec.drafter.backend = RecordingBackend(dec.drafter.backend, poison=True, limit=dec.drafter.kv.capacity)
-        dec.drafter.kv.poison()
+        poison(dec.drafter.kv)
     return rt
 
 
@@ -101,3 +101,66 @@ def test_vanilla_runs_to_capacity(model):
     want = model.expected(prompt, L + 1 - 240)
     assert result.token_ids == want
     assert np.all(np.isnan(rt.decoder.kv.arrays[0][L:]))
+
+
+def test_finish_says_whether_capacity_or_max_new_tokens_was_the_limit(model):
+    L = model.manifest.max_length
+    prompt = _long_prompt(L - 6, seed=11)
+    rt = model.runtime()
+    full = rt.generate(prompt, max_new_tokens=100)
+    if full.token_ids[-1] in model.eos_ids:
+        pytest.skip("the reference output stops at EOS before the capacity")
+    assert full.finish_reason == "length" and len(full.token_ids) == 7
+    assert full.stats.limited_by == "capacity" and full.stats.to_json()["limited_by"] == "capacity"
+    short = rt.generate(prompt, max_new_tokens=3)
+    assert short.finish_reason == "length" and short.stats.limited_by == "max_new_tokens"
+    assert short.stats.to_json()["limited_by"] == "max_new_tokens"
+
+
+def test_eagle_run_reports_the_kv_capacity_limit(mha, capsys):
+    import json
+
+    from eagle_deploy.runtime import cli
+    from tests.conftest import THREADS
+
+    L = mha.manifest.max_length
+    base = ["--engines", str(mha.export_dir), "--prompt", "ab" * ((L - 6) // 2), "--raw", "--max-new-tokens", "100",
+            "--threads", str(THREADS)]
+    assert cli.main(base + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    if out["finish_reason"] == "stop":
+        pytest.skip("the output stops at EOS before the capacity")
+    assert out["finish_reason"] == "length" and out["stats"]["limited_by"] == "capacity"
+    assert cli.main(base) == 0
+    err = capsys.readouterr().err
+    assert f"finish: length (the export's KV capacity, max_length {L}, ran out before --max-new-tokens" in err
+
+
+@pytest.mark.parametrize("prompt_len", [236, 248, 253])
+@pytest.mark.parametrize("tree", ["dynamic-deep", "eagle1"])
+def test_drafting_depth_is_limited_by_the_rows_left(model, prompt_len, tree):
+    """Near capacity the target verifies only the rows left, so the drafter grows no deeper
+    than that: every draft position stays below max_length and a round spends at most one
+    draft forward per row left. The output stays vanilla greedy's."""
+    L = model.manifest.max_length
+    deep = TreeConfig("dynamic", total_tokens=40, depth=8, top_k=4)
+    config = deep if tree == "dynamic-deep" else TreeConfig.static("eagle1")
+    prompt = _long_prompt(prompt_len, seed=13)
+    rt = _guarded(model.runtime(tree=config), L)
+    drafter = rt.decoder.drafter
+    rounds = []  # (rows left in the target KV, draft forwards of the round)
+    propose = drafter.propose
+
+    def recording(request):
+        before = len(drafter.backend.calls)
+        tree_ = propose(request)
+        rounds.append((L - request.root_position, len(drafter.backend.calls) - before))
+        return tree_
+
+    drafter.propose = recording
+    result = rt.generate(prompt, max_new_tokens=100)
+    assert result.token_ids == model.expected(prompt, L + 1 - prompt_len)
+    fed = [int(p) for call in drafter.backend.calls for p in call.position_ids]
+    assert max(fed) < L, f"draft position {max(fed)} fed with max_length {L}"
+    assert rounds and all(forwards <= left for left, forwards in rounds), rounds
+    assert rounds[-1][0] < config.depth  # the last rounds did run short of rows

@@ -34,8 +34,8 @@ def _forced_runtime(model, paths, prompt, ref, tree: TreeConfig | None = None):
     verification gets the scripted tree."""
     m = model.manifest
     draft_be = RecordingBackend(model.backend("draft"))
-    tree = tree or TreeConfig.from_json(m.tree)
-    inner = EagleDrafter(draft_be, tree, m.max_length, m.draft.extra["graph_top_k"])
+    tree = tree or m.tree
+    inner = EagleDrafter(draft_be, tree, m.max_length, m.draft.graph_top_k)
     forcing = ForcingDrafter(inner, ReferenceScript(prompt, ref, paths))
     return model.runtime(drafter=forcing, tree=tree), forcing, draft_be
 
@@ -53,7 +53,7 @@ def test_r2_token_shift(model):
     rt, forcing, draft_be = _forced_runtime(model, _accept_two, prompt, ref)
     result = rt.generate(prompt, max_new_tokens=8)
     assert result.token_ids == ref[:8]
-    assert result.stats["accepted_per_round"][0] == 3
+    assert result.stats.accepted_per_round[0] == 3
     h = hf_features(model.hf, prompt + [t5, a1, a2])  # target features at positions 0..7
     first = draft_be.calls[forcing.call_marks[0]]
     assert first.input_ids.tolist() == prompt[1:] + [t5]
@@ -140,7 +140,7 @@ def test_draft_tree_scores_equal_a_sequential_reference(model, tree_name):
     their parent's distribution (static: at the ranks the choices name)."""
     m = model.manifest
     tree_cfg = TreeConfig("dynamic", 24, 4, 4) if tree_name == "dynamic" else TreeConfig.static("eagle1")
-    recorder = _TreeRecorder(EagleDrafter(model.backend("draft"), tree_cfg, m.max_length, m.draft.extra["graph_top_k"]))
+    recorder = _TreeRecorder(EagleDrafter(model.backend("draft"), tree_cfg, m.max_length, m.draft.graph_top_k))
     prompt = PROMPTS[2]
     rt = model.runtime(drafter=recorder, tree=tree_cfg)
     assert rt.generate(prompt, max_new_tokens=16).token_ids == model.expected(prompt, 16)
@@ -217,7 +217,7 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 1234}
 
 def _signature(rt, prompt, **kw):
     r = rt.generate(prompt, max_new_tokens=32, **kw)
-    return r.token_ids, r.stats["accepted_per_round"]
+    return r.token_ids, r.stats.accepted_per_round
 
 
 def _counters(rt, prompt, **kw) -> dict:
@@ -225,7 +225,7 @@ def _counters(rt, prompt, **kw) -> dict:
     r = rt.generate(prompt, max_new_tokens=32, **kw)
     keep = ("prompt_tokens", "new_tokens", "finish_reason", "target_forwards", "draft_forwards", "mean_accept_len",
             "accepted_per_round", "tree_depth_per_round")
-    return {"tokens": r.token_ids, **{k: r.stats.get(k) for k in keep}}
+    return {"tokens": r.token_ids, **{k: r.stats.to_json().get(k) for k in keep}}
 
 
 @pytest.mark.parametrize("kw", [{}, SAMPLED], ids=["greedy", "sampled"])
@@ -260,7 +260,7 @@ def test_r3_fresh_process_gives_identical_tokens(mha):
         "for prompt in json.loads(sys.argv[2]):\n"
         "    for kw in json.loads(sys.argv[3]):\n"
         "        r = rt.generate(prompt, max_new_tokens=32, **kw)\n"
-        "        out.append([r.token_ids, r.stats['accepted_per_round']])\n"
+        "        out.append([r.token_ids, r.stats.accepted_per_round])\n"
         "print(json.dumps(out))\n"
     )
     prompts, kws = PROMPTS[:2], [{}, SAMPLED]

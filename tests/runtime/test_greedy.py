@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_deploy.runtime.drafter import ScriptedDrafter
 from eagle_deploy.runtime.tree import TreeConfig
 from tests.conftest import PROMPTS
-from tests.helpers import ReferenceScript, wrong_token
+from tests.helpers import ReferenceScript, ScriptedDrafter, wrong_token
 
 N = 64
 TREES = {
@@ -45,21 +44,21 @@ def test_eagle_equals_vanilla_equals_hf(model, runtimes, tree_name, prompt):
     assert eagle.token_ids == want
     assert eagle.finish_reason == vanilla.finish_reason == ("stop" if want[-1] in model.eos_ids else "length")
     stats = eagle.stats
-    assert stats["new_tokens"] == len(want)
-    assert sum(stats["accepted_per_round"]) == len(want) - 1  # the first token comes from prefill
-    assert stats["draft_forwards"] > 0
-    assert max(stats["tree_depth_per_round"]) <= rt.tree.depth
+    assert stats.new_tokens == len(want)
+    assert sum(stats.accepted_per_round) == len(want) - 1  # the first token comes from prefill
+    assert stats.draft_forwards > 0
+    assert max(stats.tree_depth_per_round) <= rt.tree.depth
     if rt.tree.total_tokens == 1:
-        assert stats["tree_depth_per_round"] == [0] * len(stats["accepted_per_round"])  # root-only trees
-    assert vanilla.stats["target_forwards"] == len(want)  # vanilla: one token per target forward
+        assert stats.tree_depth_per_round == [0] * len(stats.accepted_per_round)  # root-only trees
+    assert vanilla.stats.target_forwards == len(want)  # vanilla: one token per target forward
 
 
 def test_static_tree_shape(mha, runtimes):
     rt = runtimes(mha, "eagle1")
     assert rt.tree.kind == "static" and rt.tree.total_tokens == 26 and rt.tree.depth == 5
     stats = rt.generate(PROMPTS[0], max_new_tokens=8).stats
-    assert stats["tree_depth_per_round"][0] == 5  # a random head still fills every static choice
-    assert stats["draft_forwards"] <= 5 * stats["target_forwards"]
+    assert stats.tree_depth_per_round[0] == 5  # a random head still fills every static choice
+    assert stats.draft_forwards <= 5 * stats.target_forwards
 
 
 # ---------------------------------------------------------------- adversarial scripted drafts
@@ -119,7 +118,7 @@ def test_scripted_drafts_stay_lossless(model, name, prompt):
     want = model.expected(prompt, N)
     assert result.token_ids == want
     assert rt.generate(prompt, max_new_tokens=N, mode="vanilla").token_ids == want
-    acc = result.stats["accepted_per_round"]
+    acc = result.stats.accepted_per_round
     assert script.requests >= 1
     assert sum(acc) == len(want) - 1
     assert accept_ok(acc), acc
@@ -130,8 +129,8 @@ def test_fully_wrong_round_commits_exactly_one_token(model):
     ref = model.ref(prompt, N + 8)
     rt = model.runtime(drafter=ScriptedDrafter(ReferenceScript(prompt, ref, _all_root_children_wrong)))
     result = rt.generate(prompt, max_new_tokens=N)
-    assert result.stats["accepted_per_round"] == [1] * (N - 1)
-    assert result.stats["target_forwards"] == N
+    assert result.stats.accepted_per_round == [1] * (N - 1)
+    assert result.stats.target_forwards == N
 
 
 @pytest.mark.parametrize("depth", [1, 3, 5])
@@ -143,6 +142,6 @@ def test_perfect_round_commits_depth_plus_one(model, depth):
     rt = model.runtime(drafter=ScriptedDrafter(ReferenceScript(prompt, ref, _perfect(depth))))
     result = rt.generate(prompt, max_new_tokens=n)
     assert result.token_ids == ref[:n]
-    assert result.stats["accepted_per_round"] == [depth + 1] * 10
-    assert result.stats["tree_depth_per_round"] == [depth] * 10
-    assert result.stats["mean_accept_len"] == depth + 1
+    assert result.stats.accepted_per_round == [depth + 1] * 10
+    assert result.stats.tree_depth_per_round == [depth] * 10
+    assert result.stats.mean_accept_len == depth + 1

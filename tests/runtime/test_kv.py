@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from eagle_deploy.contract import onnx_io as c
-from eagle_deploy.runtime.drafter import ScriptedDrafter
 from eagle_deploy.runtime.kv import CapacityError, KVBuffer
 from eagle_deploy.runtime.tree import DraftTree
 from tests.conftest import PROMPTS
@@ -15,8 +14,10 @@ from tests.helpers import (
     CommitSpy,
     RecordingBackend,
     ReferenceScript,
+    ScriptedDrafter,
     assert_kv_close,
     kv_rows,
+    poison,
     prefill,
     run_tree,
     wrong_token,
@@ -66,7 +67,7 @@ def test_check_and_poison():
     for past, seq in ((10, 7), (-1, 1), (16, 1)):
         with pytest.raises(CapacityError, match="capacity 16"):
             kv.check(past, seq)
-    kv.poison(12)
+    poison(kv, 12)
     assert np.all(np.isnan(kv.arrays[1][12:])) and not np.any(np.isnan(kv.arrays[1][:12]))
 
 

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from eagle_deploy.runtime.decode import TokenStopper
-from eagle_deploy.runtime.drafter import ScriptedDrafter
 from eagle_deploy.runtime.sampling import SamplingParams, sample, target_probs
 from eagle_deploy.runtime.tree import DraftTree
 from eagle_deploy.runtime.verify import verify_sampling
+from tests.helpers import ScriptedDrafter
 from tests.runtime.conftest import V16_PROMPT
 from tests.runtime.stats import chi2_pvalue, counts_of, ref_probs, total_variation, tv_noise
 
@@ -223,7 +223,7 @@ def test_end_to_end_two_token_joint_follows_the_target(v16, v16_logits):
         r = rt.generate(PROMPT, max_new_tokens=4, temperature=T, seed=s)
         assert len(r.token_ids) == 4
         pairs[s] = r.token_ids[1] * V16 + r.token_ids[2]
-        depth_hits += r.stats["accepted_per_round"][0] == 3  # both drafts accepted + bonus
+        depth_hits += r.stats.accepted_per_round[0] == 3  # both drafts accepted + bonus
     counts = counts_of(pairs, V16 * V16)
     p, tv = chi2_pvalue(counts, joint), total_variation(counts, joint)
     bound = tv_noise(joint, N_E2E_JOINT)
@@ -326,13 +326,13 @@ def test_s2_parameter_grid_accept_all_and_none(v16):
         kw = dict(max_new_tokens=n, temperature=T, top_p=top_p, top_k=top_k, seed=17)
         r = rt_all.generate(PROMPT, **kw)
         assert len(r.token_ids) == n and _allowed_everywhere(v16.hf, PROMPT, r.token_ids, params)
-        tree_rounds = [acc for acc, d in zip(r.stats["accepted_per_round"], r.stats["tree_depth_per_round"]) if d > 0]
-        assert tree_rounds and set(tree_rounds) == {2}, (T, top_p, top_k, r.stats["accepted_per_round"])
+        tree_rounds = [acc for acc, d in zip(r.stats.accepted_per_round, r.stats.tree_depth_per_round) if d > 0]
+        assert tree_rounds and set(tree_rounds) == {2}, (T, top_p, top_k, r.stats.accepted_per_round)
         none = _NoneDrafter(v16.hf, params)
         r2 = v16.runtime(drafter=none).generate(PROMPT, **kw)
         assert len(r2.token_ids) == n and _allowed_everywhere(v16.hf, PROMPT, r2.token_ids, params)
-        for acc, zero in zip(r2.stats["accepted_per_round"], none.zero_rounds):
-            assert acc == 1 or not zero, (T, top_p, top_k, r2.stats["accepted_per_round"])
+        for acc, zero in zip(r2.stats.accepted_per_round, none.zero_rounds):
+            assert acc == 1 or not zero, (T, top_p, top_k, r2.stats.accepted_per_round)
         if top_k == 1:  # = greedy, whatever the temperature
             assert r.token_ids == r2.token_ids == v16.expected(PROMPT, n)
         assert rt_all.generate(PROMPT, **kw).token_ids == r.token_ids
@@ -362,8 +362,27 @@ def test_seeded_sampling_is_reproducible(v16):
     fresh = v16.runtime()
     fresh.generate(PROMPT, seed=7, **kw)
     again = fresh.generate(PROMPT, seed=42, **kw)
-    assert again.token_ids == first.token_ids and again.stats["accepted_per_round"] == first.stats["accepted_per_round"]
+    assert again.token_ids == first.token_ids and again.stats.accepted_per_round == first.stats.accepted_per_round
     others = {tuple(rt.generate(PROMPT, seed=s, **kw).token_ids) for s in range(5)}
     assert len(others) >= 4  # the seed matters
     unseeded = {tuple(rt.generate(PROMPT, **kw).token_ids) for _ in range(3)}
     assert len(unseeded) >= 2  # seed=None draws a fresh seed
+
+
+@pytest.mark.parametrize("name, value", [("temperature", float("nan")), ("temperature", float("inf")),
+                                         ("temperature", -float("inf")), ("top_p", float("nan")),
+                                         ("top_p", float("inf")), ("temperature", "0.5"), ("top_p", True)])
+def test_non_finite_sampling_settings_are_named_as_such(name, value):
+    """nan / inf / non-numbers are not 'below 0' or 'outside (0, 1]': the message says what they are."""
+    with pytest.raises(ValueError, match=rf"^{name} must be a finite number, got {value!r}$".replace("(", r"\(")):
+        SamplingParams(**{name: value})
+
+
+def test_threshold_must_be_a_finite_number():
+    from eagle_deploy.runtime.decode import check_acceptance
+
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"^threshold must be a finite number"):
+            check_acceptance("threshold", value)
+    with pytest.raises(ValueError, match=r"^threshold must be in \(0, 1\], got 1.5$"):
+        check_acceptance("threshold", 1.5)

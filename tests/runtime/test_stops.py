@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eagle_deploy.runtime.api import GenerationResult
-from eagle_deploy.runtime.drafter import ScriptedDrafter
 from tests.conftest import PROMPTS
 from tests.helpers import (
     CommitSpy,
     ReferenceScript,
+    ScriptedDrafter,
     UnclippedDrafter,
     assert_kv_close,
     clone_runtime_export,
@@ -66,14 +65,15 @@ def test_eos_inside_accepted_chunk(model, eos_runtime, where):
     script = ReferenceScript(PROMPT, ref, paths)
     rt, ref, eos = eos_runtime(j, ScriptedDrafter(script))
     spy = CommitSpy(rt.decoder)
-    result = GenerationResult("", [], "")
-    deltas = list(rt.stream(PROMPT, max_new_tokens=30, result=result))
+    request = rt.stream(PROMPT, max_new_tokens=30)
+    deltas = list(request)
+    result = request.result
     assert result.token_ids == ref[:j + 1]
     assert result.finish_reason == "stop"
     stats = result.stats
-    assert stats["new_tokens"] == j + 1
-    assert stats["accepted_per_round"] == ([] if j == 0 else [j])
-    assert stats["target_forwards"] == (1 if j == 0 else 2)
+    assert stats.new_tokens == j + 1
+    assert stats.accepted_per_round == ([] if j == 0 else [j])
+    assert stats.target_forwards == (1 if j == 0 else 2)
     text = rt.tokenizer.decode(ref[:j], skip_special_tokens=True)
     assert result.text == text and "".join(deltas) == text
     if j:
@@ -106,9 +106,9 @@ def test_max_new_tokens_inside_a_chunk(model, max_new, drafter_kind):
     result = rt.generate(PROMPT, max_new_tokens=max_new)
     assert result.token_ids == ref[:max_new]
     assert result.finish_reason == "length"
-    assert result.stats["new_tokens"] == max_new
-    assert sum(result.stats["accepted_per_round"]) == max_new - 1
-    assert result.stats["target_forwards"] == 1 + -(-(max_new - 1) // (DEPTH + 1))
+    assert result.stats.new_tokens == max_new
+    assert sum(result.stats.accepted_per_round) == max_new - 1
+    assert result.stats.target_forwards == 1 + -(-(max_new - 1) // (DEPTH + 1))
     if spy.rounds:
         _assert_kv_is_committed_prefix(model, rt, spy.rounds)
         assert spy.rounds[-1].committed == PROMPT + ref[:max_new]
@@ -136,6 +136,6 @@ def test_stats_count_nothing_after_the_stop(model, eos_runtime):
     rt, ref, eos = eos_runtime(j, ScriptedDrafter(ReferenceScript(PROMPT, ref, _perfect)))
     result = rt.generate(PROMPT, max_new_tokens=30)
     assert result.token_ids == ref[:j + 1]
-    assert result.stats["accepted_per_round"] == [DEPTH + 1, j - DEPTH - 1]
-    assert result.stats["mean_accept_len"] == pytest.approx(j / 2)
-    assert np.sum(result.stats["accepted_per_round"]) + 1 == result.stats["new_tokens"]
+    assert result.stats.accepted_per_round == [DEPTH + 1, j - DEPTH - 1]
+    assert result.stats.mean_accept_len == pytest.approx(j / 2)
+    assert np.sum(result.stats.accepted_per_round) + 1 == result.stats.new_tokens

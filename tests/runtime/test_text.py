@@ -15,7 +15,6 @@ import random
 import pytest
 
 from eagle_deploy.runtime import cli
-from eagle_deploy.runtime.api import GenerationResult
 from eagle_deploy.runtime.text import TextStream
 from tests.conftest import PROMPTS, THREADS
 from tests.helpers import CommitSpy
@@ -179,14 +178,14 @@ KEPT = len(GEN[:STOP_AT + 4].encode())  # tokens up to and including the stop's 
 
 
 def _run(rt, **kw):
-    result = GenerationResult("", [], "")
     spy = CommitSpy(rt.decoder)
     deltas, seen = [], []
-    for delta in rt.stream(PROMPT, result=result, **kw):
+    request = rt.stream(PROMPT, **kw)
+    for delta in request:
         committed = spy.rounds[-1].committed[len(PROMPT):] if spy.rounds else None
         deltas.append(delta)
         seen.append(committed)
-    return result, deltas, seen, spy
+    return request.result, deltas, seen, spy
 
 
 @pytest.mark.parametrize("depth, wrong_at", [(0, None), (1, None), (3, None), (6, None), (8, 2), (12, 5)])
@@ -201,8 +200,8 @@ def test_stop_inside_accepted_chunk_scripted(tok, depth, wrong_at):
     assert result.text == GEN[:STOP_AT] and "".join(deltas) == result.text
     assert result.token_ids == _b(GEN)[:KEPT]
     stats = result.stats
-    assert stats["new_tokens"] == KEPT and sum(stats["accepted_per_round"]) == KEPT - 1
-    assert stats["target_forwards"] == 1 + len(stats["accepted_per_round"]) == 1 + len(spy.rounds)
+    assert stats.new_tokens == KEPT and sum(stats.accepted_per_round) == KEPT - 1
+    assert stats.target_forwards == 1 + len(stats.accepted_per_round) == 1 + len(spy.rounds)
     assert all("\ufffd" not in d for d in deltas)
     last = spy.rounds[-1]
     assert last.finish_reason == "stop" and last.committed == PROMPT + _b(GEN)[:KEPT]
@@ -211,7 +210,7 @@ def test_stop_inside_accepted_chunk_scripted(tok, depth, wrong_at):
     assert ScriptedTarget.kv_tokens(rt.decoder.kv, last.target_len) == last.committed[:-1]
     if depth >= 6 and wrong_at is None:
         # the verification accepted drafts beyond the stop; they were cut from the chunk
-        assert len(last.path) > len(last.chunk) and max(stats["accepted_per_round"]) >= 5
+        assert len(last.path) > len(last.chunk) and max(stats.accepted_per_round) >= 5
     # text comes out as soon as it is complete and cannot be the start of a stop string
     released = ""
     for committed, delta in list(zip(seen, deltas))[:-1]:  # the last one may be the final flush
@@ -251,8 +250,9 @@ def test_length_cut_inside_a_multibyte_character(tok, cut):
     gen = "ab🙂"
     script = Script(PROMPT, _b(gen))
     rt = scripted_runtime(script, tok, drafter=script.drafter(3))
-    result = GenerationResult("", [], "")
-    deltas = list(rt.stream(PROMPT, max_new_tokens=2 + cut, result=result))
+    request = rt.stream(PROMPT, max_new_tokens=2 + cut)
+    deltas = list(request)
+    result = request.result
     assert result.finish_reason == "length" and result.token_ids == _b(gen)[:2 + cut]
     assert result.text == "ab" == "".join(deltas)
 
@@ -265,7 +265,7 @@ def test_eos_id_list_stops_inside_a_chunk(tok, depth):
     result = rt.generate(PROMPT, max_new_tokens=100)
     assert result.finish_reason == "stop" and result.text == "é€ ok"
     assert result.token_ids == _b("é€ ok?")  # the EOS id is kept in the ids, not in the text
-    assert result.stats["new_tokens"] == len(result.token_ids)
+    assert result.stats.new_tokens == len(result.token_ids)
     # a stop string before the EOS wins; an EOS before the stop string wins
     assert rt.generate(PROMPT, max_new_tokens=100, stop=["€ "]).text == "é"
     assert rt.generate(PROMPT, max_new_tokens=100, stop=["more"]).token_ids == _b("é€ ok?")
@@ -288,8 +288,9 @@ def test_stream_yields_as_rounds_commit(tok):
                          ids=["greedy", "sampled", "top-p"])
 def test_stream_concatenation_equals_generate(mha, kw):
     rt = mha.rt
-    result = GenerationResult("", [], "")
-    deltas = list(rt.stream(PROMPTS[0], max_new_tokens=60, result=result, **kw))
+    request = rt.stream(PROMPTS[0], max_new_tokens=60, **kw)
+    deltas = list(request)
+    result = request.result
     again = rt.generate(PROMPTS[0], max_new_tokens=60, **kw)
     assert "".join(deltas) == result.text == again.text
     assert result.token_ids == again.token_ids
@@ -308,7 +309,7 @@ def test_stop_on_the_real_model_cuts_the_chunk(mha):
     result = rt.generate(PROMPTS[1], max_new_tokens=40, stop=[stop, "\x01never"])
     assert result.finish_reason == "stop" and result.text == text[:start]
     n = len(result.token_ids)
-    assert result.token_ids == ref.token_ids[:n] and result.stats["new_tokens"] == n < len(ref.token_ids)
+    assert result.token_ids == ref.token_ids[:n] and result.stats.new_tokens == n < len(ref.token_ids)
 
 
 # ---------------------------------------------------------------- eagle-run --stream / --stop

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from eagle_deploy.runtime import cli
-from eagle_deploy.runtime.drafter import ScriptedDrafter
 from eagle_deploy.runtime.sampling import SamplingParams, greedy_token
 from eagle_deploy.runtime.tree import DraftTree
 from eagle_deploy.runtime.verify import verify_sampling, verify_threshold
 from tests.conftest import THREADS
+from tests.helpers import ScriptedDrafter
 from tests.runtime.conftest import V16_PROMPT
 from tests.runtime.stats import chi2_pvalue, counts_of, ref_probs, total_variation, tv_noise
 
@@ -77,7 +77,7 @@ def test_end_to_end_threshold_changes_the_distribution(v16, v16_logits):
     assert chi2_pvalue(counts_of(lossless, V16), marg) > 1e-3
     assert chi2_pvalue(counts_of(lossy, V16), marg) < 1e-6
     assert np.all(lossy == z)
-    assert stats[0]["lossless"] is False and stats[0]["acceptance"] == "threshold"
+    assert stats[0].lossless is False and stats[0].acceptance == "threshold"
 
 
 def test_greedy_threshold_mode_leaves_the_greedy_path(v16, v16_logits):
@@ -130,8 +130,8 @@ def test_threshold_gain_and_divergence(v16, v16_logits, record_property):
         rounds = tokens = 0
         for s in range(n_tau):
             st = rt.generate(PROMPT, max_new_tokens=24, temperature=T, seed=10_000 + s).stats
-            rounds += len(st["accepted_per_round"])
-            tokens += sum(st["accepted_per_round"])
+            rounds += len(st.accepted_per_round)
+            tokens += sum(st.accepted_per_round)
         counts = counts_of(t1, V16)
         report[name] = {"tau": tokens / rounds, "tv": total_variation(counts, marg), "p": chi2_pvalue(counts, marg)}
     report["tv_noise_q999"] = noise

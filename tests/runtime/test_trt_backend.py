@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tests.helpers import gpu_skip_reason
+from tests.helpers import ScriptedDrafter, gpu_skip_reason, poison
 
 torch = pytest.importorskip("torch")
 
@@ -39,7 +39,7 @@ from eagle_deploy.runtime.backends.trt import (
     select_profile,
 )
 from eagle_deploy.runtime.decode import Decoder, TokenStopper
-from eagle_deploy.runtime.drafter import EagleDrafter, ScriptedDrafter, causal_mask
+from eagle_deploy.runtime.drafter import EagleDrafter, causal_mask
 from eagle_deploy.runtime.kv import CapacityError, KVBuffer
 from eagle_deploy.runtime.sampling import SamplingParams
 from eagle_deploy.runtime.tree import TreeConfig, TreeConfigError
@@ -100,8 +100,8 @@ class FakeEngine:
         self.graph, self.dims, self.profiles = graph, dims, profiles
         self.tensors = {}
         for spec, mode in [(s, TensorIOMode.INPUT) for s in graph.inputs] + [(s, TensorIOMode.OUTPUT) for s in graph.outputs]:
-            dt = DataType.INT32 if spec["name"] in int32 else FROM_NAME[spec["dtype"]]
-            self.tensors[spec["name"]] = (mode, dt, spec)
+            dt = DataType.INT32 if spec.name in int32 else FROM_NAME[spec.dtype]
+            self.tensors[spec.name] = (mode, dt, spec)
         self.names = list(self.tensors)
         self.enqueued = 0
         self.contexts = []
@@ -150,9 +150,9 @@ class FakeContext:
         if mode == TensorIOMode.INPUT:
             return self.shapes[name]
         sizes = {"batch": 1, "seq": self.shapes[c.INPUT_IDS][1], "num_logits": self.shapes[c.LOGITS_INDICES][1],
-                 "vocab": self.engine.dims["vocab"], "hidden": self.engine.dims["hidden"],
-                 "kv_heads": self.engine.dims["num_kv_heads"], "head_dim": self.engine.dims["head_dim"]}
-        return tuple(d if isinstance(d, int) else sizes[d] for d in spec["shape"])
+                 "vocab": self.engine.dims.vocab, "hidden": self.engine.dims.hidden,
+                 "kv_heads": self.engine.dims.num_kv_heads, "head_dim": self.engine.dims.head_dim}
+        return tuple(d if isinstance(d, int) else sizes[d] for d in spec.shape)
 
     def execute_async_v3(self, stream):
         eng = self.engine
@@ -195,7 +195,7 @@ def fake_backend(export_dir, manifest, which="target", tree=None, options=None, 
     profiles = tb.compute_profiles(manifest, which, options or tb.TrtBuildOptions(max_tree_tokens=64))
     engine = FakeEngine(export_dir, getattr(manifest, which), manifest.dims, profiles)
     backend = TrtBackend(engine, getattr(manifest, which), manifest.dims, label=f"{which} engine (fake)",
-                         profile_names=[p.name for p in profiles], tree=tree or TreeConfig.from_json(manifest.tree),
+                         profile_names=[p.name for p in profiles], tree=tree or manifest.tree,
                          max_length=manifest.max_length, device="cpu", trt_module=FAKE_TRT, align=align)
     return backend, engine
 
@@ -213,11 +213,6 @@ def _step_inputs(tokens, past, logits_all=True):
     n = len(tokens)
     return StepInputs(np.asarray(tokens, np.int64)[None], np.arange(past, past + n)[None], causal_mask(past, n),
                       np.arange(n)[None] if logits_all else np.array([[n - 1]]))
-
-
-def _poison(kv: KVBuffer, start: int) -> None:
-    for a in kv.arrays:
-        a[start:] = float("nan")
 
 
 def _kv_np(a) -> np.ndarray:
@@ -268,17 +263,17 @@ def test_trt_backend_matches_ort_and_writes_kv_in_place(export_dir, manifest):
     ref, (trt_b, engine) = ort_backend(export_dir, manifest), fake_backend(export_dir, manifest)
     kv_ref, kv = ref.allocate_kv(MAX_LENGTH), trt_b.allocate_kv(MAX_LENGTH)
     assert isinstance(kv.arrays[0], torch.Tensor) and kv.arrays[0].dtype == torch.float32
-    _poison(kv, 0)  # nothing may read rows that were never written
+    poison(kv, 0)  # nothing may read rows that were never written
     prompt = [7, 100, 3, 45, 9, 200, 17]
     out = trt_b.run(_prefill_inputs(prompt), kv, 0)  # empty past through the same binding path
     exp = ref.run(_prefill_inputs(prompt), kv_ref, 0)
     for name in (c.LOGITS, c.FEATURES):
-        np.testing.assert_allclose(out[name], exp[name], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out.named()[name], exp.named()[name], rtol=1e-5, atol=1e-5)
     past = len(prompt)
     tree = [12, 250, 31, 4]
     out, exp = trt_b.run(_step_inputs(tree, past), kv, past), ref.run(_step_inputs(tree, past), kv_ref, past)
-    np.testing.assert_allclose(out[c.LOGITS], exp[c.LOGITS], rtol=1e-5, atol=1e-5)
-    assert np.isfinite(out[c.LOGITS]).all()
+    np.testing.assert_allclose(out.logits, exp.logits, rtol=1e-5, atol=1e-5)
+    assert np.isfinite(out.logits).all()
     for a, b in zip(kv.arrays, kv_ref.arrays):
         got = _kv_np(a)
         np.testing.assert_allclose(got[: past + 4], b[: past + 4], rtol=1e-5, atol=1e-6)
@@ -290,7 +285,7 @@ def test_unaligned_present_rows_go_through_scratch(export_dir, manifest):
     """TensorRT wants 256-byte aligned addresses; a KV row of the GQA tiny model is 128 bytes,
     so every other `past` lands in scratch and is copied into place: same results as binding
     the rows directly (align=1) and as onnxruntime."""
-    assert manifest.dims["num_kv_heads"] * manifest.dims["head_dim"] * 4 % 256 != 0
+    assert manifest.dims.num_kv_heads * manifest.dims.head_dim * 4 % 256 != 0
     prompt = [11, 22, 33, 44, 55]
     runs = []
     for align in (256, 1):
@@ -396,8 +391,8 @@ def test_k4_scripted_loop_same_tokens_as_ort(export_dir, manifest):
 def test_eagle_drafter_on_trt_matches_ort(export_dir, manifest):
     """Target and draft engines both on the TensorRT backend: same tokens and per-round
     acceptance as onnxruntime (draft prefill, extension and expansion profiles)."""
-    tree = TreeConfig.from_json(manifest.tree)
-    top_k = manifest.draft.extra["graph_top_k"]
+    tree = manifest.tree
+    top_k = manifest.draft.graph_top_k
     prompt = list(range(30, 30 + 70))  # 70 > 64: the draft's first extension needs its prefill profile
     runs = []
     for make in (lambda w: ort_backend(export_dir, manifest, w), lambda w: fake_backend(export_dir, manifest, w)[0]):
@@ -414,13 +409,13 @@ def test_ort_torch_binding_matches_ort(export_dir, manifest):
     ref = ort_backend(export_dir, manifest)
     dev = OrtCudaBackend(export_dir, manifest.target, manifest.dims, device="cpu", threads=THREADS)
     kv_ref, kv = ref.allocate_kv(MAX_LENGTH), dev.allocate_kv(MAX_LENGTH)
-    _poison(kv, 0)
+    poison(kv, 0)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     for past, tokens in ((0, prompt), (8, [5, 3, 5])):
         inputs = _prefill_inputs(tokens) if past == 0 else _step_inputs(tokens, past)
         out, exp = dev.run(inputs, kv, past), ref.run(inputs, kv_ref, past)
-        np.testing.assert_array_equal(out[c.LOGITS], exp[c.LOGITS])
-        np.testing.assert_array_equal(out[c.FEATURES], exp[c.FEATURES])
+        np.testing.assert_array_equal(out.logits, exp.logits)
+        np.testing.assert_array_equal(out.features, exp.features)
     for a, b in zip(kv.arrays, kv_ref.arrays):
         np.testing.assert_array_equal(_kv_np(a)[:11], b[:11])
         assert np.isnan(_kv_np(a)[11:]).all()
@@ -429,12 +424,12 @@ def test_ort_torch_binding_matches_ort(export_dir, manifest):
 
 
 def test_ort_torch_binding_decode_loop(export_dir, manifest):
-    tree = TreeConfig.from_json(manifest.tree)
+    tree = manifest.tree
     prompt = [9, 8, 7, 6, 5]
     runs = []
     for make in (lambda w: ort_backend(export_dir, manifest, w),
                  lambda w: OrtCudaBackend(export_dir, getattr(manifest, w), manifest.dims, device="cpu", threads=THREADS)):
-        drafter = EagleDrafter(make("draft"), tree, MAX_LENGTH, manifest.draft.extra["graph_top_k"])
+        drafter = EagleDrafter(make("draft"), tree, MAX_LENGTH, manifest.draft.graph_top_k)
         runs.append(_decode(make("target"), drafter, prompt, n=16))
     assert runs[0] == runs[1]
 
@@ -481,13 +476,13 @@ def test_gpu_trt_logits_match_ort_and_kv_in_place(trt_export):
     m = Manifest.load(trt_export)
     ref, trt_b = ort_backend(trt_export, m), TrtBackend.from_manifest(trt_export, m, "target")
     kv_ref, kv = ref.allocate_kv(MAX_LENGTH), trt_b.allocate_kv(MAX_LENGTH)
-    _poison(kv, 0)
+    poison(kv, 0)
     prompt = [7, 100, 3, 45, 9, 200, 17]
     for past, inputs in ((0, _prefill_inputs(prompt)), (7, _step_inputs([12, 250, 31, 4], 7))):
         out, exp = trt_b.run(inputs, kv, past), ref.run(inputs, kv_ref, past)
-        assert np.isfinite(out[c.LOGITS]).all()
-        np.testing.assert_array_equal(out[c.LOGITS].argmax(-1), exp[c.LOGITS].argmax(-1))
-        np.testing.assert_allclose(out[c.LOGITS], exp[c.LOGITS], rtol=2e-2, atol=2e-3)
+        assert np.isfinite(out.logits).all()
+        np.testing.assert_array_equal(out.logits.argmax(-1), exp.logits.argmax(-1))
+        np.testing.assert_allclose(out.logits, exp.logits, rtol=2e-2, atol=2e-3)
     assert np.isnan(_kv_np(kv.arrays[0])[11:]).all()
 
 
@@ -537,8 +532,8 @@ def test_gpu_t1_fp16_engine_large_activations(tmp_path):
     prompt = list(range(40, 72))
     exp = ref.run(_step_inputs(prompt, 0), ref.allocate_kv(MAX_LENGTH), 0)
     out = trt_b.run(_step_inputs(prompt, 0), trt_b.allocate_kv(MAX_LENGTH), 0)
-    assert np.isfinite(out[c.LOGITS]).all()
-    assert (out[c.LOGITS].argmax(-1) == exp[c.LOGITS].argmax(-1)).mean() >= 0.95
+    assert np.isfinite(out.logits).all()
+    assert (out.logits.argmax(-1) == exp.logits.argmax(-1)).mean() >= 0.95
 
 
 @pytest.mark.gpu
@@ -552,6 +547,6 @@ def test_gpu_ort_cuda_equals_ort_cpu(export_dir, manifest):
     kv_ref, kv = ref.allocate_kv(MAX_LENGTH), dev.allocate_kv(MAX_LENGTH)
     for past, inputs in ((0, _prefill_inputs([3, 1, 4, 1, 5])), (5, _step_inputs([9, 2, 6], 5))):
         out, exp = dev.run(inputs, kv, past), ref.run(inputs, kv_ref, past)
-        np.testing.assert_allclose(out[c.LOGITS], exp[c.LOGITS], rtol=1e-3, atol=1e-4)
+        np.testing.assert_allclose(out.logits, exp.logits, rtol=1e-3, atol=1e-4)
     for a, b in zip(kv.arrays, kv_ref.arrays):
         np.testing.assert_allclose(_kv_np(a)[:8], b[:8], rtol=1e-3, atol=1e-4)

@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 
 from eagle_deploy.contract import onnx_io as c
-from eagle_deploy.runtime.drafter import ScriptedDrafter
 from eagle_deploy.runtime.sampling import SamplingParams, greedy_token, target_probs
 from eagle_deploy.runtime.tree import DraftTree
 from eagle_deploy.runtime.verify import verify_greedy, verify_sampling
-from tests.helpers import ReferenceScript, hf_greedy, prefill
+from tests.helpers import ReferenceScript, ScriptedDrafter, hf_greedy, prefill
 
 V = 16
 
@@ -116,7 +115,7 @@ def test_tie_scripted_drafts_of_the_tied_pair(tie, order, chain):
     assert result.token_ids[tie.k] == tie.low
     (pos, i), = tie_rounds
     assert i == (0 if chain == 1 else 2)
-    acc = result.stats["accepted_per_round"]
+    acc = result.stats.accepted_per_round
     round_index = (pos - 1) // (chain + 1)
     assert acc[:round_index] == [chain + 1] * round_index
     assert acc[round_index] == (i + 1 if order == "high-only" else chain + 1)

@@ -17,7 +17,8 @@ import pytest
 from eagle_deploy.bench import cli, report
 from eagle_deploy.bench import divergence as dv
 from eagle_deploy.bench import tune as tn
-from eagle_deploy.contract import onnx_io as c
+from eagle_deploy.runtime.backends.base import TargetOutputs
+from eagle_deploy.runtime.tree import DraftTree
 from tests.tools.tiny_export import PROMPTS, copy_export, prompt_file, tiny_export
 
 RUN_KEYS = {"new_tokens", "seconds", "tokens_per_s", "ttft_ms", "finish_reason", "token_ids"}
@@ -167,7 +168,7 @@ class _LogitBackend:
     def run(self, inputs, kv, past):
         self.seen.append(inputs.input_ids[0].tolist())
         n = inputs.logits_indices.shape[1]
-        return {c.LOGITS: np.repeat(self.logits[None, None], n, axis=1)}
+        return TargetOutputs(np.repeat(self.logits[None, None], n, axis=1), np.zeros((1, n, 1), np.float32))
 
 
 def test_first_difference():
@@ -217,11 +218,7 @@ def test_speedups_from_synthetic_records():
 
 
 def _round(parents, tokens, scores, argmax):
-    parents = np.array(parents)
-    depths = np.zeros(len(parents), int)
-    for i in range(1, len(parents)):
-        depths[i] = depths[parents[i]] + 1
-    return tn.Round(np.array(tokens), parents, np.array(scores, float), depths, np.array(argmax))
+    return tn.Round(DraftTree(np.array(tokens), np.array(parents), np.array(scores)), np.array(argmax))
 
 
 def test_accept_walk_on_subtrees():
@@ -246,15 +243,15 @@ def test_growth_and_overhead_fit():
 
 def test_tune_writes_the_tree_to_the_manifest(export_dir, tmp_path):
     from eagle_deploy.contract.manifest import Manifest
-    from eagle_deploy.runtime.tree import TreeConfig
 
     folder = copy_export(export_dir, tmp_path / "tuned")
     cfg = tn.TuneConfig(folder, PROMPTS, calib=2, max_new_tokens=10, repeats=1, threads=1, top_ks=(1, 2),
                         max_depth=3, sizes=(1, 2, 4, 8), verify_top=2)
     record = tn.tune(cfg, log=lambda m: None)
-    m = Manifest.load(folder)  # still loads: the record lives in engines["tuning"]
-    assert m.tree == record["chosen"] and TreeConfig.from_json(m.tree).validate(10)
-    t = m.engines["tuning"]
+    m = Manifest.load(folder)  # still loads: the record lives in engines.tuning
+    assert m.tree.to_json() == record["chosen"] and m.tree.validate(10)
+    assert m.engines.tuning.chosen == m.tree
+    t = m.engines.tuning.to_json()
     assert {"date", "machine", "target_ms", "draft_ms", "calibration", "candidates", "measured", "chosen", "previous"} <= set(t)
     assert set(t["target_ms"]) >= {"1", "2", "4", "8"} and set(t["draft_ms"]) >= {"1", "2"}
     assert {r["top_k"] for r in t["calibration"]["runs"]} == {1, 2}
@@ -283,3 +280,34 @@ def test_calibration_prompts_alternate_between_sets():
     prompts = [{"id": f"a{i}", "set": "a", "prompt": "x"} for i in range(10)] + [{"id": "b0", "set": "b", "prompt": "y"}]
     assert [p["id"] for p in tn.pick_calibration(prompts, 4)] == ["a0", "b0", "a9"]
     assert [p["id"] for p in tn.pick_calibration(prompts, 1)] == ["a0"]
+
+
+# --------------------------------------------------------------------------- defaults
+
+
+class _Captured(Exception):
+    pass
+
+
+@pytest.mark.parametrize("flags, baselines, limit", [
+    ([], [], 10),  # quick by default: EAGLE vs vanilla, 10 prompts of each built-in set
+    (["--baselines", "hf,llamacpp"], ["hf", "llamacpp"], 10),
+    (["--baselines", "all", "--limit", "0"], ["hf", "hf-lookup", "llamacpp", "llamacpp-lookup"], 0),
+    (["--baselines", "all", "--no-baselines"], [], 10),
+])
+def test_default_run_is_quick_and_baselines_are_opt_in(export_dir, tmp_path, monkeypatch, flags, baselines, limit):
+    from eagle_deploy.bench import run
+
+    seen = []
+
+    def capture(cfg, log):
+        seen.append(cfg)
+        raise _Captured
+
+    monkeypatch.setattr(run, "run_bench", capture)
+    with pytest.raises(_Captured):
+        cli.main(["--engines", str(export_dir), "--out", str(tmp_path / "r.json"), *flags])
+    assert seen[0].baselines == baselines and seen[0].limit == limit
+    with pytest.raises(_Captured):  # a prompt file is run whole unless --limit says otherwise
+        cli.main(["--engines", str(export_dir), "--prompts", str(prompt_file(tmp_path)), "--out", str(tmp_path / "r.json")])
+    assert seen[1].limit == 0 and seen[1].baselines == []

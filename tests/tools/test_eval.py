@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle_deploy.runtime.acceptance import depth_rates
 from eagle_deploy.train import evaluate as ev
 from tests.tools.tiny_export import PROMPTS, prompt_file, tiny_export
 
@@ -23,7 +24,7 @@ def test_depth_rates_hand_built():
     # depth 1: tried by every round (all reach depth 0), accepted by rounds 2, 3, 4 -> 3/5
     # depth 2: tried by rounds with depth >= 2 that accepted >= 1: rounds 2, 3, 4 -> accepted >= 2: rounds 3, 4 -> 2/3
     # depth 3: depth >= 3 and accepted >= 2: round 3 -> accepted 3 -> 1/1
-    assert ev.depth_rates(accepted, depths, 4) == [0.6, 0.6667, 1.0, None]
+    assert depth_rates(accepted, depths, 4) == [0.6, 0.6667, 1.0, None]
 
 
 def test_cli_reports_tau_per_category(export_dir, tmp_path, capsys):

@@ -34,10 +34,10 @@ def test_shipped_head_accepts_well_above_a_random_head(smollm2_export):
     from eagle_deploy.runtime.api import EagleRuntime
 
     rt = EagleRuntime.load(smollm2_export, threads=2)
-    assert rt.manifest.draft.extra["trained"] and rt.manifest.draft.extra["draft_vocab_size"] < rt.manifest.dims["vocab"]
+    assert rt.manifest.draft.trained and rt.manifest.draft.draft_vocab_size < rt.manifest.dims.vocab
     taus = []
     for prompt in PROMPTS:
         r = rt.generate(prompt, max_new_tokens=64)
         assert r.token_ids == rt.generate(prompt, max_new_tokens=64, mode="vanilla").token_ids
-        taus.append(r.stats["mean_accept_len"])
+        taus.append(r.stats.mean_accept_len)
     assert np.mean(taus) >= 1.8, taus  # a random head stays near 1.0

@@ -119,6 +119,6 @@ def test_short_training_lowers_the_loss_and_the_head_decodes_losslessly(gqa, tin
         prompt = data.sequence(i)[: int(data.prompt_lens[i])].tolist()
         eagle, vanilla = rt.generate(prompt, max_new_tokens=32), rt.generate(prompt, max_new_tokens=32, mode="vanilla")
         assert eagle.token_ids == vanilla.token_ids
-        trained_tau.append(eagle.stats["mean_accept_len"])
-        random_tau.append(gqa.rt.generate(prompt, max_new_tokens=32).stats["mean_accept_len"])
+        trained_tau.append(eagle.stats.mean_accept_len)
+        random_tau.append(gqa.rt.generate(prompt, max_new_tokens=32).stats.mean_accept_len)
     assert np.mean(trained_tau) > np.mean(random_tau) + 0.15, (trained_tau, random_tau)

@@ -149,3 +149,90 @@ def test_policy_by_dtype_and_quant():
     assert v.policy_for(GraphEntry("t.onnx", "float32", [], [])).kind == "elementwise"
     assert v.policy_for(GraphEntry("t.onnx", "float16", [], [])).rel == 2e-2
     assert v.policy_for(GraphEntry("t.onnx", "float32", [], [], quant="int4")).kind == "top1"
+
+
+# --------------------------------------------------------------------------- quantised exports
+
+
+def test_quantised_topk_ids_are_judged_by_the_first_id_only():
+    """A quantised draft graph may reorder its lower top-k ids (their log-probs moved by the
+    quantisation); the first id is held to the top-1 rule, as logits' argmax is."""
+    p = v.policy_for(__import__("eagle_deploy.contract.manifest", fromlist=["GraphEntry"]).GraphEntry(
+        "d.onnx", "float32", [], [], quant="int4"))
+    lp = np.array([[[-0.1, -1.0, -1.3, -3.0], [-0.2, -2.0, -2.5, -4.0]]], np.float32)
+    ids = np.array([[[7, 3, 5, 9], [4, 1, 2, 8]]])
+    reordered = np.array([[[7, 5, 3, 11], [4, 2, 1, 8]]])
+    max_abs, _, agree, ok, note = v.compare_output(c.TOPK_IDS, ids, reordered, p, {c.TOPK_LOGPROBS: lp})
+    assert ok and agree == 1.0 and "top-1" in note
+    first_differs = np.array([[[3, 7, 5, 9], [4, 1, 2, 8]]])  # top-2 gap 0.9 > the quantised tie band
+    assert not v.compare_output(c.TOPK_IDS, ids, first_differs, p, {c.TOPK_LOGPROBS: lp})[3]
+
+
+def test_quantised_rule_excuses_near_ties_and_bounds_kl():
+    p = v.Policy("top1", tie=v.QUANT_TIE, max_kl=v.QUANT_MAX_KL)
+    ref = np.zeros((1, 100, 16), np.float32)
+    ref[0, :, 3] = 5.0
+    ref[0, :, 4] = 5.0 - np.where(np.arange(100) < 10, 0.2, 2.0)  # 10 positions at a near-tie (gap 0.2)
+    flipped = ref.copy()
+    flipped[0, :10, 4] += 0.3  # those 10 flip: argmax agreement 90%, but only at near-ties
+    _, _, agree, ok, note = v.compare_output(c.LOGITS, ref, flipped, p, {})
+    assert agree == pytest.approx(0.9) and ok and "100.0% off near-ties" in note
+    clear = ref.copy()
+    clear[0, 50:52, 4] += 2.5  # 2 flips where the reference's top-2 gap is 2.0: 98% < 99%
+    assert not v.compare_output(c.LOGITS, ref, clear, p, {})[3]
+    smeared = ref * 0.1  # the same argmax everywhere, a very different distribution
+    _, _, agree, ok, note = v.compare_output(c.LOGITS, ref, smeared, p, {})
+    assert agree == 1.0 and not ok and "mean KL" in note
+
+
+def _tiny_quant_export(root: Path, quant: str) -> Path:
+    import torch
+
+    from eagle_deploy.exporter.export import ExportOptions, export
+    from tests import tiny
+
+    torch.set_num_threads(1)
+    target = tiny.build_tiny_target(root / "target", seed=0, norm_noise=0.1)
+    head = tiny.build_tiny_head(root / "head", target, seed=1, norm_noise=0.1)
+    options = ExportOptions(max_length=256, name=f"tiny-{quant}", quant=quant)
+    return export(str(target), str(head), root / "exports", options, progress=None)
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def quant_export(request, tmp_path_factory) -> Path:
+    return _tiny_quant_export(tmp_path_factory.mktemp(f"quant-{request.param}"), request.param)
+
+
+def test_quantised_export_passes_against_its_own_weights(quant_export, tmp_path, capsys):
+    """README's --quant int4 / int8 exports: the reference takes the graph's dequantised weights;
+    the graph as shipped passes the top-1/KL rule, its fp32-activation copy the float32 rule."""
+    import json
+
+    report = tmp_path / "report.json"
+    assert v.main(["--engines", str(quant_export), "--work", str(tmp_path), "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "PASSED" in out and "FAIL" not in out
+    rows = json.loads(report.read_text())["rows"]
+    assert {r["runner"] for r in rows} == {"onnxrt", "onnxrt-fp32act"}
+    assert any(r["output"] == c.TOPK_IDS and r["runner"] == "onnxrt" for r in rows)
+    fp32act = [r["max_abs"] for r in rows if r["runner"] == "onnxrt-fp32act" and r["output"] == c.LOGITS]
+    assert len(fp32act) == 3 and max(fp32act) < 1e-5  # the same weights: fp32 rounding only
+    assert f"polygraphy run {(tmp_path / 'target_fp32act.onnx').resolve()}" in out
+
+
+def test_quantised_weight_that_matches_no_checkpoint_weight_fails(quant_export, tmp_path, capsys):
+    import onnx
+    from onnx import numpy_helper
+
+    bad = copy_export(quant_export, tmp_path / "bad")
+    model = onnx.load(str(bad / "draft.onnx"))
+    node = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and "fc" in n.name)
+    init = next(t for t in model.graph.initializer if t.name == node.input[1])
+    packed = numpy_helper.to_array(init).copy()
+    packed.reshape(-1)[:8] ^= 0x77  # a few quantised values moved by several steps
+    init.CopyFrom(numpy_helper.from_array(packed, init.name))
+    onnx.save(model, str(bad / "draft.onnx"))
+    assert v.main(["--engines", str(bad), "--work", str(tmp_path / "work"), "--graphs", "draft"]) == 1
+    out = capsys.readouterr().out
+    failing = [ln for ln in out.splitlines() if ln.startswith("draft") and "FAIL" in ln]
+    assert any(node.name in ln and "matches no weight of the checkpoint" in ln for ln in failing), out

@@ -15,7 +15,6 @@ from typing import Sequence
 
 import numpy as np
 
-from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.runtime.backends.base import StepInputs
 from eagle_deploy.runtime.drafter import causal_mask
 
@@ -63,7 +62,7 @@ def _forward(backend, ids: Sequence[int], past: int, kv, logits_at) -> np.ndarra
     n = len(ids)
     inputs = StepInputs(np.asarray(ids, np.int64)[None], np.arange(past, past + n)[None], causal_mask(past, n),
                         np.asarray(logits_at, np.int64)[None])
-    return backend.run(inputs, kv, past)[c.LOGITS][0].copy()
+    return backend.run(inputs, kv, past).logits[0].copy()
 
 
 def last_logits(backend, ids: Sequence[int]) -> np.ndarray:

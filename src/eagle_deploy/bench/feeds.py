@@ -16,7 +16,9 @@ from typing import Callable
 import numpy as np
 
 from eagle_deploy.contract import onnx_io as c
-from eagle_deploy.runtime.drafter import causal_mask
+from eagle_deploy.contract.manifest import Dims
+from eagle_deploy.runtime.drafter import causal_mask, expansion_mask
+from eagle_deploy.runtime.text import encode_user
 from eagle_deploy.runtime.tree import DraftTree
 
 # node i's parent; depths 0 1 1 1 2 2 2 3 3 4: three branches at the root, two under node 1
@@ -48,11 +50,7 @@ def prompt_ids(tokenizer, n: int, vocab: int, chat: bool) -> list[int]:
     repeated or cut to n; deterministic pseudo-random ids without a tokenizer."""
     if tokenizer is None:
         return np.random.default_rng(0).integers(3, vocab, n).tolist()
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT_TEXT}], add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    else:
-        ids = list(tokenizer.encode(PROMPT_TEXT))
+    ids = encode_user(tokenizer, PROMPT_TEXT, chat)
     while len(ids) < n:
         ids += ids
     return [int(t) % vocab for t in ids[-n:]]  # the end keeps the template's assistant header
@@ -79,35 +77,22 @@ def verify_tree(root: int, vocab: int, rng) -> DraftTree:
     return DraftTree(np.array(tokens), np.array(VERIFY_PARENTS), -np.arange(len(tokens), dtype=np.float32))
 
 
-def target_feeds(forward: Forward, prompt: list[int], dims: dict, dtype) -> tuple[list[Feed], dict]:
+def target_feeds(forward: Forward, prompt: list[int], dims: Dims, dtype) -> tuple[list[Feed], dict]:
     """[prefill, decode, tree verification] feeds and the reference prefill state
     {"features" [n, H] fp32, "root": int, "present": fp32 KV arrays}."""
-    n, kv_pairs = len(prompt), c.kv_names(dims["num_layers"])
-    empty = [np.zeros((0, 1, dims["num_kv_heads"], dims["head_dim"]), dtype) for _ in kv_pairs]
+    n, kv_pairs = len(prompt), c.kv_names(dims.num_layers)
+    empty = [np.zeros((0, 1, dims.num_kv_heads, dims.head_dim), dtype) for _ in kv_pairs]
     prefill = _with_past(_step(prompt, np.arange(n), causal_mask(0, n), np.arange(n)), kv_pairs, empty)
     outs, present = forward(prefill)
     root = int(np.argmax(outs[c.LOGITS][0, -1]))
     past = _kv(present, dtype)
     decode = _with_past(_step([root], [n], np.ones((1, 1, n + 1), bool), [0]), kv_pairs, past)
-    tree = verify_tree(root, dims["vocab"], np.random.default_rng(0))
-    mask = np.ones((1, tree.size, n + tree.size), bool)
-    mask[0, :, n:] = tree.tree_mask
-    verify = _with_past(_step(tree.tokens, tree.positions(n), mask, np.arange(tree.size)), kv_pairs, past)
+    tree = verify_tree(root, dims.vocab, np.random.default_rng(0))
+    verify = _with_past(_step(tree.tokens, tree.positions(n), tree.attention_mask(n), np.arange(tree.size)), kv_pairs,
+                        past)
     feeds = [Feed(f"prefill (S={n}, past 0)", prefill), Feed(f"decode (S=1, past {n})", decode),
              Feed(f"tree verify (S={tree.size}, past {n}, depth {int(tree.depths.max())})", verify)]
     return feeds, {"features": outs[c.FEATURES][0], "root": root, "present": present}
-
-
-def _expand_mask(committed: int, scratch_parents: list[int | None], scratch: int) -> np.ndarray:
-    """[1, F, committed + scratch + F]: committed rows, each node's ancestor scratch row, itself."""
-    F = len(scratch_parents)
-    mask = np.zeros((1, F, committed + scratch + F), bool)
-    mask[0, :, :committed] = True
-    for j, parent_row in enumerate(scratch_parents):
-        if parent_row is not None:
-            mask[0, j, committed + parent_row] = True
-        mask[0, j, committed + scratch + j] = True
-    return mask
 
 
 def draft_feeds(forward: Forward, prompt: list[int], state: dict, dtype, frontier: int = 4) -> list[Feed]:
@@ -124,7 +109,7 @@ def draft_feeds(forward: Forward, prompt: list[int], state: dict, dtype, frontie
     outs, present = forward(ext)
     K = min(frontier, outs[c.TOPK_IDS].shape[-1])
     root_feature = outs[c.NEXT_FEATURES][0, -1]
-    d1 = _with_past(_step(outs[c.TOPK_IDS][0, 0, :K], np.full(K, n), _expand_mask(n, [None] * K, 0), np.arange(K)),
+    d1 = _with_past(_step(outs[c.TOPK_IDS][0, 0, :K], np.full(K, n), expansion_mask(n, n, [[]] * K), np.arange(K)),
                     kv_pairs, _kv(present, dtype))
     d1[c.FEATURES] = np.repeat(root_feature[None, None], K, axis=1).astype(dtype).reshape(1, K, H)
     outs1, present1 = forward(d1)
@@ -132,8 +117,8 @@ def draft_feeds(forward: Forward, prompt: list[int], state: dict, dtype, frontie
     picks = [(0, 0), (0, 1), (1, 0), (2 % K, 0)]
     ids = [int(outs1[c.TOPK_IDS][0, p, r]) for p, r in picks]
     past2 = [np.concatenate([a, b]).astype(dtype) for a, b in zip(present, present1)]
-    d2 = _with_past(_step(ids, np.full(len(picks), n + 1), _expand_mask(n, [p for p, _ in picks], K), np.arange(len(picks))),
-                    kv_pairs, past2)
+    mask2 = expansion_mask(n, n + K, [[n + p] for p, _ in picks])  # each pick's parent: scratch row n + p
+    d2 = _with_past(_step(ids, np.full(len(picks), n + 1), mask2, np.arange(len(picks))), kv_pairs, past2)
     d2[c.FEATURES] = np.stack([outs1[c.NEXT_FEATURES][0, p] for p, _ in picks])[None].astype(dtype)
     return [Feed(f"draft extend (S={n}, past 0)", ext), Feed(f"draft expand d1 (S={K}, past {n})", d1),
             Feed(f"draft expand d2 (S={len(picks)}, past {n + K}, tree mask)", d2)]

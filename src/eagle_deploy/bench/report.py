@@ -3,7 +3,8 @@
 Aggregates are per temperature ("0", "0.7", ...), per system and per category ("all" plus
 each prompt category): tokens/s = generated tokens / wall seconds summed over prompts
 (prefill included), tau = tokens per target forward, TTFT mean, EAGLE's time split, and
-speed-ups (aggregate tokens/s ratios; the per-prompt mean beside it).
+speed-ups (aggregate tokens/s ratios; the per-prompt mean beside it). tau is pooled over every
+round of the category's prompts (`runtime.acceptance.tau`).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+
+from eagle_deploy.runtime.acceptance import tau
 
 PHASES = ("prefill", "draft", "verify", "commit", "other")
 
@@ -28,9 +31,8 @@ def _agg_runs(runs: list[dict]) -> dict:
     ttft = [r["ttft_ms"] for r in runs if r.get("ttft_ms") is not None]
     out["ttft_ms"] = round(float(np.mean(ttft)), 2) if ttft else None
     if all("time_ms" in r for r in runs) and runs:
-        forwards = sum(r.get("target_forwards", 1) - 1 for r in runs)  # verification rounds
-        round_tokens = sum(sum(r.get("accepted_per_round", [])) for r in runs)
-        out["tau"] = round(round_tokens / forwards, 3) if forwards else None
+        pooled = tau(n for r in runs for n in r.get("accepted_per_round", []))  # tokens per verification round
+        out["tau"] = None if pooled is None else round(pooled, 3)
         total = {p: sum(r["time_ms"].get(p, 0.0) for r in runs) for p in PHASES}
         out["time_ms"] = {p: round(v, 2) for p, v in total.items()}
         out["time_ms_per_token"] = {p: round(v / max(tokens, 1), 3) for p, v in total.items()}

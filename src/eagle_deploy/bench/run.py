@@ -176,7 +176,7 @@ def run_bench(cfg: BenchConfig, log: Callable = print) -> dict:
               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "tree"},
               "tree": None, "numerics": {}, "greedy_identity": {}, "baselines": {}, "memory": {},
               "notes": list(manifest.notes)}
-    if not manifest.draft.extra.get("trained", True):
+    if not manifest.draft.trained:
         result["notes"].append("this export's draft head is untrained (random): expect tau near 1")
     loaded = load_systems(cfg, manifest, result, log)
     records = _encode(records, loaded.engines[0][1], cfg, result)

@@ -66,10 +66,10 @@ class EagleSystem:
 
     def run(self, ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int | None = 0) -> Run:
         r = self.rt.generate(list(ids), max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, mode=self.mode)
-        s = r.stats
+        s = r.stats.to_json()
         keep = {k: s[k] for k in ("mean_accept_len", "target_forwards", "draft_forwards", "time_ms", "accepted_per_round",
-                                  "tree_depth_per_round") if k in s}
-        return Run(self.name, list(r.token_ids), s["time_ms"]["total"] / 1e3, s["ttft_ms"], r.finish_reason, keep)
+                                  "tree_depth_per_round")}
+        return Run(self.name, list(r.token_ids), r.stats.t_total, r.stats.t_prefill * 1e3, r.finish_reason, keep)
 
 
 class _FirstToken:

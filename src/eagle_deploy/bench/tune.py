@@ -14,7 +14,7 @@
    backends' forwards, timed in the calibration runs) fitted linearly in the growth's nodes.
 4. The best predicted trees and the manifest's current one are then measured on the
    calibration prompts; the fastest becomes `manifest.tree`, and the curves, acceptance,
-   candidates and measurements go to `manifest.engines["tuning"]`.
+   candidates and measurements go to `manifest.engines.tuning`.
 Greedy acceptance only: sampled acceptance is not modelled.
 """
 from __future__ import annotations
@@ -22,14 +22,19 @@ from __future__ import annotations
 import datetime as _dt
 import platform
 import time
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
-from eagle_deploy.runtime.backends.base import StepInputs
+from eagle_deploy.runtime.acceptance import depth_rates, tau
+from eagle_deploy.runtime.backends.base import StepInputs, StepOutputs
+from eagle_deploy.runtime.decode import Stats
 from eagle_deploy.runtime.drafter import causal_mask
+from eagle_deploy.runtime.tree import DraftTree
+from eagle_deploy.runtime.verify import verify_greedy
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -100,65 +105,56 @@ def interp(curve: dict, x: float) -> float:
     return float(np.interp(x, xs, [curve[k] for k in xs]))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Round:
-    """One verification round's tree and the target's argmax at every node."""
+    """One verification round: its tree (the whole calibration growth) and the target's argmax
+    after every node, argmax [n] int64."""
 
-    tokens: np.ndarray
-    parents: np.ndarray
-    scores: np.ndarray
-    depths: np.ndarray
+    tree: DraftTree
     argmax: np.ndarray
-
-    def children(self) -> list[list[int]]:
-        kids = [[] for _ in self.tokens]
-        for i in range(1, len(self.tokens)):
-            kids[self.parents[i]].append(i)
-        return kids
 
 
 def accept_walk(rnd: Round, total_tokens: int, depth: int) -> list[int]:
-    """Greedy verification of the dynamic tree (total_tokens, depth) cut from `rnd`'s growth:
+    """Greedy verification (`verify_greedy`) of the dynamic tree (total_tokens, depth) cut
+    from `rnd`'s growth: the best total_tokens - 1 nodes by score at depth <= `depth`. Returns
     the accepted nodes' sibling ranks, root excluded (len + 1 = the round's tau)."""
-    eligible = [i for i in range(1, len(rnd.tokens)) if rnd.depths[i] <= depth]
-    keep = set(sorted(eligible, key=lambda i: (-rnd.scores[i], i))[: total_tokens - 1])
-    kids = rnd.children()
-    node, ranks = 0, []
-    while True:
-        ordered = sorted((k for k in kids[node] if k in keep), key=lambda i: (-rnd.scores[i], i))
-        hit = next((r for r, k in enumerate(ordered) if rnd.tokens[k] == rnd.argmax[node]), None)
-        if hit is None:
-            return ranks
-        ranks.append(hit)
-        node = ordered[hit]
+    tree = rnd.tree
+    eligible = [i for i in range(1, tree.size) if tree.depths[i] <= depth]
+    order = tree.kept(sorted(eligible, key=lambda i: (-tree.scores[i], i))[: total_tokens - 1])
+    cut = tree.subtree(order)
+    path = verify_greedy(cut, argmax=rnd.argmax[order]).path
+    return [int(np.flatnonzero(cut.children(parent) == node)[0]) for parent, node in zip(path, path[1:])]
 
 
 def expected_tau(rounds: list[Round], total_tokens: int, depth: int) -> float:
-    return float(np.mean([len(accept_walk(r, total_tokens, depth)) + 1 for r in rounds])) if rounds else 1.0
+    """E[tau] of the dynamic tree (total_tokens, depth) over the recorded rounds (1.0 without)."""
+    return tau(len(accept_walk(r, total_tokens, depth)) + 1 for r in rounds) or 1.0
 
 
 def acceptance_profile(rounds: list[Round], depth: int) -> dict:
-    """Full-growth acceptance: P(reach depth d | reached d-1) and the accepted sibling ranks."""
-    walks = [accept_walk(r, len(r.tokens), depth) for r in rounds]
-    by_depth = []
-    for d in range(1, depth + 1):
-        tried = [w for w in walks if len(w) >= d - 1]
-        by_depth.append(round(sum(len(w) >= d for w in tried) / len(tried), 4) if tried else None)
+    """Full-growth acceptance: the per-depth acceptance rates (`acceptance.depth_rates`) and
+    the accepted sibling ranks."""
+    walks = [accept_walk(r, r.tree.size, depth) for r in rounds]
+    depths = [min(int(r.tree.depths.max()), depth) for r in rounds]
     ranks = np.bincount([r for w in walks for r in w], minlength=1).tolist() if any(walks) else []
-    return {"accept_rate_by_depth": by_depth, "accepted_sibling_rank_counts": ranks}
+    return {"accept_rate_by_depth": depth_rates([len(w) for w in walks], depths, depth),
+            "accepted_sibling_rank_counts": ranks}
 
 
 class _TimedBackend:
-    """A Backend that forwards to another and adds up its decode-phase forward time."""
+    """A Backend that forwards to another and, while its recorder records, adds up its
+    decode-phase forward time."""
 
-    def __init__(self, inner, recorder):
+    def __init__(self, inner, recorder: "_Recorder"):
         self.inner, self.recorder = inner, recorder
         self.name, self.kv_names = inner.name, inner.kv_names
 
     def allocate_kv(self, capacity):
         return self.inner.allocate_kv(capacity)
 
-    def run(self, inputs, kv, past):
+    def run(self, inputs, kv, past) -> StepOutputs:
+        if not self.recorder.active:
+            return self.inner.run(inputs, kv, past)
         t0 = time.perf_counter()
         out = self.inner.run(inputs, kv, past)
         if past > 0 or inputs.features is not None:  # a target forward at past 0 is the prefill
@@ -167,24 +163,31 @@ class _TimedBackend:
 
 
 class _Recorder:
-    """Keeps every round's tree and target argmax (a Decoder round observer) and times the
-    target's (decode-phase) and the drafter's backend forwards (wrapped backends)."""
+    """Given to EagleRuntime.load as its backend wrapper (`wrap`) and round observer
+    (`observe`). While `recording()`, keeps every round's tree and target argmax and times the
+    target's (decode-phase) and the drafter's backend forwards; otherwise it only passes
+    calls through."""
 
-    def __init__(self, decoder):
-        self.decoder, self.rounds = decoder, []
+    def __init__(self):
+        self.active = False
+        self.rounds: list[Round] = []
         self.forward_s = 0.0  # backend forward seconds inside decode rounds (prefill excluded)
-        self._backends = (decoder.target, decoder.drafter.backend)
-        decoder.target = _TimedBackend(decoder.target, self)
-        decoder.drafter.backend = _TimedBackend(decoder.drafter.backend, self)
-        decoder.round_observers.append(self.observe)
 
-    def observe(self, tree, logits, verification):
-        self.rounds.append(Round(tree.tokens.copy(), tree.parents.copy(), tree.scores.copy(), tree.depths.copy(),
-                                 np.asarray(logits).argmax(-1)))
+    def wrap(self, backend) -> _TimedBackend:
+        return _TimedBackend(backend, self)
 
-    def close(self):
-        self.decoder.round_observers.remove(self.observe)
-        self.decoder.target, self.decoder.drafter.backend = self._backends
+    def observe(self, tree: DraftTree, logits: np.ndarray, verification) -> None:
+        if self.active:
+            self.rounds.append(Round(tree, np.asarray(logits).argmax(-1)))
+
+    @contextmanager
+    def recording(self) -> Iterator["_Recorder"]:
+        """Record from a clean slate until the block ends."""
+        self.active, self.rounds, self.forward_s = True, [], 0.0
+        try:
+            yield self
+        finally:
+            self.active = False
 
 
 def use_tree(rt, tree) -> None:
@@ -196,18 +199,20 @@ class _Tally:
     """Decode tokens/s (prefill excluded), tau and ms per round over several generations."""
 
     def __init__(self):
-        self.new = self.rounds = self.accepted = 0
+        self.new = 0
+        self.tokens_per_round: list[int] = []
         self.seconds = 0.0
 
-    def add(self, stats: dict) -> None:
-        self.new += stats["new_tokens"] - 1
-        self.rounds += stats["target_forwards"] - 1
-        self.accepted += sum(stats["accepted_per_round"])
-        self.seconds += (stats["time_ms"]["total"] - stats["time_ms"]["prefill"]) / 1e3
+    def add(self, stats: Stats) -> None:
+        self.new += stats.new_tokens - 1
+        self.tokens_per_round += stats.accepted_per_round
+        self.seconds += stats.decode_seconds
 
     def to_json(self) -> dict:
-        return {"tokens_per_s": round(self.new / max(self.seconds, 1e-9), 2), "tau": round(self.accepted / max(self.rounds, 1), 3),
-                "round_ms": round(self.seconds * 1e3 / max(self.rounds, 1), 3), "rounds": self.rounds}
+        rounds = len(self.tokens_per_round)
+        return {"tokens_per_s": round(self.new / max(self.seconds, 1e-9), 2),
+                "tau": round(tau(self.tokens_per_round) or 0.0, 3),
+                "round_ms": round(self.seconds * 1e3 / max(rounds, 1), 3), "rounds": rounds}
 
 
 def generate_all(rt, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -291,31 +296,30 @@ def _calibration_prompts(rt, cfg: TuneConfig, room: int) -> list[list[int]]:
 
 def tune(cfg: TuneConfig, log: Callable = print) -> dict:
     """Measure, choose, verify and (cfg.save) record the tree; returns the tuning record."""
-    from eagle_deploy.contract.manifest import Manifest
+    from eagle_deploy.contract.manifest import Manifest, TuningRecord
     from eagle_deploy.runtime.api import EagleRuntime
     from eagle_deploy.runtime.tree import TreeConfig
 
-    rt = EagleRuntime.load(cfg.engines, backend=cfg.backend, threads=cfg.threads)
+    recorder = _Recorder()
+    rt = EagleRuntime.load(cfg.engines, backend=cfg.backend, threads=cfg.threads, wrap_backend=recorder.wrap,
+                           round_observers=[recorder.observe])
     m, previous = rt.manifest, rt.tree
-    top_ks = [k for k in cfg.top_ks if k <= m.draft.extra["graph_top_k"]]
+    top_ks = [k for k in cfg.top_ks if k <= m.draft.graph_top_k]
     depths = {K: calib_depth(K, cfg.node_budget, cfg.max_depth) for K in top_ks}
     full = {K: growth_size(K, depths[K]) + 1 for K in top_ks}
     sizes = sorted({s for s in cfg.sizes if s < m.max_length // 2} | {t for t in full.values() if t < m.max_length // 2})
     past = max(0, min(cfg.past, m.max_length - max(sizes) - 1))
     log(f"cost curves at past {past}: target S in {sizes}, draft F in {sorted(set(top_ks) | {1, 2, 4})}")
-    tcurve = target_curve(rt.decoder.target, sizes, past, cfg.repeats, m.dims["vocab"])
+    tcurve = target_curve(rt.decoder.target, sizes, past, cfg.repeats, m.dims.vocab)
     dcurve = draft_curve(rt.decoder.drafter.backend, sorted(set(top_ks) | {1, 2, 4, max(top_ks)}), past, cfg.repeats,
-                         m.dims["vocab"], m.dims["hidden"], np.dtype(m.draft.dtype))
+                         m.dims.vocab, m.dims.hidden, np.dtype(m.draft.dtype))
     room = m.max_length - cfg.max_new_tokens - max(full.values()) - 1
     prompts = _calibration_prompts(rt, cfg, room)
     rounds, calib, residuals = {}, [], []
     for K in top_ks:
         use_tree(rt, TreeConfig("dynamic", full[K], depths[K], K))
-        rec = _Recorder(rt.decoder)
-        try:
+        with recorder.recording() as rec:
             meas = generate_all(rt, prompts, cfg.max_new_tokens)
-        finally:
-            rec.close()
         rounds[K] = rec.rounds
         overhead_ms = meas["round_ms"] - rec.forward_s * 1e3 / max(meas["rounds"], 1)  # tree building, accept, commit
         residuals.append((full[K] - 1, overhead_ms))
@@ -347,9 +351,8 @@ def tune(cfg: TuneConfig, log: Callable = print) -> dict:
               "speedup_vs_vanilla": round(best["tokens_per_s"] / max(vanilla["tokens_per_s"], 1e-9), 3)}
     if cfg.save:
         manifest = Manifest.load(cfg.engines)
-        manifest.tree = best["tree"]
-        manifest.engines["tuning"] = _json_keys(record)
-        manifest.save(cfg.engines)
+        tuning = TuningRecord.from_json(_json_keys(record))
+        replace(manifest, tree=tuning.chosen, engines=replace(manifest.engines, tuning=tuning)).save(cfg.engines)
     return _json_keys(record)
 
 

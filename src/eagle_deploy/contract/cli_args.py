@@ -1,10 +1,34 @@
-"""Command-line argument groups shared by every CLI (eagle-export, eagle-run, eagle-bench,
-eagle-eval): the draft-tree flags and the help formatter. Imports nothing heavy."""
+"""Command-line pieces shared by every CLI (eagle-export, eagle-run, eagle-bench, eagle-eval,
+eagle-train, eagle-validate): the draft-tree flags, the help formatter and the Ctrl-C
+handling. Imports nothing heavy."""
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
 
 from .tree_config import DEFAULT_TREE, STATIC_TREES, TreeConfig, TreeConfigError
+
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+def interruptible(prog: str):
+    """Decorator for every CLI's `main(argv=None) -> int`: Ctrl-C (KeyboardInterrupt),
+    wherever it lands (a slow import, a forward, a streamed print), ends the command with one
+    line on stderr and exit status 130 instead of a traceback."""
+
+    def wrap(main):
+        @functools.wraps(main)
+        def run(argv=None):
+            try:
+                return main(argv)
+            except KeyboardInterrupt:
+                print(f"\n{prog}: interrupted", file=sys.stderr, flush=True)
+                return INTERRUPTED
+
+        return run
+
+    return wrap
 
 
 def add_tree_args(parser: argparse.ArgumentParser, defaults_from: str) -> None:

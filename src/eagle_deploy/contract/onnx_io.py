@@ -38,7 +38,7 @@ Draft graph (`draft.onnx`): the EAGLE-1/2 draft head (arXiv 2401.15077 §3): FC 
 | `present.0.key` / `.value` (out) | T | [seq, batch, kv_heads, head_dim] | KV of the new rows |
 
 No full-vocabulary logits leave the draft graph. `top_k` is fixed at export
-(`manifest["draft"]["graph_top_k"]`); trees may use any `top_k` up to it.
+(`Manifest.draft.graph_top_k`); trees may use any `top_k` up to it.
 """
 from __future__ import annotations
 
@@ -89,6 +89,11 @@ class TensorSpec:
 
     def to_json(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TensorSpec":
+        """{"name", "dtype", "shape": [int | str, ...]} -> TensorSpec (unchecked; Manifest.load validates)."""
+        return cls(data["name"], data["dtype"], tuple(data["shape"]))
 
 
 KV_SHAPE_PAST = ("past_seq", "batch", "kv_heads", "head_dim")

@@ -7,6 +7,7 @@ TensorRT backend (`eagle_deploy.runtime.backends.trt`) so both agree on every bo
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from . import onnx_io as c
@@ -15,6 +16,30 @@ from .tree_config import TreeConfig, TreeConfigError
 Shape = tuple[int, ...]
 Bounds = dict[str, tuple[Shape, Shape, Shape]]  # input name -> (min, opt, max)
 NamedBounds = Sequence[tuple[str, Bounds]]  # one (profile name, bounds) per profile, in engine order
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """One optimization profile: a name and {input name: (min, opt, max) shapes}."""
+
+    name: str
+    shapes: Bounds = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shapes": {n: [list(s) for s in mom] for n, mom in self.shapes.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ProfileSpec":
+        return cls(data["name"], {n: tuple(tuple(int(d) for d in s) for s in mom) for n, mom in data["shapes"].items()})
+
+
+@dataclass(frozen=True)
+class KVDims:
+    """The model sizes a forward's input shapes need (`Dims` from the manifest has them too)."""
+
+    hidden: int
+    num_kv_heads: int
+    head_dim: int
 
 
 def draft_kv_capacity(max_length: int, tree: TreeConfig) -> int:
@@ -81,15 +106,16 @@ def select_profile(shapes: dict[str, Shape], profiles: NamedBounds, order: Seque
         "larger bounds (python -m eagle_deploy.exporter.trt_build FOLDER --max-tree-tokens N / --max-prompt N).")
 
 
-def step_shapes(seq: int, past: int, num_logits: int, dims: dict, kv_names: Sequence[tuple[str, str]],
+def step_shapes(seq: int, past: int, num_logits: int, dims: KVDims, kv_names: Sequence[tuple[str, str]],
                 draft: bool) -> dict[str, Shape]:
-    """Input shapes (batch 1) of one forward with `seq` new tokens over `past` cached rows."""
+    """Input shapes (batch 1) of one forward with `seq` new tokens over `past` cached rows.
+    `dims`: a manifest `Dims` or a `KVDims` (anything with hidden, num_kv_heads, head_dim)."""
     shapes = {c.INPUT_IDS: (1, seq), c.POSITION_IDS: (1, seq), c.ATTENTION_MASK: (1, seq, past + seq),
               c.LOGITS_INDICES: (1, num_logits)}
     if draft:
-        shapes[c.FEATURES] = (1, seq, dims["hidden"])
+        shapes[c.FEATURES] = (1, seq, dims.hidden)
     for p, _ in kv_names:
-        shapes[p] = (past, 1, dims["num_kv_heads"], dims["head_dim"])
+        shapes[p] = (past, 1, dims.num_kv_heads, dims.head_dim)
     return shapes
 
 
@@ -122,7 +148,7 @@ def tree_calls(which: str, tree: TreeConfig, max_length: int, draft_capacity: in
     return calls
 
 
-def check_tree_fits(profiles: NamedBounds, which: str, tree: TreeConfig, max_length: int, dims: dict | None = None,
+def check_tree_fits(profiles: NamedBounds, which: str, tree: TreeConfig, max_length: int, dims: KVDims | None = None,
                     kv_names: Sequence[tuple[str, str]] | None = None, draft_capacity: int | None = None,
                     label: str = "engine") -> None:
     """Raise TreeProfileError (a TreeConfigError) if some forward of a round with `tree`
@@ -141,8 +167,8 @@ def check_tree_fits(profiles: NamedBounds, which: str, tree: TreeConfig, max_len
                 f"every optimization profile.\n{err}") from None
 
 
-def _dims_from_bounds(profiles: NamedBounds) -> dict:
+def _dims_from_bounds(profiles: NamedBounds) -> KVDims:
     b = profiles[0][1]
     kv = next(v for n, v in b.items() if n.startswith("past_key_values."))[0]
     hidden = b[c.FEATURES][0][2] if c.FEATURES in b else 0
-    return {"num_kv_heads": kv[2], "head_dim": kv[3], "hidden": hidden}
+    return KVDims(hidden=hidden, num_kv_heads=kv[2], head_dim=kv[3])

@@ -8,10 +8,10 @@ import threading
 import time
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import HelpFormatter, add_tree_args, tree_from_args
+from eagle_deploy.contract.cli_args import HelpFormatter, add_tree_args, interruptible, tree_from_args
+from eagle_deploy.contract.dtypes import CLI_NAMES as CLI_DTYPES
 
-from .export import ExportOptions
-from .models import ALIASES
+from .models import ALIASES  # no torch: the parser is built without the heavy imports
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,12 +21,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="EAGLE head folder or cached hub id; 'random' for an untrained head; default: the alias's head")
     p.add_argument("--out", type=Path, default=Path("engines"), help="output root; the export goes to OUT/NAME")
     p.add_argument("--name", default=None, help="export folder name (default: the alias or checkpoint name)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="graph precision (fp16/bf16 keep RMSNorm and softmax in fp32)")
+    p.add_argument("--dtype", default="fp32", choices=list(CLI_DTYPES), help="graph precision (fp16/bf16 keep RMSNorm and softmax in fp32)")
     p.add_argument("--quant", default=None, choices=["int4", "int8"], help="quantise the target graph for CPU (lossless w.r.t. the quantised target)")
     p.add_argument("--no-quant-draft", dest="quant_draft", action="store_false",
                    help="with --quant, keep the draft graph fp32 (by default it is quantised the same way: measured 6-30%% faster, same tau)")
     p.add_argument("--backend", default="ort", choices=["ort", "trt"], help="'trt' also builds TensorRT engines (needs a GPU and TensorRT)")
-    p.add_argument("--max-length", type=int, default=None, help="KV capacity in tokens (prompt + output may reach max_length + 1: the last new token needs no KV row) (default: alias value or min(max_position_embeddings, 4096))")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="KV capacity in tokens (prompt + output may reach max_length + 1: the last new token needs no "
+                        "KV row) (default: alias value or min(max_position_embeddings, 4096), capped to the draft "
+                        "head's max_position_embeddings; an explicit value above the head's limit is refused)")
     p.add_argument("--graph-top-k", type=int, default=10, help="top-k computed inside the draft graph (upper bound for --tree-top-k)")
     p.add_argument("--draft-vocab", type=int, default=None, help="default: the alias's measured choice, else 0. Restrict the draft head's LM head to the N most frequent tokens (0 = full vocabulary; verification stays full, so output stays lossless)")
     p.add_argument("--external-data", default="auto", choices=["auto", "always", "never"], help="ONNX external data (auto: above 2 GiB)")
@@ -39,10 +42,11 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+@interruptible("eagle-export")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from .draft_head import HeadCheckpointError
-    from .export import export
+    from .export import ExportOptions, export
     from .models import ModelNotAvailableError
     from .target import UnsupportedModelError
 

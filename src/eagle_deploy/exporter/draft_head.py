@@ -97,7 +97,8 @@ GEOMETRY_KEYS = {"hidden_size": "hidden", "num_attention_heads": "num_heads", "n
 
 def check_head_config(config, path: Path, dims: Dims) -> None:
     """Raise HeadCheckpointError for a head config.json this exporter cannot honour: not a
-    JSON object; geometry that differs from the target's; a non-positive intermediate_size;
+    JSON object; geometry that differs from the target's; a non-positive intermediate_size or
+    max_position_embeddings (the head's position limit, recorded in the manifest);
     an activation other than SiLU (the exported MLP is SwiGLU); non-numeric rope_theta or
     rms_norm_eps."""
     if not isinstance(config, dict):
@@ -105,9 +106,10 @@ def check_head_config(config, path: Path, dims: Dims) -> None:
     for key, attr in GEOMETRY_KEYS.items():
         if key in config and config[key] is not None and config[key] != getattr(dims, attr):
             raise HeadCheckpointError(f"draft head config {path}: {key} = {config[key]!r}, but the target has {getattr(dims, attr)}")
-    inter = config.get("intermediate_size")
-    if inter is not None and (isinstance(inter, bool) or not isinstance(inter, int) or inter < 1):
-        raise HeadCheckpointError(f"draft head config {path}: intermediate_size must be a positive integer, got {inter!r}")
+    for key in ("intermediate_size", "max_position_embeddings"):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise HeadCheckpointError(f"draft head config {path}: {key} must be a positive integer, got {value!r}")
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise HeadCheckpointError(f"draft head config {path}: hidden_act {act!r} is not supported (the head's MLP is SwiGLU: 'silu')")

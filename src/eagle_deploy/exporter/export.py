@@ -6,10 +6,14 @@ from __future__ import annotations
 import platform
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from eagle_deploy.contract.manifest import Manifest
+from eagle_deploy.contract.dtypes import CLI_NAMES as CLI_DTYPES
+from eagle_deploy.contract.dtypes import canonical as canonical_dtype
+from eagle_deploy.contract.errors import first_line
+from eagle_deploy.contract.manifest import Dims, DraftEntry, GraphEntry, Manifest, SourceRecord, Sources
+from eagle_deploy.contract.onnx_io import TOKENIZER_DIR
 from eagle_deploy.contract.tree_config import DEFAULT_TREES, TreeConfig
 
 from .draft_head import HEAD_WEIGHT_FILES, TOKEN_COUNTS_FILE, load_head, random_head
@@ -18,8 +22,6 @@ from .steps import TORCH_DTYPES, DraftOnnxFromHead, TargetOnnxFromHF, TokenizerF
 from .target import UnsupportedModelError, dims_of, supported_families
 
 DRAFT_VOCAB_FILE = "draft_vocab.npy"
-DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
-                 "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 
 @dataclass
@@ -113,9 +115,9 @@ def load_target(checkpoint: Checkpoint):
     try:
         model = AutoModelForCausalLM.from_pretrained(str(checkpoint.hf_dir), dtype=torch.float32, trust_remote_code=False)
     except Exception as err:  # missing, truncated or corrupt weights: one clear message
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UnsupportedModelError(
-            f"cannot load the checkpoint in {checkpoint.hf_dir} ({type(err).__name__}: {first}); expected a complete "
+            f"cannot load the checkpoint in {checkpoint.hf_dir} ({type(err).__name__}: {first_line(err)}); "
+            f"expected a complete "
             f"Hugging Face checkpoint (config.json + weights) of a supported family: {supported_families()}") from None
     return model.eval()
 
@@ -127,86 +129,189 @@ def check_export_name(name: str) -> str:
     return name
 
 
-def export(model: str, draft: str | None, out_root: Path, options: ExportOptions, progress=print) -> Path:
-    """Export `model` (alias, HF folder or .gguf) and its head (`draft`: folder, hub id,
-    "random", or None for the alias default) into `out_root/<name>`; returns that folder.
+@dataclass
+class ExportPlan:
+    """What `export` works from, resolved and checked before anything is written: the specs as
+    given, the checkpoint, the head folder (None: a random head), the output folder, the graph
+    dtype and the default tree."""
 
-    Raises ModelNotAvailableError, UnsupportedModelError, HeadCheckpointError, ValueError,
-    FileExistsError (folder exists and not options.force)."""
-    dtype = DTYPE_ALIASES.get(options.dtype)
+    model: str
+    draft: str | None
+    checkpoint: Checkpoint
+    head_dir: Path | None
+    out: Path
+    dtype: str
+    tree: TreeConfig
+
+
+@dataclass
+class LoadedModels:
+    """The torch models of an export (in the graph dtype) and what was derived from them."""
+
+    hf: object
+    head: object
+    dims: Dims
+    max_length: int
+    vocab_ids: object  # torch int64 ids of a reduced draft vocabulary, or None
+
+
+def check_options(options: ExportOptions) -> tuple[str, TreeConfig]:
+    """(graph dtype, default tree) from `options`, or ValueError / TreeConfigError naming the
+    bad option. Needs no model."""
+    dtype = canonical_dtype(options.dtype)
     if dtype is None:
-        raise ValueError(f"--dtype {options.dtype} is not one of fp32, fp16, bf16")
+        raise ValueError(f"--dtype {options.dtype} is not one of {', '.join(CLI_DTYPES)}")
     tree = (options.tree or DEFAULT_TREES[options.quant]).validate(options.graph_top_k)
     if options.quant and dtype != "float32":
         raise ValueError(f"--quant {options.quant} quantises an fp32 graph; drop --dtype {options.dtype}")
+    return dtype, tree
+
+
+def resolve_inputs(model: str, draft: str | None, out_root: Path, options: ExportOptions, progress=None) -> ExportPlan:
+    """Check the options, resolve the checkpoint and the head, and the output folder (which must
+    not exist unless options.force). Raises ValueError, ModelNotAvailableError,
+    UnsupportedModelError, HeadCheckpointError, FileExistsError."""
+    dtype, tree = check_options(options)
     _say(progress, f"resolving {model}")
     checkpoint = resolve_model(model)
-    draft_spec = None if draft == "random" else (draft or checkpoint.default_draft)
-    head_dir = resolve_draft(draft_spec)
+    head_dir = resolve_draft(None if draft == "random" else (draft or checkpoint.default_draft))
     out = Path(out_root) / check_export_name(checkpoint.name if options.name is None else options.name)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not an export folder; remove it or choose another --name")
     if out.exists() and not options.force:
         raise FileExistsError(f"{out} exists; pass --force to replace it")
+    return ExportPlan(model, draft, checkpoint, head_dir, out, dtype, tree)
+
+
+def check_max_length(requested: int | None, target: Dims, head: Dims) -> int:
+    """The KV capacity to export: `requested` (--max-length or the alias's), else
+    min(target limit, head limit, 4096). ValueError when it is below 2 or above the target's
+    max_position_embeddings, or when an explicit request exceeds the draft head's own (the
+    head was never trained at later positions; a default is capped to it instead)."""
+    if requested is None:
+        return min(target.max_position_embeddings, head.max_position_embeddings, 4096)
+    if not 2 <= requested <= target.max_position_embeddings:
+        raise ValueError(f"--max-length {requested} must be in [2, {target.max_position_embeddings}] "
+                         "(max_position_embeddings)")
+    if requested > head.max_position_embeddings:
+        limit = head.max_position_embeddings
+        raise ValueError(f"--max-length {requested} exceeds the draft head's max_position_embeddings {limit} "
+                         f"(its config.json): use --max-length <= {limit} or a head trained for longer contexts")
+    return requested
+
+
+def load_models(plan: ExportPlan, options: ExportOptions, progress=None) -> LoadedModels:
+    """Load the target and the head, check the sizes that depend on them (max length, draft
+    vocabulary) and cast both to the graph dtype. Writes nothing."""
+    checkpoint, head_dir = plan.checkpoint, plan.head_dir
     _say(progress, f"loading {checkpoint.hf_dir}")
     hf = load_target(checkpoint)
     dims = dims_of(hf.config)
-    max_length = options.max_length or checkpoint.max_length or min(dims.max_position_embeddings, 4096)
-    if not 2 <= max_length <= dims.max_position_embeddings:
-        raise ValueError(f"--max-length {max_length} must be in [2, {dims.max_position_embeddings}] (max_position_embeddings)")
+    requested = options.max_length or checkpoint.max_length
+    if requested is not None:
+        check_max_length(requested, dims, dims)  # the target's range, before the head loads
     head = load_head(head_dir, hf) if head_dir else random_head(hf, seed=options.seed)
+    if not options.max_length and requested is not None:  # an alias default is capped like the computed one
+        requested = min(requested, head.dims.max_position_embeddings)
+    max_length = check_max_length(requested, dims, head.dims)
     draft_vocab = checkpoint.draft_vocab if options.draft_vocab is None else options.draft_vocab
     if draft_vocab and not options.graph_top_k <= draft_vocab <= dims.vocab:
-        raise ValueError(f"--draft-vocab {draft_vocab} must be 0 (full vocabulary) or in [--graph-top-k {options.graph_top_k}, "
-                         f"vocabulary size {dims.vocab}]")
-    vocab_ids = draft_vocab_ids(head_dir, draft_vocab if head_dir else 0, dims.vocab, _eos_ids(checkpoint.hf_dir, hf.config, None))
-    notes = [] if head_dir else ["draft head is RANDOMLY INITIALISED (untrained): expect acceptance near 1 token per round"]
-    if dtype != "float32":
-        hf.to(TORCH_DTYPES[dtype])
-        head.to(TORCH_DTYPES[dtype])
+        raise ValueError(f"--draft-vocab {draft_vocab} must be 0 (full vocabulary) or in "
+                         f"[--graph-top-k {options.graph_top_k}, vocabulary size {dims.vocab}]")
+    eos = _eos_ids(checkpoint.hf_dir, hf.config, None)
+    vocab_ids = draft_vocab_ids(head_dir, draft_vocab if head_dir else 0, dims.vocab, eos)
+    if plan.dtype != "float32":
+        hf.to(TORCH_DTYPES[plan.dtype])
+        head.to(TORCH_DTYPES[plan.dtype])
+    return LoadedModels(hf, head, dims, int(max_length), vocab_ids)
+
+
+def build_graphs(plan: ExportPlan, models: LoadedModels, options: ExportOptions, tmp: Path, progress=None):
+    """target.onnx, draft.onnx (+ the draft vocabulary ids) and tokenizer/ into `tmp`; returns
+    (target GraphEntry, DraftEntry, tokenizer or None)."""
+    _say(progress, f"exporting target graph ({plan.dtype})")
+    target_entry = TargetOnnxFromHF(plan.dtype, options.external_data)(models.hf, tmp)
+    _say(progress, "exporting draft graph")
+    draft_step = DraftOnnxFromHead(plan.dtype, options.graph_top_k, models.vocab_ids, options.external_data)
+    draft_entry = draft_step(models.head, tmp)
+    draft_entry = replace(draft_entry, trained=plan.head_dir is not None)
+    if models.vocab_ids is not None:  # the ids baked into the draft graph, for references and tools
+        import numpy as np
+
+        np.save(tmp / DRAFT_VOCAB_FILE, models.vocab_ids.numpy())
+        draft_entry = replace(draft_entry, draft_vocab_file=DRAFT_VOCAB_FILE)
+    tokenizer = TokenizerFromHF()(plan.checkpoint.hf_dir, tmp)
+    return target_entry, draft_entry, tokenizer
+
+
+def quantise_graphs(target_entry: GraphEntry, draft_entry: DraftEntry, options: ExportOptions, tmp: Path,
+                    progress=None) -> tuple[GraphEntry, DraftEntry, list[str]]:
+    """With options.quant, quantise the target graph (and, with quant_draft, the draft graph)
+    in `tmp`; returns the updated entries and the notes for the manifest."""
+    if not options.quant:
+        return target_entry, draft_entry, []
+    from .quantize import quantize_graph
+
+    _say(progress, f"quantising the target graph ({options.quant})")
+    target_entry = quantize_graph(tmp, target_entry, options.quant, options.external_data)
+    notes = [f"target quantised to {options.quant}: losslessness holds with respect to the quantised target"]
+    if not target_entry.quant_info.batch_invariant:
+        notes.append("the quantised matmuls round activations to int8, so a token's logits depend slightly on the "
+                     "other tokens of its forward: greedy EAGLE output can part from vanilla greedy at near-ties on "
+                     "this engine")
+    if options.quant_draft:  # measured 6-30% faster draft steps with unchanged tau
+        _say(progress, f"quantising the draft graph ({options.quant})")
+        draft_entry = quantize_graph(tmp, draft_entry, options.quant, options.external_data)
+    return target_entry, draft_entry, notes
+
+
+def write_manifest(plan: ExportPlan, models: LoadedModels, target_entry: GraphEntry, draft_entry: DraftEntry,
+                   tokenizer, notes: list[str], tmp: Path, progress=None) -> Manifest:
+    """Hash the sources and graphs, write `tmp/manifest.json` and read it back (the runtime's
+    own validation), so a manifest the runtime would refuse is never published."""
+    _say(progress, "hashing sources and writing manifest")
+    checkpoint, head_dir = plan.checkpoint, plan.head_dir
+    sources = Sources(
+        target=SourceRecord(spec=plan.model, path=str(checkpoint.source), sha256=_hash_weights(checkpoint.source)),
+        draft=SourceRecord(spec=plan.draft or checkpoint.default_draft, path=str(head_dir) if head_dir else None,
+                           sha256={n: sha256_file(head_dir / n) for n in HEAD_WEIGHT_FILES
+                                   if head_dir and (head_dir / n).exists()},
+                           trained=head_dir is not None))
+    if head_dir is None:
+        notes = ["draft head is RANDOMLY INITIALISED (untrained): expect acceptance near 1 token per round", *notes]
+    manifest = Manifest(
+        name=plan.out.name, dims=models.dims, max_length=models.max_length,
+        target=replace(target_entry, sha256=sha256_file(tmp / target_entry.path)),
+        draft=replace(draft_entry, sha256=sha256_file(tmp / draft_entry.path)),
+        tree=plan.tree, eos_token_ids=tuple(_eos_ids(checkpoint.hf_dir, models.hf.config, tokenizer)),
+        tokenizer=TOKENIZER_DIR if tokenizer is not None else None,
+        chat_template=bool(getattr(tokenizer, "chat_template", None)), sources=sources,
+        tools=_tool_versions(), notes=tuple(notes))
+    manifest.save(tmp)
+    Manifest.load(tmp)
+    return manifest
+
+
+def export(model: str, draft: str | None, out_root: Path, options: ExportOptions, progress=print) -> Path:
+    """Export `model` (alias, HF folder or .gguf) and its head (`draft`: folder, hub id,
+    "random", or None for the alias default) into `out_root/<name>`; returns that folder.
+
+    Steps: resolve_inputs (options checked, nothing loaded) -> load_models (sizes checked,
+    nothing written) -> build_graphs -> quantise_graphs -> write_manifest, all in a private
+    temporary folder under `out_root` -> publish_folder (renamed into place). A failure at any
+    step leaves no partial folder.
+
+    Raises ModelNotAvailableError, UnsupportedModelError, HeadCheckpointError, ValueError,
+    FileExistsError (folder exists and not options.force)."""
+    plan = resolve_inputs(model, draft, out_root, options, progress)
+    models = load_models(plan, options, progress)
     Path(out_root).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out_root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{plan.out.name}.partial-", dir=out_root))
     try:
-        _say(progress, f"exporting target graph ({dtype})")
-        target_entry = TargetOnnxFromHF(dtype, options.external_data)(hf, tmp)
-        _say(progress, "exporting draft graph")
-        draft_entry = DraftOnnxFromHead(dtype, options.graph_top_k, vocab_ids, options.external_data)(head, tmp)
-        draft_entry.extra["trained"] = head_dir is not None
-        if vocab_ids is not None:  # the ids baked into the draft graph, for references and tools
-            import numpy as np
-
-            np.save(tmp / DRAFT_VOCAB_FILE, vocab_ids.numpy())
-            draft_entry.extra["draft_vocab_file"] = DRAFT_VOCAB_FILE
-        tokenizer = TokenizerFromHF()(checkpoint.hf_dir, tmp)
-        if options.quant:
-            from .quantize import quantize_graph
-
-            _say(progress, f"quantising the target graph ({options.quant})")
-            quantize_graph(tmp, target_entry, options.quant, options.external_data)
-            notes.append(f"target quantised to {options.quant}: losslessness holds with respect to the quantised target")
-            if not target_entry.extra["quant"]["batch_invariant"]:
-                notes.append("the quantised matmuls round activations to int8, so a token's logits depend slightly on the other tokens "
-                             "of its forward: greedy EAGLE output can part from vanilla greedy at near-ties on this engine")
-            if options.quant_draft:  # measured 6-30% faster draft steps with unchanged tau
-                _say(progress, f"quantising the draft graph ({options.quant})")
-                quantize_graph(tmp, draft_entry, options.quant, options.external_data)
-        _say(progress, "hashing sources and writing manifest")
-        sources = {
-            "target": {"spec": model, "path": str(checkpoint.source), "sha256": _hash_weights(checkpoint.source)},
-            "draft": {"spec": draft or checkpoint.default_draft, "path": str(head_dir) if head_dir else None,
-                      "sha256": {n: sha256_file(head_dir / n) for n in HEAD_WEIGHT_FILES if head_dir and (head_dir / n).exists()},
-                      "trained": head_dir is not None},
-        }
-        manifest = Manifest(
-            name=out.name, dims=dims.to_json(), max_length=int(max_length), target=target_entry, draft=draft_entry,
-            tree=tree.to_json(), eos_token_ids=_eos_ids(checkpoint.hf_dir, hf.config, tokenizer),
-            tokenizer="tokenizer" if tokenizer is not None else None,
-            chat_template=bool(getattr(tokenizer, "chat_template", None)), sources=sources,
-            tools=_tool_versions(), notes=notes)
-        for entry in (target_entry, draft_entry):
-            entry.sha256 = sha256_file(tmp / entry.path)
-        manifest.save(tmp)
-        publish_folder(tmp, out)
+        target_entry, draft_entry, tokenizer = build_graphs(plan, models, options, tmp, progress)
+        target_entry, draft_entry, notes = quantise_graphs(target_entry, draft_entry, options, tmp, progress)
+        write_manifest(plan, models, target_entry, draft_entry, tokenizer, notes, tmp, progress)
+        publish_folder(tmp, plan.out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return plan.out

@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .target import UnsupportedModelError, check_family, supported_families
+from eagle_deploy.contract.errors import first_line
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "data" / "heads"
 
@@ -96,13 +96,15 @@ def _hub_snapshot(repo_id: str, what: str) -> Path:
 def _check_hf_dir(path: Path) -> None:
     from transformers import AutoConfig
 
+    from .target import UnsupportedModelError, check_family, supported_families
+
     if not (path / "config.json").exists():
         raise UnsupportedModelError(f"{path} has no config.json; expected a Hugging Face model folder or a .gguf file")
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except Exception as err:
         raise UnsupportedModelError(
-            f"cannot read {path / 'config.json'} ({err.__class__.__name__}: {str(err).splitlines()[0]}); "
+            f"cannot read {path / 'config.json'} ({err.__class__.__name__}: {first_line(err)}); "
             f"supported families: {supported_families()}"
         ) from None
     check_family(config)
@@ -121,12 +123,14 @@ def convert_gguf(gguf: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .target import UnsupportedModelError, check_family, supported_families
+
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as err:
         raise UnsupportedModelError(
-            f"cannot load GGUF file {gguf} ({err.__class__.__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+            f"cannot load GGUF file {gguf} ({err.__class__.__name__}: {first_line(err)}); "
             f"supported families: {supported_families()}"
         ) from None
     check_family(model.config)
@@ -156,6 +160,8 @@ def publish_folder(tmp: Path, out: Path) -> None:
 
 def resolve_model(spec: str) -> Checkpoint:
     """`--model` value -> Checkpoint. Raises ModelNotAvailableError or UnsupportedModelError."""
+    from .target import UnsupportedModelError  # torch; imported here so that `--help` stays light
+
     alias = ALIASES.get(spec)
     if alias is not None:
         if alias.target.startswith("package:"):

@@ -3,7 +3,7 @@
     nbits_model_from_onnx          fp32 ModelProto -> MatMulNBits (4- or 8-bit, blockwise)
     dynamic_int8_model_from_file   fp32 graph file -> dynamic int8 (MatMulInteger)
     quantize_graph                 export folder + GraphEntry -> that graph quantised in place,
-                                   entry.quant and entry.extra["quant"] filled in
+                                   a copy of the entry with quant and quant_info filled in
 
 Only MatMuls with a constant weight are quantised: every linear layer and the LM head (a
 MatMul on the transposed, constant-folded embedding when embeddings are tied). Attention
@@ -23,12 +23,14 @@ import contextlib
 import logging
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-from eagle_deploy.contract.manifest import GraphEntry
+from eagle_deploy.contract.manifest import GraphEntry, QuantRecord
 
-TWO_GIB = 2 * 1024**3
+from .external_data import use_external_data
+
 QUANT_KINDS = ("int4", "int8")
 MAX_HEAD_DIM = 1024  # exact_matmuls looks only at square constants up to this size
 NBITS_OPTIONS = {"block_size": 32, "accuracy_level": 4, "symmetric": True}
@@ -142,12 +144,12 @@ def batch_invariant(method: str, settings: dict) -> bool:
 
 
 def save_graph_in_place(model, path: Path, external_data: str = "auto") -> None:
-    """Write `model` over `path` through a temporary file (external data `<file>.data` when
-    the weights exceed 2 GiB or `external_data` == "always"), then rename into place."""
+    """Write `model` over `path` through a temporary file (external data `<file>.data` as
+    `external_data.use_external_data` decides), then rename into place."""
     import onnx
 
     path = Path(path)
-    external = external_data == "always" or (external_data == "auto" and weight_bytes(model) > TWO_GIB - (64 << 20))
+    external = use_external_data(external_data, weight_bytes(model), path.name)
     data = path.parent / (path.name + ".data")
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         tmp = Path(scratch) / path.name
@@ -166,7 +168,8 @@ def quantize_graph(folder: Path, entry: GraphEntry, kind: str, external_data: st
 
     options override DEFAULTS[kind]: method "nbits" (MatMulNBits: block_size, accuracy_level,
     symmetric) or, for int8 only, "dynamic" (quantize_dynamic: per_channel, reduce_range).
-    Sets entry.quant and entry.extra["quant"]; the caller recomputes entry.sha256 after. Raises ValueError on an unknown kind or option or a graph
+    Returns a copy of `entry` with quant and quant_info (a QuantRecord) set; the caller
+    recomputes its sha256 after. Raises ValueError on an unknown kind or option or a graph
     already quantised, ImportError without onnxruntime's quantisation dependencies, and
     RuntimeError when the LM head (or any constant-weight MatMul) was left unquantised."""
     import onnx
@@ -200,7 +203,52 @@ def quantize_graph(folder: Path, entry: GraphEntry, kind: str, external_data: st
         raise RuntimeError(f"{entry.path}: {len(left)} weight MatMul(s) were not quantised, e.g. {sorted(left)[:3]}")
     n_quant = len(quantised_nodes(quantised))
     save_graph_in_place(quantised, path, external_data)
-    entry.quant = kind
-    entry.extra["quant"] = {"kind": kind, "method": method, **settings, "tool": "onnxruntime.quantization",
-                            "quantised_matmuls": n_quant, "batch_invariant": batch_invariant(method, settings)}
-    return entry
+    info = QuantRecord(kind=kind, method=method, tool="onnxruntime.quantization", quantised_matmuls=n_quant,
+                       batch_invariant=batch_invariant(method, settings), settings=settings)
+    return replace(entry, quant=kind, quant_info=info)
+
+
+def dequantised_weights(model) -> list[tuple]:
+    """[(node name, W [N, K] float32, step [N, K] float32)] for every MatMulNBits node: the
+    weight exactly as the kernel sees it ((q - zero point) * scale, the node computes A @ W.T)
+    and its quantisation step (|scale| per block). Raises ValueError for other quantised ops
+    (dynamic int8 MatMulInteger), whose weights this does not read back."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    other = sorted({n.op_type for n in quantised_nodes(model)} - {"MatMulNBits"})
+    if other:
+        raise ValueError(f"cannot read back the weights of {', '.join(other)} nodes (only MatMulNBits)")
+    inits = {t.name: t for t in model.graph.initializer}
+    out = []
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+        K, N, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
+        blocks = -(-K // block)
+        packed = numpy_helper.to_array(inits[node.input[1]]).astype(np.int32).reshape(N, blocks, -1)
+        q = np.stack([packed & 0xF, packed >> 4], -1).reshape(N, blocks, block) if bits == 4 else packed
+        scales = numpy_helper.to_array(inits[node.input[2]]).astype(np.float32).reshape(N, blocks)
+        if len(node.input) > 3 and node.input[3]:
+            zp = numpy_helper.to_array(inits[node.input[3]]).astype(np.int32).reshape(N, -1)
+            zp = np.stack([zp & 0xF, zp >> 4], -1).reshape(N, -1)[:, :blocks] if bits == 4 else zp[:, :blocks]
+        else:
+            zp = np.full((N, blocks), 1 << (bits - 1), np.int32)
+        w = ((q - zp[:, :, None]).astype(np.float32) * scales[:, :, None]).reshape(N, -1)[:, :K]
+        out.append((node.name, np.ascontiguousarray(w), np.repeat(np.abs(scales), block, axis=1)[:, :K]))
+    return out
+
+
+def with_fp32_activations(model):
+    """A copy of a MatMulNBits graph with accuracy_level 0 on every such node: the same
+    quantised weights, dequantised and multiplied in fp32 (no int8 rounding of activations)."""
+    import copy
+
+    model = copy.deepcopy(model)
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            for attr in node.attribute:
+                if attr.name == "accuracy_level":
+                    attr.i = 0
+    return model

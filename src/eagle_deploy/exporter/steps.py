@@ -2,7 +2,7 @@
 
     OnnxFromModule      torch module + contract       -> .onnx (+ external data when large)
     TargetOnnxFromHF    transformers model            -> target.onnx   (GraphEntry)
-    DraftOnnxFromHead   EAGLE head (+ target weights) -> draft.onnx    (GraphEntry)
+    DraftOnnxFromHead   EAGLE head (+ target weights) -> draft.onnx    (DraftEntry)
     TokenizerFromHF     transformers folder           -> tokenizer/
 """
 from __future__ import annotations
@@ -15,14 +15,15 @@ from pathlib import Path
 import torch
 
 from eagle_deploy.contract import onnx_io as c
-from eagle_deploy.contract.manifest import GraphEntry
+from eagle_deploy.contract.dtypes import FLOAT_NAMES
+from eagle_deploy.contract.manifest import DraftEntry, GraphEntry
 
 from .draft_head import EagleHead, ExportableDraft
+from .external_data import use_external_data
 from .target import ExportableTarget
 
 OPSET = 17
-TWO_GIB = 2 * 1024**3
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in FLOAT_NAMES}  # export precision -> torch dtype
 
 
 def _dynamic_axes(specs) -> dict[str, dict[int, str]]:
@@ -55,9 +56,7 @@ class OnnxFromModule:
 
         path = Path(path)
         weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        external = self.external_data == "always" or (self.external_data == "auto" and weight_bytes > TWO_GIB - (64 << 20))
-        if self.external_data == "never" and weight_bytes > TWO_GIB - (64 << 20):
-            raise ValueError(f"{path.name}: {weight_bytes / 2**30:.1f} GiB of weights need external data (protobuf limit 2 GiB)")
+        external = use_external_data(self.external_data, weight_bytes, path.name)
         with tempfile.TemporaryDirectory(dir=path.parent) as scratch:  # whatever torch spills stays here
             raw = Path(scratch) / path.name
             with torch.no_grad(), warnings.catch_warnings():
@@ -85,26 +84,27 @@ class TargetOnnxFromHF:
         inputs, outputs = c.target_io(module.dims.num_layers, self.dtype)
         args = trace_inputs(module.dims, TORCH_DTYPES[self.dtype], module.dims.num_layers, hidden_input=False)
         OnnxFromModule(self.external_data)(module, args, inputs, outputs, Path(folder) / c.TARGET_FILE)
-        return GraphEntry(c.TARGET_FILE, self.dtype, [s.to_json() for s in inputs], [s.to_json() for s in outputs])
+        return GraphEntry(c.TARGET_FILE, self.dtype, tuple(inputs), tuple(outputs))
 
 
 @dataclass
 class DraftOnnxFromHead:
-    """EAGLE head bound to its target -> draft.onnx with in-graph top-k; returns its GraphEntry."""
+    """EAGLE head bound to its target -> draft.onnx with in-graph top-k; returns its DraftEntry
+    (trained=True: the caller records a random head)."""
 
     dtype: str = "float32"
     top_k: int = 10
     draft_vocab: torch.Tensor | None = None
     external_data: str = "auto"
 
-    def __call__(self, head: EagleHead, folder: Path) -> GraphEntry:
+    def __call__(self, head: EagleHead, folder: Path) -> DraftEntry:
         module = ExportableDraft(head, self.top_k, self.draft_vocab).eval()
         inputs, outputs = c.draft_io(self.dtype, self.top_k)
         args = trace_inputs(head.dims, TORCH_DTYPES[self.dtype], 1, hidden_input=True)
         OnnxFromModule(self.external_data)(module, args, inputs, outputs, Path(folder) / c.DRAFT_FILE)
-        extra = {"graph_top_k": self.top_k,
-                 "draft_vocab_size": int(len(self.draft_vocab)) if self.draft_vocab is not None else head.dims.vocab}
-        return GraphEntry(c.DRAFT_FILE, self.dtype, [s.to_json() for s in inputs], [s.to_json() for s in outputs], extra=extra)
+        vocab_size = int(len(self.draft_vocab)) if self.draft_vocab is not None else head.dims.vocab
+        return DraftEntry(c.DRAFT_FILE, self.dtype, tuple(inputs), tuple(outputs), graph_top_k=self.top_k,
+                          draft_vocab_size=vocab_size, max_position_embeddings=head.dims.max_position_embeddings)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from eagle_deploy.contract.manifest import Dims
 from eagle_deploy.contract.onnx_io import kv_names
 
 from .layers import STATIC_ROPE_TYPES, Attention, GatedMLP, Rotary, gather_positions, mask_bias, rms_norm
@@ -40,23 +41,6 @@ FAMILIES = {
 
 def supported_families() -> str:
     return ", ".join(FAMILIES)
-
-
-@dataclass(frozen=True)
-class Dims:
-    """Static dimensions of a target model, as recorded in the manifest."""
-
-    num_layers: int
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-
-    def to_json(self) -> dict:
-        return dict(self.__dict__)
 
 
 def check_family(config) -> Family:

@@ -9,7 +9,7 @@ Each graph goes through Polygraphy's loaders, strongly typed on TensorRT 10 and 
     SaveBytes                                            -> <folder>/target.engine, draft.engine
 
 Optimization profiles come from the manifest (`target_profiles`, `draft_profiles`; pure
-Python, no TensorRT needed) and land in `manifest.engines["trt"]` with the engine files, the
+Python, no TensorRT needed) and land in `manifest.engines.trt` (a TrtRecord) with the engine files, the
 TensorRT version and the timing cache (`trt_timing.cache`, beside the engines).
 
 TensorRT checks every profile's min, opt and max shapes against the network's shape
@@ -24,12 +24,15 @@ import argparse
 import contextlib
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from eagle_deploy.contract.manifest import GraphEntry, Manifest
-from eagle_deploy.contract.tree_config import TreeConfig
+from eagle_deploy.contract.errors import import_tensorrt
+from eagle_deploy.contract.manifest import Dims, GraphEntry, Manifest, TrtRecord
+from eagle_deploy.contract.profiles import ProfileSpec  # noqa: F401  (re-exported: profiles live in the contract)
+
+from .external_data import graph_tensors
 
 ENGINE_FILES = {"target": "target.engine", "draft": "draft.engine"}
 TIMING_CACHE_FILE = "trt_timing.cache"
@@ -65,21 +68,6 @@ class TrtBuildOptions:
     graphs: tuple[str, ...] = ("target", "draft")
 
 
-@dataclass(frozen=True)
-class ProfileSpec:
-    """One optimization profile: a name and {input name: (min, opt, max) shapes}."""
-
-    name: str
-    shapes: dict[str, tuple[Shape, Shape, Shape]] = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "shapes": {n: [list(s) for s in mom] for n, mom in self.shapes.items()}}
-
-    @classmethod
-    def from_json(cls, data: dict) -> "ProfileSpec":
-        return cls(data["name"], {n: tuple(tuple(int(d) for d in s) for s in mom) for n, mom in data["shapes"].items()})
-
-
 # ---------------------------------------------------------------------------------------------
 # Profiles (pure Python)
 
@@ -97,23 +85,23 @@ def _dim_range(dim, ranges: dict[str, Range], fixed: dict[str, int]) -> Range:
     raise ValueError(f"input dimension {dim!r} has no profile range")
 
 
-def profile_shapes(graph: GraphEntry, ranges: dict[str, Range], dims: dict) -> dict[str, tuple[Shape, Shape, Shape]]:
+def profile_shapes(graph: GraphEntry, ranges: dict[str, Range], dims: Dims) -> dict[str, tuple[Shape, Shape, Shape]]:
     """{input name: (min, opt, max)} for every input of `graph` from ranges of the symbolic
     dims `seq`, `past_seq`, `num_logits` (`total_seq` derived; batch 1; model dims fixed)."""
     for sym, (lo, opt, hi) in ranges.items():
         if not 0 <= lo <= opt <= hi:
             raise ValueError(f"profile range of {sym} must satisfy 0 <= min <= opt <= max, got {(lo, opt, hi)}")
-    fixed = {"batch": 1, "hidden": dims["hidden"], "kv_heads": dims["num_kv_heads"], "head_dim": dims["head_dim"]}
+    fixed = {"batch": 1, "hidden": dims.hidden, "kv_heads": dims.num_kv_heads, "head_dim": dims.head_dim}
     out = {}
     for spec in graph.inputs:
-        per_dim = [_dim_range(d, ranges, fixed) for d in spec["shape"]]
-        out[spec["name"]] = tuple(tuple(r[i] for r in per_dim) for i in range(3))
+        per_dim = [_dim_range(d, ranges, fixed) for d in spec.shape]
+        out[spec.name] = tuple(tuple(r[i] for r in per_dim) for i in range(3))
     return out
 
 
 def _max_tree(manifest: Manifest, options: TrtBuildOptions) -> tuple[int, int]:
     """(opt, max) verification tokens; raises if the manifest's own tree does not fit."""
-    tree_tokens = TreeConfig.from_json(manifest.tree).total_tokens
+    tree_tokens = manifest.tree.total_tokens
     T = options.max_tree_tokens or max(tree_tokens, DEFAULT_MAX_TREE_TOKENS)
     T = min(T, manifest.max_length - 1)
     if tree_tokens > T:
@@ -149,7 +137,7 @@ def target_profiles(manifest: Manifest, options: TrtBuildOptions | None = None) 
 def draft_capacity(manifest: Manifest, options: TrtBuildOptions | None = None) -> int:
     """KV rows the draft engine supports: max_length + scratch rows for tree expansion."""
     options = options or TrtBuildOptions()
-    need = TreeConfig.from_json(manifest.tree).max_draft_inputs()
+    need = manifest.tree.max_draft_inputs()
     scratch = options.max_draft_scratch or max(need, _max_tree(manifest, options)[1])
     if scratch < need:
         raise ValueError(f"max_draft_scratch {scratch} is below the export tree's {need} draft rows per round")
@@ -164,8 +152,8 @@ def draft_profiles(manifest: Manifest, options: TrtBuildOptions | None = None) -
     L = manifest.max_length
     Lp = _max_prompt(manifest, options)
     _, T = _max_tree(manifest, options)
-    tree = TreeConfig.from_json(manifest.tree)
-    top_k = int(manifest.draft.extra.get("graph_top_k", tree.top_k))
+    tree = manifest.tree
+    top_k = manifest.draft.graph_top_k
     S = max(T, top_k)
     s_opt = min(max(tree.top_k, 1), S)
     C = draft_capacity(manifest, options)
@@ -193,14 +181,14 @@ def check_external_data(onnx_path: Path) -> list[Path]:
     """Return the external data files `onnx_path` needs; raise ExternalDataError naming a
     missing or truncated one (a graph moved without its `.data` file)."""
     import onnx
-    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
     onnx_path = Path(onnx_path).resolve()
     if not onnx_path.is_file():
         raise FileNotFoundError(f"graph {onnx_path} does not exist")
     model = onnx.load(str(onnx_path), load_external_data=False)
     need: dict[str, int] = {}
-    for tensor in _get_all_tensors(model):
+    for tensor in graph_tensors(model):
         if uses_external_data(tensor):
             info = ExternalDataInfo(tensor)
             end = int(info.offset or 0) + int(info.length or 0)
@@ -222,18 +210,9 @@ def check_external_data(onnx_path: Path) -> list[Path]:
 # Build
 
 
-def _import_trt():
-    try:
-        import tensorrt as trt
-    except ImportError as err:  # also OSError-like failures surface as ImportError
-        raise ImportError(f"TensorRT is not installed or cannot load ({err}); on a CUDA host run "
-                          f"`pip install '.[gpu]'` to build TensorRT engines") from None
-    return trt
-
-
 def _polygraphy_loaders() -> SimpleNamespace:
     """The Polygraphy loaders and the TensorRT module (one seam that tests replace)."""
-    trt = _import_trt()
+    trt = import_tensorrt("to build TensorRT engines")
     from polygraphy.backend.common import SaveBytes
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, Profile
 
@@ -281,9 +260,9 @@ def _say(progress, msg: str) -> None:
         progress(msg)
 
 
-def build_engines(export_folder, progress=None, options: TrtBuildOptions | None = None) -> dict:
+def build_engines(export_folder, progress=None, options: TrtBuildOptions | None = None) -> TrtRecord:
     """Build TensorRT engines for the graphs of `export_folder` and record them in its
-    manifest (`engines["trt"]`); returns that record. Works from any working directory
+    manifest (`engines.trt`); returns that record. Works from any working directory
     (all paths are made absolute). Raises ExternalDataError / FileNotFoundError before any
     TensorRT import when a graph or its external data is missing, ImportError without
     TensorRT, ValueError on profile settings the export's tree does not fit, EngineBuildError
@@ -306,13 +285,12 @@ def build_engines(export_folder, progress=None, options: TrtBuildOptions | None 
         build_engine(pg, folder / graph.path, folder / ENGINE_FILES[which], profiles[which], timing_cache, options)
         files[which] = ENGINE_FILES[which]
         _say(progress, f"built {ENGINE_FILES[which]} in {time.perf_counter() - t0:.0f}s")
-    record = {"files": files, "profiles": {w: [p.to_json() for p in ps] for w, ps in profiles.items()},
-              "trt_version": getattr(pg.trt, "__version__", "unknown"), "timing_cache": TIMING_CACHE_FILE,
-              "strongly_typed": True, "max_length": manifest.max_length,
-              "draft_capacity": draft_capacity(manifest, options) if "draft" in graphs else None,
-              "onnx_sha256": {w: g.sha256 for w, g in graphs.items()}, "device": _device_name()}
-    manifest.engines["trt"] = record
-    manifest.save(folder)
+    record = TrtRecord(files=files, profiles={w: tuple(ps) for w, ps in profiles.items()},
+                       trt_version=str(getattr(pg.trt, "__version__", "unknown")), timing_cache=TIMING_CACHE_FILE,
+                       strongly_typed=True, max_length=manifest.max_length,
+                       draft_capacity=draft_capacity(manifest, options) if "draft" in graphs else None,
+                       onnx_sha256={w: g.sha256 for w, g in graphs.items()}, device=_device_name())
+    replace(manifest, engines=replace(manifest.engines, trt=record)).save(folder)
     return record
 
 
@@ -320,7 +298,7 @@ def _check_profiles_fit_tree(manifest: Manifest, profiles: dict[str, list[Profil
     """Self-check: the export's default tree runs on the profiles about to be built."""
     from eagle_deploy.contract.profiles import check_tree_fits, draft_kv_capacity
 
-    tree = TreeConfig.from_json(manifest.tree)
+    tree = manifest.tree
     for which, specs in profiles.items():
         bounds = [(p.name, p.shapes) for p in specs]
         check_tree_fits(bounds, which, tree, manifest.max_length,

@@ -3,23 +3,25 @@ stream as many requests as you like.
 
     rt = EagleRuntime.load("engines/smollm2-135m")
     result = rt.generate("Write a haiku about rain.", max_new_tokens=64)
-    for delta in rt.stream([{"role": "user", "content": "Hi"}], temperature=0.7, seed=1):
+    s = rt.stream([{"role": "user", "content": "Hi"}], temperature=0.7, seed=1)
+    for delta in s:
         print(delta, end="")
+    print(s.result.stats.mean_accept_len)
 """
 from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Generator, Sequence
 
 from eagle_deploy.contract.manifest import Manifest, ManifestError
 
-from .backends import load_backend
-from .decode import Decoder, Stats, TokenStopper
+from .backends import Backend, load_backend
+from .decode import Decoder, RoundObserver, Stats, TokenStopper
 from .drafter import Drafter, EagleDrafter
 from .sampling import SamplingParams, whole_number
-from .text import TextStream
+from .text import TextStream, encode_chat
 from .tree import TreeConfig
 
 Prompt = str | Sequence[dict] | Sequence[int]
@@ -28,12 +30,45 @@ Prompt = str | Sequence[dict] | Sequence[int]
 @dataclass
 class GenerationResult:
     """text (stop string excluded), token_ids (generated only; an EOS id is kept),
-    finish_reason ("stop" | "length"), stats (see decode.Stats.to_json)."""
+    finish_reason ("stop" | "length"), stats (a decode.Stats; `stats.to_json()` for JSON)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str
-    stats: dict = field(default_factory=dict)
+    stats: Stats = field(default_factory=Stats)
+
+
+class Generation:
+    """One streamed request (what `EagleRuntime.stream` returns): an iterator of text deltas;
+    once it is exhausted, `result` is the request's GenerationResult.
+
+        s = rt.stream("Hi")
+        for delta in s:
+            print(delta, end="")
+        s.result.stats.mean_accept_len
+    """
+
+    def __init__(self, deltas: Generator[str, None, GenerationResult]):
+        self._deltas = deltas
+        self._result: GenerationResult | None = None
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._deltas)
+        except StopIteration as done:
+            if self._result is None:
+                self._result = done.value
+            raise
+
+    @property
+    def result(self) -> GenerationResult:
+        """The finished request. Raises RuntimeError while deltas are still to come."""
+        if self._result is None:
+            raise RuntimeError("the stream has not finished: iterate it to the end before reading its result")
+        return self._result
 
 
 class EagleRuntime:
@@ -44,24 +79,34 @@ class EagleRuntime:
     """
 
     def __init__(self, folder: Path, manifest: Manifest, target, draft, tokenizer, tree: TreeConfig,
-                 acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None):
+                 acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None,
+                 round_observers: Sequence[RoundObserver] = ()):
+        """target / draft: Backends (draft None with a custom `drafter`); round_observers: see
+        Decoder. Raises ValueError on a bad acceptance setting."""
         self.folder, self.manifest, self.tokenizer, self.tree = Path(folder), manifest, tokenizer, tree
         if drafter is None and draft is not None:
-            drafter = EagleDrafter(draft, tree, manifest.max_length, manifest.draft.extra["graph_top_k"])
-        self.decoder = Decoder(target, drafter, manifest.max_length, acceptance, threshold)
+            drafter = EagleDrafter(draft, tree, manifest.max_length, manifest.draft.graph_top_k)
+        self.decoder = Decoder(target, drafter, manifest.max_length, acceptance, threshold, round_observers)
         self.eos_ids = list(manifest.eos_token_ids)
         self._requests = 0  # requests started on this instance (see _stream)
 
     @classmethod
     def load(cls, folder, backend: str = "ort", tree: TreeConfig | None = None, threads: int | None = None,
-             acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None) -> "EagleRuntime":
+             acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None,
+             wrap_backend: Callable[[Backend], Backend] | None = None,
+             round_observers: Sequence[RoundObserver] = ()) -> "EagleRuntime":
         """Load `folder` (an eagle-export output). backend: "ort" (CPU), "ort-cuda", "trt".
+        wrap_backend: applied to each loaded backend (target, draft) before use, e.g. a timing
+        wrapper; round_observers: see Decoder.
         Raises ManifestError, TreeConfigError, FileNotFoundError."""
         folder = Path(folder)
         manifest = Manifest.load(folder)
-        tree = (tree or TreeConfig.from_json(manifest.tree)).validate(manifest.draft.extra["graph_top_k"])
-        target = load_backend(backend, folder, manifest, "target", threads, tree=tree)
-        draft = None if drafter is not None else load_backend(backend, folder, manifest, "draft", threads, tree=tree)
+        tree = (tree or manifest.tree).validate(manifest.draft.graph_top_k)
+        wrap = wrap_backend or (lambda b: b)
+        target = wrap(load_backend(backend, folder, manifest, "target", threads, tree=tree))
+        draft = None
+        if drafter is None:
+            draft = wrap(load_backend(backend, folder, manifest, "draft", threads, tree=tree))
         tokenizer = None
         if manifest.tokenizer:
             from transformers import AutoTokenizer
@@ -73,7 +118,7 @@ class EagleRuntime:
                 raise ManifestError(f"cannot load the tokenizer in {tok_dir} ({type(err).__name__}); re-export") from None
             if tokenizer is None:
                 raise ManifestError(f"the tokenizer folder {tok_dir} named by the manifest is missing; re-export")
-        return cls(folder, manifest, target, draft, tokenizer, tree, acceptance, threshold, drafter)
+        return cls(folder, manifest, target, draft, tokenizer, tree, acceptance, threshold, drafter, round_observers)
 
     def set_tree(self, tree: TreeConfig) -> None:
         """Use another draft tree from the next request on (a new drafter over the same draft
@@ -81,8 +126,9 @@ class EagleRuntime:
         drafter = self.decoder.drafter
         if not isinstance(drafter, EagleDrafter):
             raise TypeError("set_tree needs the EAGLE drafter (this runtime uses a custom drafter)")
-        tree = tree.validate(self.manifest.draft.extra["graph_top_k"])
-        self.decoder.drafter = EagleDrafter(drafter.backend, tree, self.manifest.max_length, self.manifest.draft.extra["graph_top_k"])
+        tree = tree.validate(self.manifest.draft.graph_top_k)
+        self.decoder.drafter = EagleDrafter(drafter.backend, tree, self.manifest.max_length,
+                                            self.manifest.draft.graph_top_k)
         self.tree = tree
 
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
@@ -103,7 +149,7 @@ class EagleRuntime:
             return self._chat_ids(prompt)
         if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             prompt = [int(t) for t in prompt]
-            vocab = self.manifest.dims["vocab"]
+            vocab = self.manifest.dims.vocab
             if any(t < 0 or t >= vocab for t in prompt):
                 raise ValueError(f"prompt token ids must be in [0, {vocab})")
             return prompt
@@ -115,22 +161,21 @@ class EagleRuntime:
         return self.tokenizer
 
     def _chat_ids(self, messages) -> list[int]:
-        ids = self._tok().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return encode_chat(self._tok(), messages)
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, stop: Sequence[str] | str = (), mode: str = "eagle",
-               chat: bool | None = None, result: GenerationResult | None = None) -> Iterator[str]:
-        """Yield text deltas as tokens are committed. `result`, if given, is filled in at
-        the end. mode: "eagle" or "vanilla" (same engine, one token per target forward).
-        Raises ValueError on bad settings when called (before any forward), not at the
-        first `next()`."""
+               chat: bool | None = None) -> Generation:
+        """A `Generation`: iterate it for text deltas as tokens are committed; afterwards its
+        `result` is the GenerationResult. mode: "eagle" or "vanilla" (same engine, one token
+        per target forward). Raises ValueError on bad settings when called (before any
+        forward), not at the first `next()`."""
         params, stop = check_request(max_new_tokens, temperature, top_p, top_k, seed, stop, mode)
         ids = self.prompt_ids(prompt, chat)
         if self.tokenizer is None and stop:
             raise ValueError("stop strings need a tokenizer")
         text = TextStream(self.tokenizer, self.eos_ids, stop) if self.tokenizer is not None else None
-        return self._stream(ids, int(max_new_tokens), params, text, mode, result)
+        return Generation(self._stream(ids, int(max_new_tokens), params, text, mode))
 
     def prompt_ids(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """`encode`, then check the prompt leaves room for output. Raises ValueError."""
@@ -139,8 +184,8 @@ class EagleRuntime:
             raise ValueError(f"the prompt has {len(ids)} tokens; this export holds at most {self.manifest.max_length - 1} prompt tokens (max_length {self.manifest.max_length} = KV rows)")
         return ids
 
-    def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, text: TextStream | None, mode: str,
-                result: GenerationResult | None) -> Iterator[str]:
+    def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, text: TextStream | None,
+                mode: str) -> Generator[str, None, GenerationResult]:
         stopper = text or TokenStopper(self.eos_ids)
         stats = Stats()
         tokens: list[int] = []
@@ -161,21 +206,16 @@ class EagleRuntime:
             tail = text.take(final=True)
             if tail:
                 yield tail
-        if result is not None:
-            result.text = text.text if text is not None else ""
-            result.token_ids = tokens
-            result.finish_reason = stats.finish_reason
-            result.stats = {**stats.to_json(), "mode": mode, "acceptance": self.decoder.acceptance,
-                            "lossless": self.decoder.acceptance == "lossless"}
+        return GenerationResult(text.text if text is not None else "", tokens, stats.finish_reason, stats)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop: Sequence[str] | str = (), mode: str = "eagle",
                  chat: bool | None = None) -> GenerationResult:
         """Generate to completion; see `stream` for the arguments."""
-        result = GenerationResult("", [], "length")
-        for _ in self.stream(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, mode, chat, result):
+        request = self.stream(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, mode, chat)
+        for _ in request:
             pass
-        return result
+        return request.result
 
 
 def check_request(max_new_tokens, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import HelpFormatter, add_tree_args, tree_from_args
+from eagle_deploy.contract.cli_args import HelpFormatter, add_tree_args, interruptible, tree_from_args
 
 LOSSY = "NOT LOSSLESS"
 
@@ -36,13 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@interruptible("eagle-run")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from eagle_deploy.contract.manifest import Manifest, ManifestError
 
     from .api import EagleRuntime, check_request
     from .decode import check_acceptance
-    from .tree import TreeConfig, TreeConfigError
+    from .tree import TreeConfigError
 
     try:
         # settings that need no model fail before anything is loaded or run
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
             raise ValueError("the prompt is empty")
         check_acceptance(args.acceptance, args.threshold)
         manifest = Manifest.load(args.engines)
-        tree = tree_from_args(args, TreeConfig.from_json(manifest.tree))
+        tree = tree_from_args(args, manifest.tree)
         rt = EagleRuntime.load(args.engines, backend=args.backend, tree=tree, threads=args.threads,
                                acceptance=args.acceptance, threshold=args.threshold)
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -65,12 +66,13 @@ def main(argv=None) -> int:
         if args.acceptance != "lossless":
             print(f"note: --acceptance {args.acceptance} is {LOSSY}: output does not follow the target distribution", file=sys.stderr)
         result = _run(rt, args, kw, mode)
+        comparison = {}  # --compare-vanilla: vanilla_tokens_per_s, speedup, identical_to_vanilla
         if args.compare_vanilla and not args.vanilla:
             rt.generate(args.prompt, **{**kw, "max_new_tokens": 4}, mode="vanilla")  # warm-up
             vanilla = rt.generate(args.prompt, **kw, mode="vanilla")
-            speed = result.stats["tokens_per_s"] / max(vanilla.stats["tokens_per_s"], 1e-9)
-            result.stats.update(vanilla_tokens_per_s=vanilla.stats["tokens_per_s"], speedup=round(speed, 3),
-                                identical_to_vanilla=vanilla.token_ids == result.token_ids)
+            speed = result.stats.tokens_per_s / max(vanilla.stats.tokens_per_s, 1e-9)
+            comparison = {"vanilla_tokens_per_s": round(vanilla.stats.tokens_per_s, 2), "speedup": round(speed, 3),
+                          "identical_to_vanilla": vanilla.token_ids == result.token_ids}
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
         print("eagle-run: error: " + " ".join(str(err).split()), file=sys.stderr)  # one line, no traceback
         return 2
@@ -79,39 +81,40 @@ def main(argv=None) -> int:
         return 3
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-                          "stats": result.stats, "notes": manifest.notes}))
+                          "stats": {**result.stats.to_json(), **comparison}, "notes": manifest.notes}))
     else:
         if not args.stream:
             print(result.text)
-        print(_summary(result, manifest, args), file=sys.stderr)
+        print(_summary(result, comparison, manifest), file=sys.stderr)
     return 0
 
 
 def _run(rt, args, kw, mode):
-    from .api import GenerationResult
-
     if args.compare_vanilla or not args.stream:
         rt.generate(args.prompt, **{**kw, "max_new_tokens": 4}, mode=mode)  # warm-up: first-call allocations
-    result = GenerationResult("", [], "length")
-    for delta in rt.stream(args.prompt, **kw, mode=mode, result=result):
+    request = rt.stream(args.prompt, **kw, mode=mode)
+    for delta in request:
         if args.stream and not args.json:
             print(delta, end="", flush=True)
     if args.stream and not args.json:
         print()
-    return result
+    return request.result
 
 
-def _summary(result, manifest, args) -> str:
+def _summary(result, comparison: dict, manifest) -> str:
     s = result.stats
-    line = (f"[{s['mode']}] {s['new_tokens']} new tokens, {s['tokens_per_s']:.1f} tokens/s, "
-            f"tau {s['mean_accept_len']:.2f} tokens/forward, {s['target_forwards']} target forwards, "
-            f"TTFT {s['ttft_ms']:.0f} ms, finish: {result.finish_reason}")
-    if not s.get("lossless", True):
+    line = (f"[{s.mode}] {s.new_tokens} new tokens, {s.tokens_per_s:.1f} tokens/s, "
+            f"tau {s.mean_accept_len:.2f} tokens/forward, {s.target_forwards} target forwards, "
+            f"TTFT {s.t_prefill * 1e3:.0f} ms, finish: {result.finish_reason}")
+    if s.limited_by == "capacity":
+        line += (f" (the export's KV capacity, max_length {manifest.max_length}, ran out before --max-new-tokens; "
+                 f"re-export with a larger --max-length for longer outputs)")
+    if not s.lossless:
         line += f" [{LOSSY}: threshold acceptance]"
-    if "speedup" in s:
-        line += (f"\n[vanilla] {s['vanilla_tokens_per_s']:.1f} tokens/s; speed-up {s['speedup']:.2f}x; "
-                 f"identical to vanilla: {s['identical_to_vanilla']}")
-    if not manifest.draft.extra.get("trained", True):
+    if comparison:
+        line += (f"\n[vanilla] {comparison['vanilla_tokens_per_s']:.1f} tokens/s; speed-up {comparison['speedup']:.2f}x; "
+                 f"identical to vanilla: {comparison['identical_to_vanilla']}")
+    if not manifest.draft.trained:
         line += "\nnote: this export uses a RANDOMLY INITIALISED draft head, so acceptance is near 1 token per round"
     return line
 

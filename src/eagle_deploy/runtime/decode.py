@@ -12,11 +12,10 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from eagle_deploy.contract import onnx_io as c
-
+from .acceptance import tau
 from .backends.base import Backend, StepInputs
 from .drafter import Drafter, DraftRequest, causal_mask
-from .sampling import SamplingParams, greedy_token, sample, target_probs
+from .sampling import SamplingParams, finite_number, greedy_token, sample, target_probs
 from .tree import DraftTree
 from .verify import Verification, verify_sampling, verify_threshold
 
@@ -27,13 +26,26 @@ class Stopper(Protocol):
         ...
 
 
+# called as f(tree, logits [n, V] float32, verification) after every verification round
+RoundObserver = Callable[[DraftTree, np.ndarray, Verification], None]
+
+
 @dataclass
 class Stats:
-    """Per-request counters; times in seconds."""
+    """Per-request counters; times in seconds. `to_json()` is the JSON form (eagle-run --json,
+    eagle-bench records); acceptance figures are defined in `acceptance`.
 
+    mode: "eagle" or "vanilla"; acceptance: "lossless" or "threshold" (NOT lossless).
+    """
+
+    mode: str = "eagle"
+    acceptance: str = "lossless"
     prompt_tokens: int = 0
     new_tokens: int = 0
     finish_reason: str | None = None
+    # which limit ended a "length" finish: "max_new_tokens", or "capacity" (the export's KV
+    # capacity, max_length, was full first); None for "stop"
+    limited_by: str | None = None
     rounds: int = 0  # verification forwards (prefill excluded)
     round_tokens: int = 0  # tokens committed by those rounds
     accepted_per_round: list[int] = field(default_factory=list)  # tokens committed per round
@@ -47,16 +59,38 @@ class Stats:
 
     @property
     def mean_accept_len(self) -> float:
-        """tau: tokens committed per verification forward, bonus token included."""
-        return self.round_tokens / self.rounds if self.rounds else 0.0
+        """tau (see `acceptance.tau`): tokens committed per verification forward, bonus token
+        included; 0.0 when no round ran."""
+        return tau(self.accepted_per_round) or 0.0
+
+    @property
+    def target_forwards(self) -> int:
+        """Target forwards: the prefill plus one per round."""
+        return self.rounds + 1
+
+    @property
+    def lossless(self) -> bool:
+        return self.acceptance == "lossless"
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per wall second of the whole request (prefill included)."""
+        return self.new_tokens / max(self.t_total, 1e-9)
+
+    @property
+    def decode_seconds(self) -> float:
+        """Wall seconds after the prefill (the first token is the prefill's)."""
+        return self.t_total - self.t_prefill
 
     def to_json(self) -> dict:
-        decode_time = max(self.t_total - self.t_prefill, 1e-9)
+        """Plain-JSON form: counters, tau ("mean_accept_len"), speeds, times in ms."""
+        decode_time = max(self.decode_seconds, 1e-9)
         return {
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "finish_reason": self.finish_reason,
-            "target_forwards": self.rounds + 1, "draft_forwards": self.draft_forwards,
+            "limited_by": self.limited_by,
+            "target_forwards": self.target_forwards, "draft_forwards": self.draft_forwards,
             "mean_accept_len": round(self.mean_accept_len, 4),
-            "tokens_per_s": round(self.new_tokens / max(self.t_total, 1e-9), 2),
+            "tokens_per_s": round(self.tokens_per_s, 2),
             "decode_tokens_per_s": round(max(self.new_tokens - 1, 0) / decode_time, 2),
             "ttft_ms": round(self.t_prefill * 1e3, 2),
             "time_ms": {"prefill": round(self.t_prefill * 1e3, 2), "draft": round(self.t_draft * 1e3, 2),
@@ -64,6 +98,7 @@ class Stats:
                         "other": round((self.t_total - self.t_prefill - self.t_draft - self.t_verify - self.t_commit) * 1e3, 2),
                         "total": round(self.t_total * 1e3, 2)},
             "accepted_per_round": self.accepted_per_round, "tree_depth_per_round": self.tree_depth_per_round,
+            "mode": self.mode, "acceptance": self.acceptance, "lossless": self.lossless,
         }
 
 
@@ -76,13 +111,14 @@ class _State:
     features: np.ndarray  # [k, H] target features not yet fed to the drafter
     generated: int = 0
     finish_reason: str | None = None
+    limited_by: str | None = None  # with finish_reason "length": "max_new_tokens" | "capacity"
 
 
 def check_acceptance(acceptance: str, threshold: float) -> None:
     """ValueError unless acceptance is "lossless" or "threshold" with threshold in (0, 1]."""
     if acceptance not in ("lossless", "threshold"):
         raise ValueError(f"acceptance must be 'lossless' or 'threshold', got {acceptance!r}")
-    if acceptance == "threshold" and not 0.0 < threshold <= 1.0:
+    if acceptance == "threshold" and not 0.0 < finite_number(threshold, "threshold") <= 1.0:
         raise ValueError(f"threshold must be in (0, 1], got {threshold}")
 
 
@@ -90,22 +126,26 @@ class Decoder:
     """Speculative (or vanilla) decoding over one target graph.
 
     acceptance: "lossless" (default) or "threshold" (NOT lossless; see verify_threshold).
+    round_observers: each called as f(tree, logits [n, V] float32, verification) after every
+    verification round (tuning, analysis); the arrays are the backend's, valid until the next
+    forward. Raises ValueError on a bad acceptance setting.
     """
 
     def __init__(self, target: Backend, drafter: Drafter | None, max_length: int,
-                 acceptance: str = "lossless", threshold: float = 0.0):
+                 acceptance: str = "lossless", threshold: float = 0.0, round_observers: Sequence[RoundObserver] = ()):
         check_acceptance(acceptance, threshold)  # fail at load, not after the first forward
         self.target, self.drafter = target, drafter
         self.max_length = max_length
         self.kv = target.allocate_kv(max_length)
         self.acceptance, self.threshold = acceptance, threshold
-        # called as f(tree, logits [n, V], verification) after every round (tuning, analysis)
-        self.round_observers: list[Callable[[DraftTree, np.ndarray, Verification], None]] = []
+        self.round_observers = tuple(round_observers)
 
     def decode(self, prompt: Sequence[int], max_new_tokens: int, params: SamplingParams,
                stopper: Stopper, vanilla: bool = False, stats: Stats | None = None) -> Iterator[list[int]]:
-        """Yield committed token chunks until a stop, `max_new_tokens`, or KV capacity."""
+        """Yield committed token chunks until a stop, `max_new_tokens`, or KV capacity;
+        `stats` (if given) is filled in as the request runs."""
         stats = stats if stats is not None else Stats()
+        stats.mode, stats.acceptance = ("vanilla" if vanilla else "eagle"), self.acceptance
         rng = params.rng()
         t0 = time.perf_counter()
         state = self.prefill(prompt, params, rng, stats)
@@ -133,8 +173,8 @@ class Decoder:
             stats.tree_depth_per_round.append(int(tree.depths.max()))
             yield chunk
         stats.new_tokens = state.generated
-        stats.finish_reason = state.finish_reason
-        stats.draft_forwards = getattr(drafter, "forwards", 0)
+        stats.finish_reason, stats.limited_by = state.finish_reason, state.limited_by
+        stats.draft_forwards = drafter.forwards if drafter is not None else 0
         stats.t_total = time.perf_counter() - t0
 
     def prefill(self, prompt: Sequence[int], params: SamplingParams, rng, stats: Stats) -> _State:
@@ -146,9 +186,9 @@ class Decoder:
         stats.prompt_tokens = n
         out = self.target.run(StepInputs(np.asarray(prompt, np.int64)[None], np.arange(n)[None],
                                          causal_mask(0, n), np.array([[n - 1]])), self.kv, 0)
-        logits = out[c.LOGITS][0, 0]
+        logits = out.logits[0, 0]
         token = greedy_token(logits) if params.greedy else sample(target_probs(logits, params), rng)
-        return _State(list(prompt) + [token], n, out[c.FEATURES][0].copy())
+        return _State(list(prompt) + [token], n, out.features[0].copy())
 
     def expand_tree(self, state: _State, drafter: Drafter | None, max_new_tokens: int) -> DraftTree:
         root = state.committed[-1]
@@ -156,17 +196,15 @@ class Decoder:
         left = max_new_tokens - state.generated  # a path of depth d commits d + 1 tokens
         if drafter is None or room <= 1 or left <= 1:
             return DraftTree.root_only(root)
-        request = DraftRequest(state.committed, state.features, state.target_len, room, max_depth=left - 1)
+        request = DraftRequest(state.committed, state.features, state.target_len, room, max_depth=min(left, room) - 1)
         return drafter.propose(request)
 
     def verify_forward(self, tree: DraftTree, state: _State) -> tuple[np.ndarray, np.ndarray]:
         """One target forward over the tree; returns (logits [n, V], features [n, H])."""
         n, past = tree.size, state.target_len
-        mask = np.ones((1, n, past + n), dtype=bool)
-        mask[0, :, past:] = tree.tree_mask
-        out = self.target.run(StepInputs(tree.tokens[None], tree.positions(past)[None], mask, np.arange(n)[None]),
-                              self.kv, past)
-        return out[c.LOGITS][0], out[c.FEATURES][0]
+        out = self.target.run(StepInputs(tree.tokens[None], tree.positions(past)[None], tree.attention_mask(past),
+                                         np.arange(n)[None]), self.kv, past)
+        return out.logits[0], out.features[0]
 
     def accept(self, tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng) -> Verification:
         if self.acceptance == "threshold":
@@ -182,7 +220,7 @@ class Decoder:
         state.features = features[kept].copy()
         state.target_len += len(kept)
         if state.finish_reason is None and state.target_len >= self.max_length:
-            state.finish_reason = "length"
+            state.finish_reason, state.limited_by = "length", "capacity"
         return chunk
 
     def commit_tokens(self, state: _State, tokens: Sequence[int], max_new_tokens: int, stopper: Stopper) -> list[int]:
@@ -194,7 +232,7 @@ class Decoder:
             state.generated += 1
             reason = stopper.push(int(token))
             if reason is None and state.generated >= max_new_tokens:
-                reason = "length"
+                reason, state.limited_by = "length", "max_new_tokens"
             if reason is not None:
                 state.finish_reason = reason
                 break

@@ -4,19 +4,18 @@
 position p, token at p+1) that were committed since its last call (the *extension*; these
 rows of its KV are kept), then grows the tree from its own predicted features in scratch
 rows past the committed ones (discarded after the round, since they came from predicted
-rather than target features). `ScriptedDrafter` lets tests dictate trees.
+rather than target features).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
-from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.contract.profiles import draft_kv_capacity
 
-from .backends.base import Backend, StepInputs
+from .backends.base import Backend, DraftOutputs, StepInputs
 from .tree import DraftTree, TreeConfig
 
 
@@ -28,7 +27,8 @@ class DraftRequest:
     features: [k, H] target features at positions root_position - k .. root_position - 1;
       row i pairs with the shifted token committed[-k + i] (token shift, EAGLE §3).
     root_position: the root's position (= rows in the target KV).
-    max_nodes: tree size cap, root included (KV capacity); max_depth: depth cap (tokens left).
+    max_nodes: tree size cap, root included (KV rows left); max_depth: depth cap (tokens left,
+      and rows left: a node at depth d is verified at position root_position + d).
     """
 
     committed: Sequence[int]
@@ -39,11 +39,17 @@ class DraftRequest:
 
 
 class Drafter(Protocol):
+    """Proposes a draft tree each round. `forwards`: draft-graph forwards since the last
+    `reset()` (0 for a drafter without a graph); reported as Stats.draft_forwards."""
+
+    forwards: int
+
     def reset(self) -> None:
-        """Forget the previous request."""
+        """Forget the previous request (and zero `forwards`)."""
         ...
 
     def propose(self, request: DraftRequest) -> DraftTree:
+        """A tree rooted at request.committed[-1] with at most request.max_nodes nodes."""
         ...
 
 
@@ -51,6 +57,19 @@ def causal_mask(past: int, seq: int) -> np.ndarray:
     """[1, seq, past + seq] bool: every past row visible, causal among the new tokens."""
     mask = np.ones((1, seq, past + seq), dtype=bool)
     mask[0, :, past:] = np.tril(np.ones((seq, seq), dtype=bool))
+    return mask
+
+
+def expansion_mask(committed: int, past: int, ancestor_rows: Sequence[Sequence[int]]) -> np.ndarray:
+    """[1, F, past + F] bool for F frontier nodes fed at rows [past, past + F) of the draft KV:
+    node j sees the `committed` rows, the scratch rows of its ancestors (`ancestor_rows[j]`,
+    absolute row indices in [committed, past)) and itself."""
+    F = len(ancestor_rows)
+    mask = np.zeros((1, F, past + F), dtype=bool)
+    mask[0, :, :committed] = True
+    for j, rows in enumerate(ancestor_rows):
+        mask[0, j, list(rows)] = True
+        mask[0, j, past + j] = True
     return mask
 
 
@@ -71,6 +90,14 @@ class _Growth:
             self.depths.append(self.depths[parent] + 1)
             self.rank.append(int(r))
         return new
+
+    def scratch_ancestors(self, node: int, rows: dict[int, int]) -> list[int]:
+        """The draft-KV scratch rows of `node`'s ancestors below the root (`rows`: node -> row)."""
+        out, a = [], self.parents[node]
+        while a > 0:
+            out.append(rows[a])
+            a = self.parents[a]
+        return out
 
     def best(self, nodes: Sequence[int], n: int) -> list[int]:
         """The n best nodes by cumulative score; ties keep creation order."""
@@ -107,7 +134,7 @@ class EagleDrafter:
             kids.setdefault(tuple(path[:-1]), []).append(path[-1])
         return {k: sorted(v) for k, v in kids.items()}
 
-    def _run(self, features, tokens, positions, mask, logits_at) -> dict[str, np.ndarray]:
+    def _run(self, features, tokens, positions, mask, logits_at) -> DraftOutputs:
         past = mask.shape[2] - len(tokens)
         inputs = StepInputs(np.asarray(tokens, np.int64)[None], np.asarray(positions, np.int64)[None], mask,
                             np.asarray(logits_at, np.int64)[None], np.ascontiguousarray(features)[None])
@@ -122,11 +149,13 @@ class EagleDrafter:
         tokens = list(request.committed[-k:])
         out = self._run(request.features, tokens, np.arange(start, start + k), causal_mask(start, k), [k - 1])
         self.length += k
-        root_feature = out[c.NEXT_FEATURES][0, -1].copy()
-        ids, logprobs = out[c.TOPK_IDS][0, 0].copy(), out[c.TOPK_LOGPROBS][0, 0].copy()
+        root_feature = out.next_features[0, -1].copy()
+        ids, logprobs = out.topk_ids[0, 0].copy(), out.topk_logprobs[0, 0].copy()
         growth = _Growth(int(request.committed[-1]))
-        depth = min(self.tree.depth, request.max_depth)
-        budget = min(self.tree.total_tokens, request.max_nodes) - 1
+        budget = min(self.tree.total_tokens, request.max_nodes) - 1  # nodes below the root the target can verify
+        # a tree of `budget` nodes is at most `budget` deep: drafting deeper would spend forwards
+        # on nodes that cannot be verified, at positions past the KV capacity
+        depth = min(self.tree.depth, request.max_depth, budget)
         if budget <= 0 or depth <= 0:
             return growth.subtree([])
         if self.tree.kind == "static":
@@ -138,19 +167,12 @@ class EagleDrafter:
         (next_features [F, H], topk ids [F, K], topk logprobs [F, K])."""
         past = self.length + len(rows)
         F = len(frontier)
-        mask = np.zeros((1, F, past + F), dtype=bool)
-        mask[0, :, : self.length] = True
-        for j, node in enumerate(frontier):
-            a = growth.parents[node]
-            while a > 0:
-                mask[0, j, rows[a]] = True
-                a = growth.parents[a]
-            mask[0, j, past + j] = True
+        mask = expansion_mask(self.length, past, [growth.scratch_ancestors(node, rows) for node in frontier])
         feats_in = np.stack([feats[growth.parents[n]] for n in frontier])
         out = self._run(feats_in, [growth.tokens[n] for n in frontier], np.full(F, root_position + d - 1), mask, np.arange(F))
         for j, node in enumerate(frontier):
             rows[node] = past + j
-        return out[c.NEXT_FEATURES][0].copy(), out[c.TOPK_IDS][0].copy(), out[c.TOPK_LOGPROBS][0].copy()
+        return out.next_features[0].copy(), out.topk_ids[0].copy(), out.topk_logprobs[0].copy()
 
     def _grow_dynamic(self, growth, root_feature, ids, logprobs, root_position, depth, budget) -> DraftTree:
         top_k = self.tree.top_k
@@ -183,22 +205,3 @@ class EagleDrafter:
                     layer.append(child)
         return growth.subtree(range(1, min(len(growth.tokens), budget + 1)))
 
-
-class ScriptedDrafter:
-    """Test hook: `script(committed) -> list of token paths below the root`; earlier paths
-    rank first among siblings. Replaces the head's proposals with any tree."""
-
-    def __init__(self, script: Callable[[Sequence[int]], list[list[int]]]):
-        self.script = script
-        self.forwards = 0
-
-    def reset(self) -> None:
-        pass
-
-    def propose(self, request: DraftRequest) -> DraftTree:
-        paths = [p[: request.max_depth] for p in self.script(list(request.committed)) if p]
-        tree = DraftTree.from_paths(int(request.committed[-1]), [p for p in paths if p])
-        if tree.size > request.max_nodes:
-            keep = np.arange(request.max_nodes)
-            tree = DraftTree(tree.tokens[keep], tree.parents[keep], tree.scores[keep])
-        return tree

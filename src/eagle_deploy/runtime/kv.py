@@ -58,8 +58,3 @@ class KVBuffer:
         src = start + rows
         for a in self.arrays:
             a[start:start + len(rows)] = a[src]  # fancy index makes a temporary copy first
-
-    def poison(self, start: int = 0) -> None:
-        """Fill rows [start, capacity) with NaN (tests: any read past the valid rows shows)."""
-        for a in self.arrays:
-            a[start:] = np.nan

@@ -18,6 +18,14 @@ def _is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def finite_number(value, name: str) -> float:
+    """`value` as a float if it is a real, finite number (True, "0.5", nan and inf are not);
+    else ValueError naming `name`. Range checks come after, so their messages stay true."""
+    if not _is_real(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
 def whole_number(value, name: str, minimum: int) -> int:
     """`value` as an int if it is a whole number >= `minimum` (3 and 3.0 pass; True, 3.5,
     inf and "3" do not); else ValueError naming `name`."""
@@ -37,9 +45,9 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if finite_number(self.temperature, "temperature") < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+        if not (0.0 < finite_number(self.top_p, "top_p") <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         object.__setattr__(self, "top_k", whole_number(self.top_k, "top_k", 0))
         if self.seed is not None:

@@ -10,6 +10,22 @@ from __future__ import annotations
 from typing import Sequence
 
 
+def encode_chat(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Chat messages [{"role", "content"}] -> token ids through the tokenizer's chat template,
+    ending with the generation prompt (the assistant header). Raises what the tokenizer raises
+    (e.g. ValueError when it has no chat template)."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+
+
+def encode_user(tokenizer, text: str, chat: bool = True) -> list[int]:
+    """One user message -> token ids: through the chat template when `chat` and the tokenizer
+    has one (see encode_chat), else plain encoding (special tokens added)."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=True)]
+
+
 class TextStream:
     """Stopper for `Decoder.decode`: push(token) -> "stop" | None; `take()` returns the text
     released since the last call; `text` is the final text (stop string excluded)."""

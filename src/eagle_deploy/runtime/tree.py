@@ -22,6 +22,14 @@ class DraftTree:
     scores  [n] float32: cumulative draft log-probability (root 0); siblings are tried in
             descending score order during verification.
     Derived: depths [n], tree_mask [n, n] bool (row i: i's ancestors and i itself).
+
+    Siblings must carry distinct tokens (ValueError naming the node and token otherwise): a
+    second copy of a token can never be accepted (greedy verification follows the first
+    match; rejection sampling gives the copy zero probability once the first is rejected), so
+    it wastes a verified row, and whatever hangs below it is lost. Duplicates are refused
+    rather than merged because merging renumbers nodes under a drafter that keeps per-node
+    state (the EAGLE drafter's scratch KV rows); `from_paths` merges shared prefixes for
+    drafters that think in token paths.
     """
 
     tokens: np.ndarray
@@ -42,7 +50,12 @@ class DraftTree:
         depths = np.zeros(n, dtype=np.int64)
         mask = np.zeros((n, n), dtype=bool)
         mask[0, 0] = True
+        first = {}  # (parent, token) -> the first node holding that token under that parent
         for i in range(1, n):
+            j = first.setdefault((int(parents[i]), int(tokens[i])), i)
+            if j != i:
+                raise ValueError(f"DraftTree node {i} repeats token {int(tokens[i])} of its sibling node {j} "
+                                 f"(both children of node {int(parents[i])}): siblings must carry distinct tokens")
             depths[i] = depths[parents[i]] + 1
             mask[i] = mask[parents[i]]
             mask[i, i] = True
@@ -76,6 +89,32 @@ class DraftTree:
     def positions(self, root_position: int) -> np.ndarray:
         """Depth-based absolute positions [n] int64."""
         return root_position + self.depths
+
+    def attention_mask(self, past: int) -> np.ndarray:
+        """The verification forward's attention_mask [1, n, past + n] bool: every one of the
+        `past` cached rows visible, then the tree mask among the nodes."""
+        mask = np.ones((1, self.size, past + self.size), dtype=bool)
+        mask[0, :, past:] = self.tree_mask
+        return mask
+
+    def kept(self, keep) -> list[int]:
+        """The root and the nodes of `keep` (indices) whose ancestors are all kept, in index
+        order: the nodes of `subtree(keep)`, by their index in this tree."""
+        wanted = set(int(i) for i in keep)
+        order, taken = [0], {0}
+        for i in range(1, self.size):  # parents come first, so one pass closes over ancestors
+            if i in wanted and int(self.parents[i]) in taken:
+                order.append(i)
+                taken.add(i)
+        return order
+
+    def subtree(self, keep) -> "DraftTree":
+        """The tree cut to `kept(keep)` (root included), as a new DraftTree; node j of it is
+        node kept(keep)[j] of this one, with the same scores (so the same sibling order)."""
+        order = self.kept(keep)
+        where = {old: new for new, old in enumerate(order)}
+        parents = [-1] + [where[int(self.parents[i])] for i in order[1:]]
+        return DraftTree(self.tokens[order], np.array(parents), self.scores[order])
 
     def children(self, node: int) -> np.ndarray:
         """Child node indices of `node`, best draft score first."""

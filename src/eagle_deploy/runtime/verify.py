@@ -43,12 +43,16 @@ def _finish(tree: DraftTree, path: list[int], bonus: int) -> Verification:
     return Verification(path, [int(tree.tokens[i]) for i in path[1:]] + [int(bonus)])
 
 
-def verify_greedy(tree: DraftTree, logits: np.ndarray) -> Verification:
-    """logits [n, V] float32 (row i: target logits after node i) -> the longest path whose
-    tokens equal the target's argmax, plus the argmax after it as the bonus token."""
+def verify_greedy(tree: DraftTree, logits: np.ndarray | None = None, *, argmax: np.ndarray | None = None) -> Verification:
+    """logits [n, V] float32 (row i: target logits after node i), or instead argmax [n] int
+    (the target's greedy token after each node, e.g. recorded earlier) -> the longest path
+    whose tokens equal the target's argmax, plus the argmax after it as the bonus token.
+    Raises ValueError unless exactly one of the two is given."""
+    if (logits is None) == (argmax is None):
+        raise ValueError("verify_greedy takes logits or argmax, not both or neither")
     node, path = 0, [0]
     while True:
-        best = greedy_token(logits[node])
+        best = greedy_token(logits[node]) if argmax is None else int(argmax[node])
         match = next((int(c) for c in tree.children(node) if tree.tokens[c] == best), None)
         if match is None:
             return _finish(tree, path, best)

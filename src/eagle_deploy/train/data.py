@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from eagle_deploy.exporter.target import ExportableTarget
+from eagle_deploy.runtime.text import encode_user
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"  # evaluation sets (in the wheel)
 # Training prompts stay in the repository (data/prompts/), out of the wheel.
@@ -68,11 +69,9 @@ def prompt_set(name: str) -> list[dict]:
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """A user prompt in the model's chat template (plain encoding without one)."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return list(tokenizer.encode(prompt))
+    """A user prompt in the model's chat template (plain encoding without one); see
+    `runtime.text.encode_user`."""
+    return encode_user(tokenizer, prompt)
 
 
 @dataclass

@@ -14,39 +14,30 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-
-def depth_rates(accepted: list[int], depths: list[int], max_depth: int) -> list[float | None]:
-    """accepted: draft tokens accepted per round; depths: the tree's depth per round."""
-    rates = []
-    for d in range(1, max_depth + 1):
-        tried = [a for a, t in zip(accepted, depths) if t >= d and a >= d - 1]
-        rates.append(round(sum(a >= d for a in tried) / len(tried), 4) if tried else None)
-    return rates
+from eagle_deploy.contract.cli_args import interruptible
+from eagle_deploy.runtime.acceptance import pooled_depth_rates, pooled_tau
 
 
 def evaluate(runtime, prompts: list[dict], max_new_tokens: int, progress=None) -> dict:
     """Greedy EAGLE generation over `prompts`; returns per-category and overall tau and
-    per-depth rates, with one record per prompt."""
-    per_cat: dict[str, dict] = defaultdict(lambda: {"tokens": 0, "rounds": 0, "accepted": [], "depths": []})
+    per-depth rates (both pooled over the category's rounds, `runtime.acceptance`), with one
+    record per prompt."""
+    per_cat: dict[str, list] = defaultdict(list)  # category -> Stats of its requests
     records = []
     for p in prompts:
-        r = runtime.generate(p["prompt"], max_new_tokens=max_new_tokens)
-        s = r.stats
-        acc = [n - 1 for n in s["accepted_per_round"]]
+        s = runtime.generate(p["prompt"], max_new_tokens=max_new_tokens).stats
         for key in (p.get("category", "default"), "all"):
-            c = per_cat[key]
-            c["tokens"] += sum(s["accepted_per_round"])
-            c["rounds"] += len(acc)
-            c["accepted"] += acc
-            c["depths"] += s["tree_depth_per_round"]
-        records.append({"id": p.get("id"), "category": p.get("category"), "tau": s["mean_accept_len"],
-                        "new_tokens": s["new_tokens"], "tokens_per_s": s["tokens_per_s"]})
+            per_cat[key].append(s)
+        j = s.to_json()
+        records.append({"id": p.get("id"), "category": p.get("category"), "tau": j["mean_accept_len"],
+                        "new_tokens": s.new_tokens, "tokens_per_s": j["tokens_per_s"]})
         if progress:
             progress(1)
-    max_depth = max([runtime.tree.depth] + [d for c in per_cat.values() for d in c["depths"]])  # None where never reached
-    summary = {k: {"tau": round(c["tokens"] / max(c["rounds"], 1), 3), "rounds": c["rounds"],
-                   "depth_acceptance": depth_rates(c["accepted"], c["depths"], max_depth)}
-               for k, c in sorted(per_cat.items())}
+    # rates up to the deepest tree seen (None at depths no round reached)
+    max_depth = max([runtime.tree.depth] + [d for many in per_cat.values() for s in many for d in s.tree_depth_per_round])
+    summary = {k: {"tau": round(pooled_tau(many) or 0.0, 3), "rounds": sum(s.rounds for s in many),
+                   "depth_acceptance": pooled_depth_rates(many, max_depth)}
+               for k, many in sorted(per_cat.items())}
     return {"summary": summary, "prompts": records}
 
 
@@ -57,13 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", type=Path, required=True, help="export folder")
     p.add_argument("--prompts", nargs="+", default=["humaneval", "chat"], help="humaneval | chat | FILE.jsonl (several allowed, space- or comma-separated)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts of each set (0 = all)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens generated per prompt (default: 128)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="onnxruntime intra-op threads per session (default: onnxruntime's)")
     p.add_argument("--json", type=Path, default=None, help="write the full result here")
     add_tree_args(p, "the export's manifest")
     return p
 
 
+@interruptible("eagle-eval")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from tqdm import tqdm
@@ -71,13 +64,13 @@ def main(argv=None) -> int:
     from eagle_deploy.contract.cli_args import tree_from_args
     from eagle_deploy.contract.manifest import Manifest, ManifestError
     from eagle_deploy.runtime.api import EagleRuntime
-    from eagle_deploy.runtime.tree import TreeConfig, TreeConfigError
+    from eagle_deploy.runtime.tree import TreeConfigError
 
     from .data import prompt_set
 
     try:
         manifest = Manifest.load(args.engines)
-        tree = tree_from_args(args, TreeConfig.from_json(manifest.tree))
+        tree = tree_from_args(args, manifest.tree)
         rt = EagleRuntime.load(args.engines, tree=tree, threads=args.threads)
         names = [n.strip() for arg in args.prompts for n in arg.split(",") if n.strip()]
         sets = {name: prompt_set(name) for name in names}

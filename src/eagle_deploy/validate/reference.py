@@ -17,7 +17,7 @@ class ReferenceError(FileNotFoundError):
 
 def target_source(manifest) -> Path | None:
     """The file or folder the export was made from (a .gguf file, an HF folder), if known."""
-    path = (manifest.sources.get("target") or {}).get("path")
+    path = manifest.sources.target.path
     return Path(path) if path else None
 
 
@@ -26,17 +26,17 @@ def target_checkpoint_dir(manifest) -> Path:
     `exporter.models.convert_gguf` (cached after the first conversion)."""
     from eagle_deploy.exporter.models import convert_gguf, resolve_model
 
-    src = manifest.sources.get("target") or {}
+    src = manifest.sources.target
     path = target_source(manifest)
     if path is not None and path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path)
     if path is not None and path.is_dir():
         return path
-    if src.get("spec"):
+    if src.spec:
         try:
-            return resolve_model(src["spec"]).hf_dir
+            return resolve_model(src.spec).hf_dir
         except Exception as err:  # ModelNotAvailableError, UnsupportedModelError: one message
-            raise ReferenceError(f"the export's target {src.get('path') or src['spec']} is not available: {err}") from None
+            raise ReferenceError(f"the export's target {src.path or src.spec} is not available: {err}") from None
     raise ReferenceError("the manifest names no target checkpoint (sources.target)")
 
 
@@ -54,18 +54,17 @@ def head_dir_of(manifest) -> Path | None:
     for a random head."""
     from eagle_deploy.exporter.models import resolve_draft
 
-    src = manifest.sources.get("draft") or {}
-    trained = manifest.draft.extra.get("trained", src.get("trained", True))
-    if src.get("path") and Path(src["path"]).is_dir():
-        return Path(src["path"])
-    if not trained:
+    src = manifest.sources.draft
+    if src.path and Path(src.path).is_dir():
+        return Path(src.path)
+    if not manifest.draft.trained:
         return None
     try:
-        found = resolve_draft(src.get("spec"))
+        found = resolve_draft(src.spec)
     except Exception as err:
-        raise ReferenceError(f"the export's draft head {src.get('path') or src.get('spec')} is not available: {err}") from None
+        raise ReferenceError(f"the export's draft head {src.path or src.spec} is not available: {err}") from None
     if found is None:
-        raise ReferenceError(f"the export's trained draft head {src.get('path') or src.get('spec')} is not on this machine")
+        raise ReferenceError(f"the export's trained draft head {src.path or src.spec} is not on this machine")
     return found
 
 
@@ -83,7 +82,7 @@ def load_reference_head(manifest, hf):
 def draft_vocab_of(manifest, folder):
     """The reduced draft vocabulary ids baked into the draft graph (None = full vocabulary),
     as eagle-export saved them beside the graph."""
-    name = manifest.draft.extra.get("draft_vocab_file")
+    name = manifest.draft.draft_vocab_file
     if not name:
         return None
     import numpy as np
@@ -97,6 +96,48 @@ def reference_backends(manifest, hf, head, folder):
     from eagle_deploy.exporter.draft_head import ExportableDraft
     from eagle_deploy.validate.torch_backend import TorchBackend
 
-    draft = ExportableDraft(head, int(manifest.draft.extra["graph_top_k"]), draft_vocab_of(manifest, folder))
+    draft = ExportableDraft(head, manifest.draft.graph_top_k, draft_vocab_of(manifest, folder))
     return {"target": TorchBackend.target(hf),
-            "draft": TorchBackend(draft, 1, head.dims.to_json(), name="torch-draft")}
+            "draft": TorchBackend(draft, 1, head.dims, name="torch-draft")}
+
+
+def with_quantised_weights(module, weights, bound: float = 1.01) -> list[str]:
+    """Give the torch reference `module` the weights a quantised graph multiplies with.
+
+    `weights`: exporter.quantize.dequantised_weights(graph), [(node, W [N, K], step [N, K])].
+    Each node's W replaces, in place, the 2-D parameter (not an nn.Embedding's: the graph's
+    embedding Gather stays fp32, also when the LM head is tied to it) that quantises to it,
+    i.e. lies within `bound` quantisation steps of W everywhere (round-to-nearest puts the
+    source weight within half a step, a clamped extreme within one; another weight of the
+    same shape is many steps away). The parameter is replaced, not written into, so a tied
+    embedding keeps its fp32 values. Returns the nodes no parameter matched."""
+    import numpy as np
+    import torch
+
+    slots = {}
+    for mod in module.modules():
+        if isinstance(mod, torch.nn.Embedding):
+            continue
+        for pname, p in mod.named_parameters(recurse=False):
+            if p.dim() == 2:
+                slots.setdefault(tuple(p.shape), []).append((mod, pname))
+
+    def steps_off(mod, pname, w, step, cols=slice(None)):
+        p = getattr(mod, pname).detach().cpu().numpy()
+        return float((np.abs(p[:, cols] - w[:, cols]) / np.maximum(step[:, cols], 1e-30)).max())
+
+    unmatched = []
+    for node, w, step in weights:
+        found = None
+        for mod, pname in slots.get(w.shape, []):
+            # the first columns rule out other weights cheaply; then every element is checked
+            if steps_off(mod, pname, w, step, slice(0, 32)) <= bound and steps_off(mod, pname, w, step) <= bound:
+                found = (mod, pname)
+                break
+        if found is None:
+            unmatched.append(node)
+            continue
+        old = getattr(*found)
+        new = torch.nn.Parameter(torch.from_numpy(w).to(old.device, old.dtype), requires_grad=False)
+        setattr(found[0], found[1], new)
+    return unmatched

@@ -6,14 +6,15 @@ from __future__ import annotations
 import numpy as np
 
 from eagle_deploy.contract import onnx_io as c
-from eagle_deploy.runtime.backends.base import StepInputs
+from eagle_deploy.contract.manifest import Dims
+from eagle_deploy.runtime.backends.base import StepInputs, StepOutputs, outputs_from_named
 from eagle_deploy.runtime.kv import KVBuffer
 
 
 class TorchBackend:
     """Runs an `ExportableTarget` or `ExportableDraft` (fp32, CPU unless moved)."""
 
-    def __init__(self, module, num_layers: int, dims: dict, dtype=np.float32, name: str = "torch"):
+    def __init__(self, module, num_layers: int, dims: Dims, dtype=np.float32, name: str = "torch"):
         import torch
 
         self.torch = torch
@@ -30,16 +31,16 @@ class TorchBackend:
         from eagle_deploy.exporter.target import ExportableTarget
 
         module = ExportableTarget(hf_model)
-        return cls(module, module.dims.num_layers, module.dims.to_json(), name="torch-target")
+        return cls(module, module.dims.num_layers, module.dims, name="torch-target")
 
     @classmethod
     def draft(cls, head, top_k: int = 10) -> "TorchBackend":
         from eagle_deploy.exporter.draft_head import ExportableDraft
 
-        return cls(ExportableDraft(head, top_k), 1, head.dims.to_json(), name="torch-draft")
+        return cls(ExportableDraft(head, top_k), 1, head.dims, name="torch-draft")
 
     def allocate_kv(self, capacity: int) -> KVBuffer:
-        return KVBuffer.allocate(self.kv_names, capacity, 1, self.dims["num_kv_heads"], self.dims["head_dim"], self.dtype)
+        return KVBuffer.allocate(self.kv_names, capacity, 1, self.dims.num_kv_heads, self.dims.head_dim, self.dtype)
 
     def forward(self, feeds: dict[str, np.ndarray], past: list[np.ndarray]) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
         """Stateless forward: contract feeds + past arrays -> (outputs by name, present arrays)."""
@@ -52,11 +53,11 @@ class TorchBackend:
         names = [c.NEXT_FEATURES, c.TOPK_LOGPROBS, c.TOPK_IDS] if self.is_draft else [c.LOGITS, c.FEATURES]
         return dict(zip(names, outs)), outs[len(names):]
 
-    def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> dict[str, np.ndarray]:
+    def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
         S = inputs.input_ids.shape[1]
         kv.check(past, S)
         inputs.check(past)
         results, presents = self.forward(inputs.feeds(), [a[:past] for a in kv.arrays])
         for a, new in zip(kv.arrays, presents):
             a[past:past + S] = new
-        return results
+        return outputs_from_named(results)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import Backend, StepInputs
+from .base import Backend, DraftOutputs, StepInputs, StepOutputs, TargetOutputs
 
 BACKENDS = ("ort", "ort-cuda", "trt")
 
@@ -28,4 +28,4 @@ def load_backend(kind: str, folder: Path, manifest, which: str, threads: int | N
     raise ValueError(f"unknown backend {kind!r}; choose one of {', '.join(BACKENDS)}")
 
 
-__all__ = ["Backend", "StepInputs", "load_backend", "BACKENDS"]
+__all__ = ["Backend", "StepInputs", "StepOutputs", "TargetOutputs", "DraftOutputs", "load_backend", "BACKENDS"]

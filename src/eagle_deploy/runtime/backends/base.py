@@ -2,20 +2,23 @@
 
 A backend runs one forward of a graph that follows `eagle_deploy.contract.onnx_io`: it
 reads the first `past` rows of a `KVBuffer` as the past KV and writes the new rows straight
-into that buffer at row `past`. Implementations: `ort.OrtBackend` (onnxruntime, CPU or CUDA
-execution provider), `trt.TrtBackend` (TensorRT), `torch_ref.TorchBackend` (the PyTorch
-reference, for tests and `eagle-validate`).
+into that buffer at row `past`. Inputs are a `StepInputs`; outputs come back typed
+(`TargetOutputs` / `DraftOutputs`, built from the contract's output names by
+`outputs_from_named`). Implementations: `ort.OrtBackend` (onnxruntime CPU),
+`ort_cuda.OrtCudaBackend` (CUDA execution provider), `trt.TrtBackend` (TensorRT),
+`eagle_deploy.validate.torch_backend.TorchBackend` (the PyTorch reference, for tests and
+`eagle-validate`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..kv import KVBuffer
+from eagle_deploy.contract import onnx_io as c
 
-DTYPES = {"float32": np.float32, "float16": np.float16, "bool": np.bool_, "int64": np.int64, "int32": np.int32}
+from ..kv import KVBuffer
 
 
 @dataclass
@@ -33,8 +36,7 @@ class StepInputs:
     features: np.ndarray | None = None
 
     def feeds(self) -> dict[str, np.ndarray]:
-        from eagle_deploy.contract import onnx_io as c
-
+        """The inputs by contract name (features only when given)."""
         out = {c.INPUT_IDS: self.input_ids, c.POSITION_IDS: self.position_ids,
                c.ATTENTION_MASK: self.attention_mask, c.LOGITS_INDICES: self.logits_indices}
         if self.features is not None:
@@ -52,6 +54,60 @@ class StepInputs:
             raise ValueError(f"logits_indices must be [1, N] with values in [0, {S})")
 
 
+@dataclass(frozen=True)
+class TargetOutputs:
+    """Host outputs of one target-graph forward (batch B = 1, S new tokens, N = logits_indices).
+
+    logits [B, N, V] float32; features [B, S, H] in the graph dtype (float32 on the host for
+    bfloat16 graphs). Arrays may be the backend's reused buffers: copy what must outlive the
+    next call.
+    """
+
+    logits: np.ndarray
+    features: np.ndarray
+
+    NAMES: ClassVar[dict[str, str]] = {"logits": c.LOGITS, "features": c.FEATURES}  # field -> contract output name
+
+    def named(self) -> dict[str, np.ndarray]:
+        """The outputs by contract name."""
+        return {name: getattr(self, field) for field, name in self.NAMES.items()}
+
+
+@dataclass(frozen=True)
+class DraftOutputs:
+    """Host outputs of one draft-graph forward (B = 1, S rows, N = logits_indices, K = graph_top_k).
+
+    next_features [B, S, H] in the graph dtype (float32 on the host for bfloat16 graphs);
+    topk_logprobs [B, N, K] float32, descending; topk_ids [B, N, K] int64. Arrays may be the
+    backend's reused buffers: copy what must outlive the next call.
+    """
+
+    next_features: np.ndarray
+    topk_logprobs: np.ndarray
+    topk_ids: np.ndarray
+
+    NAMES: ClassVar[dict[str, str]] = {"next_features": c.NEXT_FEATURES, "topk_logprobs": c.TOPK_LOGPROBS,
+                                       "topk_ids": c.TOPK_IDS}
+
+    def named(self) -> dict[str, np.ndarray]:
+        """The outputs by contract name."""
+        return {name: getattr(self, field) for field, name in self.NAMES.items()}
+
+
+StepOutputs = TargetOutputs | DraftOutputs
+
+
+def outputs_from_named(named: dict) -> StepOutputs:
+    """Non-KV graph outputs by contract name (`present.*` entries are ignored) -> the typed
+    outputs of that graph: TargetOutputs when `logits` is there, else DraftOutputs. Raises
+    ValueError naming a missing output."""
+    kind = TargetOutputs if c.LOGITS in named else DraftOutputs
+    missing = [name for name in kind.NAMES.values() if name not in named]
+    if missing:
+        raise ValueError(f"graph outputs {sorted(named)} lack {', '.join(missing)} for {kind.__name__}")
+    return kind(**{field: named[name] for field, name in kind.NAMES.items()})
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One graph, ready to run.
@@ -66,10 +122,11 @@ class Backend(Protocol):
         """Allocate this graph's KV buffer once: `capacity` rows per layer and kind."""
         ...
 
-    def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> dict[str, np.ndarray]:
+    def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
         """One forward over `inputs` with KV rows [0, past) as the past; writes the new rows at
-        [past, past + S). Returns the non-KV outputs by contract name as host arrays, valid
-        until the next call. Raises CapacityError if the rows do not fit."""
+        [past, past + S). Returns the non-KV outputs as host arrays (`TargetOutputs` for the
+        target graph, `DraftOutputs` for the draft graph), valid until the next call. Raises
+        CapacityError if the rows do not fit."""
         ...
 
 

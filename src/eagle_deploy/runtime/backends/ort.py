@@ -7,10 +7,13 @@ from pathlib import Path
 import numpy as np
 
 from eagle_deploy.contract import onnx_io as c
-from eagle_deploy.contract.manifest import GraphEntry, ManifestError
+from eagle_deploy.contract.dtypes import numpy_dtype
+from eagle_deploy.contract.errors import first_line
+from eagle_deploy.contract.manifest import Dims, DraftEntry, GraphEntry, ManifestError, check_graph_io
+from eagle_deploy.contract.onnx_io import TensorSpec
 
 from ..kv import KVBuffer
-from .base import DTYPES, StepInputs, resolve_shape
+from .base import StepInputs, StepOutputs, outputs_from_named, resolve_shape
 
 
 def open_session(path: Path, options, providers):
@@ -21,8 +24,31 @@ def open_session(path: Path, options, providers):
     try:
         return ort.InferenceSession(str(path), options, providers=providers)
     except Exception as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ManifestError(f"onnxruntime cannot load {path} ({first}); the export folder is damaged: re-export it") from None
+        raise ManifestError(f"onnxruntime cannot load {path} ({first_line(err)}); the export folder is damaged: "
+                            f"re-export it") from None
+
+
+# onnxruntime type strings -> contract dtype names
+ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
+             "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8", "tensor(uint8)": "uint8",
+             "tensor(bool)": "bool"}
+
+
+def session_io(session) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) an onnxruntime session reports, as contract TensorSpecs (unknown
+    dimensions as "?")."""
+    def spec(arg) -> TensorSpec:
+        shape = tuple("?" if d is None else d for d in arg.shape)
+        return TensorSpec(arg.name, ORT_TYPES.get(arg.type, arg.type), shape)
+    return [spec(a) for a in session.get_inputs()], [spec(a) for a in session.get_outputs()]
+
+
+def check_session(session, folder: Path, graph: GraphEntry, dims: Dims) -> None:
+    """ManifestError (one line, naming the manifest field) unless the manifest's entry for this
+    graph declares exactly the inputs/outputs the opened session has (names in order, dtypes,
+    ranks, fixed sizes against `dims`)."""
+    which = "draft" if isinstance(graph, DraftEntry) else "target"
+    check_graph_io(graph, which, *session_io(session), dims=dims, source=str(Path(folder) / c.MANIFEST_FILE))
 
 
 def session_options(threads: int | None = None, spinning: bool = False):
@@ -47,12 +73,13 @@ def session_options(threads: int | None = None, spinning: bool = False):
 class OrtBackend:
     """One exported graph in an onnxruntime session (CPUExecutionProvider by default)."""
 
-    def __init__(self, folder: Path, graph: GraphEntry, dims: dict, threads: int | None = None,
+    def __init__(self, folder: Path, graph: GraphEntry, dims: Dims, threads: int | None = None,
                  spinning: bool | None = None, providers: list[str] | None = None):
         """spinning: intra-op threads spin between ops; None = on for the target graph (the
-        one with logits), off for the draft (see session_options)."""
+        one with logits), off for the draft (see session_options). Raises ManifestError when
+        the graph's inputs/outputs are not the ones `graph` declares (check_session)."""
         if spinning is None:
-            spinning = any(o["name"] == c.LOGITS for o in graph.outputs)
+            spinning = any(o.name == c.LOGITS for o in graph.outputs)
 
         self.graph = graph
         self.dims = dims
@@ -60,18 +87,16 @@ class OrtBackend:
         if not path.exists():
             raise FileNotFoundError(f"graph {path} is missing from the export folder")
         self.session = open_session(path, session_options(threads, spinning), providers or ["CPUExecutionProvider"])
+        check_session(self.session, folder, graph, dims)
         self.name = "ort-" + self.session.get_providers()[0].replace("ExecutionProvider", "").lower()
-        self.kv_names = [(p, q) for p, q in c.kv_names(self._num_kv_layers())]
-        self.kv_dtype = DTYPES[graph.dtype]
-        self._outputs = [o for o in graph.outputs if not o["name"].startswith("present.")]
+        self.kv_names = [(p, q) for p, q in c.kv_names(graph.num_kv_layers())]
+        self.kv_dtype = numpy_dtype(graph.dtype)
+        self._outputs = [o for o in graph.outputs if not o.name.startswith("present.")]
         self._out_buffers: dict[str, np.ndarray] = {}
         self._binding = self.session.io_binding()
 
-    def _num_kv_layers(self) -> int:
-        return sum(1 for i in self.graph.inputs if i["name"].startswith("past_key_values.")) // 2
-
     def allocate_kv(self, capacity: int) -> KVBuffer:
-        return KVBuffer.allocate(self.kv_names, capacity, 1, self.dims["num_kv_heads"], self.dims["head_dim"], self.kv_dtype)
+        return KVBuffer.allocate(self.kv_names, capacity, 1, self.dims.num_kv_heads, self.dims.head_dim, self.kv_dtype)
 
     def _out_buffer(self, name: str, dtype, shape: tuple[int, ...]) -> np.ndarray:
         """A reused output array at least `shape` large (grown, never shrunk)."""
@@ -82,7 +107,7 @@ class OrtBackend:
             self._out_buffers[name] = buf
         return buf[:need].reshape(shape)
 
-    def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> dict[str, np.ndarray]:
+    def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
         S, N = inputs.input_ids.shape[1], inputs.logits_indices.shape[1]
         kv.check(past, S)
         inputs.check(past)
@@ -92,16 +117,16 @@ class OrtBackend:
         feeds = {name: np.ascontiguousarray(arr) for name, arr in inputs.feeds().items()}  # alive until run
         for name, arr in feeds.items():
             b.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-        shape_past = (past, 1, self.dims["num_kv_heads"], self.dims["head_dim"])
+        shape_past = (past, 1, self.dims.num_kv_heads, self.dims.head_dim)
         shape_new = (S,) + shape_past[1:]
         for (past_name, present_name), arr in zip(self.kv_names, kv.arrays):
             b.bind_input(past_name, "cpu", 0, self.kv_dtype, shape_past, arr.ctypes.data)
             b.bind_output(present_name, "cpu", 0, self.kv_dtype, shape_new, arr[past:].ctypes.data)
-        sizes = {"batch": 1, "seq": S, "num_logits": N, "vocab": self.dims["vocab"], "hidden": self.dims["hidden"]}
+        sizes = {"batch": 1, "seq": S, "num_logits": N, "vocab": self.dims.vocab, "hidden": self.dims.hidden}
         results = {}
         for spec in self._outputs:
-            out = self._out_buffer(spec["name"], DTYPES[spec["dtype"]], resolve_shape(spec["shape"], sizes))
-            b.bind_output(spec["name"], "cpu", 0, out.dtype, out.shape, out.ctypes.data)
-            results[spec["name"]] = out
+            out = self._out_buffer(spec.name, numpy_dtype(spec.dtype), resolve_shape(spec.shape, sizes))
+            b.bind_output(spec.name, "cpu", 0, out.dtype, out.shape, out.ctypes.data)
+            results[spec.name] = out
         self.session.run_with_iobinding(b)
-        return results
+        return outputs_from_named(results)

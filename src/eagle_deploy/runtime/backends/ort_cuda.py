@@ -15,23 +15,22 @@ from pathlib import Path
 
 import numpy as np
 
+from eagle_deploy.contract import dtypes
 from eagle_deploy.contract import onnx_io as c
-from eagle_deploy.contract.manifest import GraphEntry
+from eagle_deploy.contract.manifest import Dims, GraphEntry
 
 from ..kv import KVBuffer
-from .base import StepInputs, resolve_shape
-
-# contract dtype name -> numpy dtype of the host side (numpy has no bfloat16: float32 on host)
-HOST_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.float32, "int64": np.int64,
-               "int32": np.int32, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
+from .base import StepInputs, StepOutputs, outputs_from_named, resolve_shape
 
 
 def torch_dtype(name: str):
-    """contract dtype name -> torch dtype."""
+    """contract dtype name (one of `contract.dtypes.NAMES`, which torch spells alike) -> torch
+    dtype. Raises ValueError for any other name."""
     import torch
 
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64,
-            "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}[name]
+    if name not in dtypes.NAMES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(dtypes.NAMES)}")
+    return getattr(torch, name)
 
 
 def coerce_host_array(name: str, arr, want) -> np.ndarray:
@@ -120,12 +119,12 @@ class OrtCudaBackend:
     """One exported graph in an onnxruntime session on the CUDA execution provider (or, with
     device="cpu", on the CPU provider over torch CPU tensors), IO-bound to torch buffers."""
 
-    def __init__(self, folder: Path, graph: GraphEntry, dims: dict, device: str = "cuda", device_id: int = 0,
+    def __init__(self, folder: Path, graph: GraphEntry, dims: Dims, device: str = "cuda", device_id: int = 0,
                  threads: int | None = None):
         import onnxruntime as ort
         import torch
 
-        from .ort import open_session, session_options
+        from .ort import check_session, open_session, session_options
 
         self.torch, self.graph, self.dims = torch, graph, dims
         self.device = torch.device(device if device == "cpu" else f"cuda:{device_id}")
@@ -142,11 +141,11 @@ class OrtCudaBackend:
         if self.device.type == "cuda" and active != "CUDAExecutionProvider":
             raise RuntimeError(f"onnxruntime has no CUDA execution provider here (active: {active}; available: "
                                f"{ort.get_available_providers()}); install onnxruntime-gpu in place of onnxruntime")
+        check_session(self.session, folder, graph, dims)
         self.name = "ort-cuda" if self.device.type == "cuda" else "ort-torch-cpu"
-        n_layers = sum(1 for i in graph.inputs if i["name"].startswith("past_key_values.")) // 2
-        self.kv_names = c.kv_names(n_layers)
-        self._in_dtypes = {s["name"]: s["dtype"] for s in graph.inputs}
-        self._outputs = [o for o in graph.outputs if not o["name"].startswith("present.")]
+        self.kv_names = c.kv_names(graph.num_kv_layers())
+        self._in_dtypes = {s.name: s.dtype for s in graph.inputs}
+        self._outputs = [o for o in graph.outputs if not o.name.startswith("present.")]
         self._buffers = DeviceBuffers(self.device)
         self._binding = self.session.io_binding()
         self._bind_device = "cuda" if self.device.type == "cuda" else "cpu"
@@ -156,41 +155,41 @@ class OrtCudaBackend:
             from onnx import TensorProto
 
             return TensorProto.BFLOAT16
-        return HOST_DTYPES[dtype]
+        return dtypes.host_dtype(dtype)
 
     def allocate_kv(self, capacity: int) -> KVBuffer:
         dtype = torch_dtype(self._in_dtypes[self.kv_names[0][0]])
-        shape = (capacity, 1, self.dims["num_kv_heads"], self.dims["head_dim"])
+        shape = (capacity, 1, self.dims.num_kv_heads, self.dims.head_dim)
         return KVBuffer(self.kv_names, [self.torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.kv_names])
 
     def _bind_in(self, name: str, t, shape) -> None:
         self._binding.bind_input(name, self._bind_device, self.device_id, self._element_type(self._in_dtypes[name]),
                                  tuple(shape), t.data_ptr())
 
-    def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> dict[str, np.ndarray]:
+    def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
         S, N = inputs.input_ids.shape[1], inputs.logits_indices.shape[1]
         inputs.check(past)
         kv.check(past, S)
-        kvh, hd = self.dims["num_kv_heads"], self.dims["head_dim"]
+        kvh, hd = self.dims.num_kv_heads, self.dims.head_dim
         check_device_kv(kv, self.device, {p: torch_dtype(self._in_dtypes[p]) for p, _ in self.kv_names}, (1, kvh, hd))
         b = self._binding
         b.clear_binding_inputs()
         b.clear_binding_outputs()
         for name, arr in inputs.feeds().items():
             dtype = self._in_dtypes[name]
-            host = coerce_host_array(name, arr, HOST_DTYPES[dtype])
+            host = coerce_host_array(name, arr, dtypes.host_dtype(dtype))
             self._bind_in(name, self._buffers.upload(name, host, torch_dtype(dtype)), host.shape)
         for (past_name, present_name), t in zip(self.kv_names, kv.arrays):
             self._bind_in(past_name, t, (past, 1, kvh, hd))
             b.bind_output(present_name, self._bind_device, self.device_id, self._element_type(self._in_dtypes[past_name]),
                           (S, 1, kvh, hd), t[past].data_ptr())  # new rows land at row `past`
-        sizes = {"batch": 1, "seq": S, "num_logits": N, "vocab": self.dims["vocab"], "hidden": self.dims["hidden"]}
+        sizes = {"batch": 1, "seq": S, "num_logits": N, "vocab": self.dims.vocab, "hidden": self.dims.hidden}
         outs = {}
         for spec in self._outputs:
-            dev = self._buffers.view(spec["name"], resolve_shape(spec["shape"], sizes), torch_dtype(spec["dtype"]))
-            b.bind_output(spec["name"], self._bind_device, self.device_id, self._element_type(spec["dtype"]),
+            dev = self._buffers.view(spec.name, resolve_shape(spec.shape, sizes), torch_dtype(spec.dtype))
+            b.bind_output(spec.name, self._bind_device, self.device_id, self._element_type(spec.dtype),
                           tuple(dev.shape), dev.data_ptr())
-            outs[spec["name"]] = dev
+            outs[spec.name] = dev
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)  # staging copies and KV compaction are on torch's stream
         self.session.run_with_iobinding(b)
@@ -198,4 +197,4 @@ class OrtCudaBackend:
         results = {name: self._buffers.download(name, dev) for name, dev in outs.items()}
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
-        return results
+        return outputs_from_named(results)

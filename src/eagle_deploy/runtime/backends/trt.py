@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
-
+from eagle_deploy.contract import dtypes
 from eagle_deploy.contract import onnx_io as c
-from eagle_deploy.contract.manifest import GraphEntry
+from eagle_deploy.contract.errors import import_tensorrt
+from eagle_deploy.contract.manifest import Dims, GraphEntry
 from eagle_deploy.contract.profiles import (  # noqa: F401  (re-exported for callers of the backend)
     Bounds,
     NamedBounds,
@@ -48,34 +48,26 @@ from eagle_deploy.contract.profiles import (  # noqa: F401  (re-exported for cal
 from eagle_deploy.contract.tree_config import TreeConfig
 
 from ..kv import KVBuffer
-from .base import StepInputs
-from .ort_cuda import HOST_DTYPES, DeviceBuffers, check_device_kv, coerce_host_array, torch_dtype
+from .base import StepInputs, StepOutputs, outputs_from_named
+from .ort_cuda import DeviceBuffers, check_device_kv, coerce_host_array, torch_dtype
 
-# TensorRT DataType member name -> contract dtype name
 # IExecutionContext::setTensorAddress: "The pointer must have at least 256-byte alignment"
 # (NvInferRuntime.h, TensorRT 10 and 11).
 ADDRESS_ALIGNMENT = 256
 
-TRT_DTYPE_NAMES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32",
-                   "INT8": "int8", "UINT8": "uint8", "BOOL": "bool"}
+# contract dtype name (every one of contract.dtypes.NAMES) -> TensorRT DataType member name
+TRT_MEMBERS = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BF16", "int64": "INT64", "int32": "INT32",
+               "int8": "INT8", "uint8": "UINT8", "bool": "BOOL"}
+assert set(TRT_MEMBERS) == set(dtypes.NAMES), "TRT_MEMBERS must name every contract dtype"
 
 
 def engine_dtype_names(trt) -> dict:
     """{trt.DataType member: contract dtype name} for the members this TensorRT has."""
-    return {getattr(trt.DataType, k): v for k, v in TRT_DTYPE_NAMES.items() if hasattr(trt.DataType, k)}
+    return {getattr(trt.DataType, m): name for name, m in TRT_MEMBERS.items() if hasattr(trt.DataType, m)}
 
 
 # ---------------------------------------------------------------------------------------------
 # Backend
-
-
-def _import_trt():
-    try:
-        import tensorrt as trt
-    except ImportError as err:
-        raise ImportError(f"TensorRT is not installed or cannot load ({err}); on a CUDA host run "
-                          f"`pip install '.[gpu]'`") from None
-    return trt
 
 
 @dataclass(frozen=True)
@@ -89,21 +81,21 @@ class TrtBackend:
     """One TensorRT engine (target or draft graph). Build with `from_manifest`; the
     constructor takes an already deserialized engine (tests pass a stand-in)."""
 
-    def __init__(self, engine, graph: GraphEntry, dims: dict, *, label: str = "engine",
+    def __init__(self, engine, graph: GraphEntry, dims: Dims, *, label: str = "engine",
                  profile_names: Sequence[str] | None = None, tree: TreeConfig | None = None,
                  max_length: int | None = None, device: str = "cuda", trt_module=None, keepalive=(),
                  align: int = ADDRESS_ALIGNMENT):
         import torch
 
-        self.torch, self.trt = torch, trt_module or _import_trt()
+        self.torch, self.trt = torch, trt_module or import_tensorrt()
         self.engine, self.graph, self.dims, self.label = engine, graph, dims, label
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("the TensorRT backend needs a CUDA GPU (torch.cuda.is_available() is False)")
         self._keepalive = keepalive
         self.name = "trt"
-        self.is_draft = any(s["name"] == c.FEATURES for s in graph.inputs)
-        self.kv_names = c.kv_names(sum(1 for s in graph.inputs if s["name"].startswith("past_key_values.")) // 2)
+        self.is_draft = any(s.name == c.FEATURES for s in graph.inputs)
+        self.kv_names = c.kv_names(graph.num_kv_layers())
         self.io = self._read_io()
         self._check_contract()
         names = list(profile_names or [])
@@ -111,7 +103,7 @@ class TrtBackend:
             (names[p] if p < len(names) else f"profile{p}", self._profile_bounds(p))
             for p in range(engine.num_optimization_profiles)]
         self._order = profile_order(self.profiles)
-        self._outputs = [s for s in graph.outputs if not s["name"].startswith("present.")]
+        self._outputs = [s for s in graph.outputs if not s.name.startswith("present.")]
         self._contexts: dict[int, object] = {}
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._buffers = DeviceBuffers(self.device)
@@ -124,19 +116,19 @@ class TrtBackend:
     @classmethod
     def from_manifest(cls, folder: Path, manifest, which: str, tree: TreeConfig | None = None,
                       device: str = "cuda") -> "TrtBackend":
-        """Open `<folder>/<which>.engine` as recorded in `manifest.engines["trt"]`."""
+        """Open `<folder>/<which>.engine` as recorded in `manifest.engines.trt`."""
         import torch
 
         folder = Path(folder).resolve()
-        record = (manifest.engines or {}).get("trt")
-        if not record or which not in record.get("files", {}):
+        record = manifest.engines.trt
+        if record is None or which not in record.files:
             raise FileNotFoundError(f"{folder} has no TensorRT {which} engine; export with --backend trt or run "
                                     f"python -m eagle_deploy.exporter.trt_build {folder}")
-        path = folder / record["files"][which]
+        path = folder / record.files[which]
         if not path.is_file():
             raise FileNotFoundError(f"TensorRT engine {path} is missing (listed in the manifest); rebuild it")
-        trt = _import_trt()
-        built, here = record.get("trt_version"), getattr(trt, "__version__", None)
+        trt = import_tensorrt()
+        built, here = record.trt_version, getattr(trt, "__version__", None)
         if built and here and built != here:
             raise RuntimeError(f"{path.name} was built with TensorRT {built} but TensorRT {here} is installed; "
                                f"engines are not portable across versions: rebuild with "
@@ -150,11 +142,11 @@ class TrtBackend:
         runtime = trt.Runtime(logger)
         engine = runtime.deserialize_cuda_engine(path.read_bytes())
         if engine is None:
-            raise RuntimeError(f"TensorRT could not deserialize {path} (built on {record.get('device')} with "
+            raise RuntimeError(f"TensorRT could not deserialize {path} (built on {record.device} with "
                                f"TensorRT {built}); rebuild it on this machine")
-        names = [p["name"] for p in record.get("profiles", {}).get(which, [])]
+        names = [p.name for p in record.profiles.get(which, ())]
         return cls(engine, getattr(manifest, which), manifest.dims, label=f"{which} engine {path.name}",
-                   profile_names=names, tree=tree or TreeConfig.from_json(manifest.tree),
+                   profile_names=names, tree=tree or manifest.tree,
                    max_length=manifest.max_length, device=device, trt_module=trt, keepalive=(runtime, logger))
 
     # -- engine introspection ----------------------------------------------------------------
@@ -173,9 +165,9 @@ class TrtBackend:
     def _check_contract(self) -> None:
         """Every contract tensor exists with the right direction; KV dtypes match the graph."""
         for spec, is_input in [(s, True) for s in self.graph.inputs] + [(s, False) for s in self.graph.outputs]:
-            b = self.io.get(spec["name"])
+            b = self.io.get(spec.name)
             if b is None or b.is_input != is_input:
-                raise RuntimeError(f"{self.label} has no {'input' if is_input else 'output'} {spec['name']!r} "
+                raise RuntimeError(f"{self.label} has no {'input' if is_input else 'output'} {spec.name!r} "
                                    f"(engine tensors: {sorted(self.io)}); rebuild it from this export")
         for p, q in self.kv_names:
             if self.io[p].dtype != self.io[q].dtype:
@@ -199,7 +191,7 @@ class TrtBackend:
         if capacity - 1 > most:
             raise ProfileShapeError(f"{self.label}: a KV buffer of {capacity} rows needs past up to {capacity - 1}, "
                                     f"but the engine's profiles accept past <= {most}; rebuild the engines")
-        shape = (capacity, 1, self.dims["num_kv_heads"], self.dims["head_dim"])
+        shape = (capacity, 1, self.dims.num_kv_heads, self.dims.head_dim)
         return KVBuffer(self.kv_names, [self.torch.zeros(shape, dtype=self._torch_dtype(p), device=self.device)
                                         for p, _ in self.kv_names])
 
@@ -235,11 +227,11 @@ class TrtBackend:
         if not ctx.set_tensor_address(name, int(ptr)):
             raise RuntimeError(f"{self.label}: TensorRT rejected the address of {name!r}")
 
-    def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> dict[str, np.ndarray]:
+    def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
         S = inputs.input_ids.shape[1]
         inputs.check(past)
         feeds = inputs.feeds()
-        kvh, hd = self.dims["num_kv_heads"], self.dims["head_dim"]
+        kvh, hd = self.dims.num_kv_heads, self.dims.head_dim
         shapes = {name: tuple(arr.shape) for name, arr in feeds.items()}
         shapes.update({p: (past, 1, kvh, hd) for p, _ in self.kv_names})
         p = select_profile(shapes, self.profiles, self._order, self.label)  # T2: before any enqueue
@@ -247,7 +239,8 @@ class TrtBackend:
         check_device_kv(kv, self.device, {n: self._torch_dtype(n) for n, _ in self.kv_names}, (1, kvh, hd))
         if self.device.type == "cuda" and any(t.data_ptr() % self.align for t in kv.arrays):
             raise TypeError(f"{self.label}: KV buffers must start {self.align}-byte aligned; allocate them with allocate_kv()")
-        hosts = {name: coerce_host_array(name, arr, HOST_DTYPES[self.io[name].dtype]) for name, arr in feeds.items()}  # T3
+        hosts = {name: coerce_host_array(name, arr, dtypes.host_dtype(self.io[name].dtype))  # T3
+                 for name, arr in feeds.items()}
         ctx = self._context(p)
         stream = self._stream
         if stream is not None:
@@ -268,10 +261,10 @@ class TrtBackend:
                     pending.append((rows, scratch))
             outs = {}
             for spec in self._outputs:
-                shape = self._output_shape(ctx, spec["name"])
-                dev = self._buffers.view(spec["name"], shape, self._torch_dtype(spec["name"]))
-                self._set_address(ctx, spec["name"], dev.data_ptr())
-                outs[spec["name"]] = dev
+                shape = self._output_shape(ctx, spec.name)
+                dev = self._buffers.view(spec.name, shape, self._torch_dtype(spec.name))
+                self._set_address(ctx, spec.name, dev.data_ptr())
+                outs[spec.name] = dev
             for _, present_name in self.kv_names:
                 got = self._output_shape(ctx, present_name)
                 if got != (S, 1, kvh, hd):
@@ -284,7 +277,7 @@ class TrtBackend:
             self.scratch_presents += len(pending)
             results = {name: self._buffers.download(name, dev) for name, dev in outs.items()}
         self._sync()
-        return results
+        return outputs_from_named(results)
 
     def _output_shape(self, ctx, name: str) -> Shape:
         shape = tuple(int(d) for d in ctx.get_tensor_shape(name))

@@ -1,0 +1,45 @@
+"""Acceptance statistics, defined once (used by `decode.Stats`, eagle-bench, its tuner and
+eagle-eval).
+
+tau (acceptance length): tokens committed per verification forward, the bonus token
+included, so tau >= 1 (vanilla decoding: exactly 1). Over several requests the rounds are
+pooled: total tokens / total rounds.
+Per-depth acceptance rate at depth d: P(the draft token at depth d is accepted | the path
+reached depth d - 1 and the tree had a node at depth d); it shows where a head loses.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from .decode import Stats
+
+
+def tau(tokens_per_round: Iterable[int]) -> float | None:
+    """Mean tokens committed per verification round (accepted + bonus); None with no rounds."""
+    tokens = list(tokens_per_round)
+    return sum(tokens) / len(tokens) if tokens else None
+
+
+def depth_rates(accepted: Sequence[int], depths: Sequence[int], max_depth: int) -> list[float | None]:
+    """Per-depth acceptance rates [max_depth] (None where no round tried that depth), rounded
+    to 4 places. accepted: draft tokens accepted per round; depths: the tree's depth per round."""
+    rates = []
+    for d in range(1, max_depth + 1):
+        tried = [a for a, t in zip(accepted, depths) if t >= d and a >= d - 1]
+        rates.append(round(sum(a >= d for a in tried) / len(tried), 4) if tried else None)
+    return rates
+
+
+def pooled_tau(many: Iterable[Stats]) -> float | None:
+    """tau over every round of several requests (their `Stats`); None with no rounds."""
+    return tau(n for s in many for n in s.accepted_per_round)
+
+
+def pooled_depth_rates(many: Iterable[Stats], max_depth: int) -> list[float | None]:
+    """Per-depth acceptance rates over every round of several requests (their `Stats`): a
+    round that committed n tokens accepted n - 1 draft tokens."""
+    many = list(many)
+    accepted = [n - 1 for s in many for n in s.accepted_per_round]
+    depths = [d for s in many for d in s.tree_depth_per_round]
+    return depth_rates(accepted, depths, max_depth)
