@@ -31,9 +31,7 @@ from .profiles import ProfileSpec
 from .tree_config import TreeConfig, TreeConfigError
 
 FORMAT_VERSION = 1
-GRAPH_DTYPES = FLOAT_NAMES  # activation/KV dtype of a graph
-TENSOR_DTYPES = NAMES
-QUANT_KINDS = ("int4", "int8")
+QUANT_KINDS = ("int4", "int8")  # weight quantisation of a graph (`eagle-export --quant`)
 GRAPHS = ("target", "draft")
 
 
@@ -445,7 +443,7 @@ def _read_specs(o: _Obj, key: str) -> tuple[TensorSpec, ...]:
             if isinstance(d, bool) or not (isinstance(d, str) and d or isinstance(d, int) and d >= 0):
                 s.fail(f"shape[{axis}]", "a dimension (integer >= 0 or a symbol)", d)
         s.string("name")
-        s.string("dtype", choices=TENSOR_DTYPES)
+        s.string("dtype", choices=NAMES)
         specs.append(TensorSpec.from_json(raw))
     return tuple(specs)
 
@@ -467,7 +465,7 @@ def _read_graph(o: _Obj, dims: Dims, draft: bool, trained: bool = True) -> Graph
     path = o.string("path")
     if "/" in path or "\\" in path or path in (".", ".."):
         o.fail("path", "a file name inside the export folder", path)
-    dtype = o.string("dtype", choices=GRAPH_DTYPES)
+    dtype = o.string("dtype", choices=FLOAT_NAMES)
     inputs, outputs = _read_specs(o, "inputs"), _read_specs(o, "outputs")
     quant = o.string("quant", default=None, choices=QUANT_KINDS + (None,))
     sha = o.string("sha256", default=None, optional=True)

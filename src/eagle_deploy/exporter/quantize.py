@@ -27,11 +27,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-from eagle_deploy.contract.manifest import GraphEntry, QuantRecord
+from eagle_deploy.contract.manifest import QUANT_KINDS, GraphEntry, QuantRecord
 
 from .external_data import use_external_data
 
-QUANT_KINDS = ("int4", "int8")
 MAX_HEAD_DIM = 1024  # exact_matmuls looks only at square constants up to this size
 NBITS_OPTIONS = {"block_size": 32, "accuracy_level": 4, "symmetric": True}
 DYNAMIC_OPTIONS = {"per_channel": True, "reduce_range": False}
