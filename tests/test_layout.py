@@ -68,3 +68,20 @@ def test_package_comes_from_src_layout():
     assert PACKAGE.parent.name == "src", PACKAGE
     root = PACKAGE.parent.parent
     assert not any((root / name / "__init__.py").exists() for name in ("exporter", "runtime", "tools"))
+
+
+def test_readme_map_names_every_module():
+    """The README's "How it works" map names every module of the package."""
+    readme = (PACKAGE.parent.parent / "README.md").read_text()
+    section = readme[readme.index("## How it works"):]
+    section = section[: section.index("\n## ", 5)]
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if rel.name == "__init__.py" or "data" in rel.parts:
+            continue
+        folder = f"{rel.parent.as_posix()}/"
+        named = f"`{rel.as_posix()}`" in section or (rel.name in section and folder in section)
+        if not named:
+            missing.append(rel.as_posix())
+    assert not missing, missing
