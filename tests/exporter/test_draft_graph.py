@@ -1,5 +1,6 @@
-"""The exported draft graph and draft-head loading (CASES.md E5): non-zero fc.bias, shared
-embedding/LM head bit for bit, bias-free heads, and bad checkpoints refused by the CLI."""
+"""The exported draft graph and draft-head loading (draft-head weights silently wrong):
+non-zero fc.bias, shared embedding/LM head bit for bit, bias-free heads, and bad checkpoints
+refused by the CLI."""
 from __future__ import annotations
 
 import json
@@ -17,9 +18,16 @@ from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.exporter.draft_head import HeadCheckpointError, load_head
 from eagle_deploy.validate.torch_backend import TorchBackend
 from tests import tiny
-from tests.helpers import causal_mask, run_step
+from tests.helpers import causal_mask, kv_rows, run_step
 
 ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=["mha", "gqa", "gqa_standard"])
+def model(request):
+    """Both tiny targets as the default fp32 graph (fused operators, shared KV), and the GQA one
+    as the standard-op graph (sequence-major KV)."""
+    return request.getfixturevalue(request.param)
 
 
 def _draft_steps(hidden: int, seed: int = 0):
@@ -44,8 +52,8 @@ def _compare_backends(a, b, hidden: int, top_k: int):
         np.testing.assert_array_equal(out_a[c.TOPK_IDS], out_b[c.TOPK_IDS])
         assert out_a[c.TOPK_IDS].shape[-1] == top_k
         n = past + len(tokens)
-        for x, y in zip(kv_a.arrays, kv_b.arrays):
-            np.testing.assert_allclose(x[:n], y[:n], rtol=0, atol=ATOL)
+        for x, y in zip(kv_rows(kv_a, n), kv_rows(kv_b, n)):  # either KV layout, sequence-major
+            np.testing.assert_allclose(x, y, rtol=0, atol=ATOL)
 
 
 def test_head_fixture_has_nonzero_fc_bias(model):
@@ -54,8 +62,8 @@ def test_head_fixture_has_nonzero_fc_bias(model):
 
 
 def test_draft_onnx_equals_torch_reference_head(model):
-    """E5: a head with non-zero fc.bias: the draft ONNX equals TorchBackend.draft (1e-4) on
-    next features, top-k log-probs/ids and the KV it writes."""
+    """Draft-head weights silently wrong: a head with non-zero fc.bias: the draft ONNX equals
+    TorchBackend.draft (1e-4) on next features, top-k log-probs/ids and the KV it writes."""
     top_k = model.manifest.draft.graph_top_k
     ref = TorchBackend.draft(model.head(), top_k=top_k)
     _compare_backends(model.backend("draft"), ref, model.manifest.dims.hidden, top_k)
@@ -73,7 +81,8 @@ def _hf_eagle_head(head_dir, hf):
     cfg._attn_implementation = "eager"
     state = load_file(str(head_dir / "model.safetensors"))
     layer = LlamaDecoderLayer(cfg, 0).eval()
-    missing, unexpected = layer.load_state_dict({k[len("layers.0."):]: v for k, v in state.items() if k.startswith("layers.0.")}, strict=False)
+    missing, unexpected = layer.load_state_dict({k[len("layers.0."):]: v for k, v in state.items()
+                                                 if k.startswith("layers.0.")}, strict=False)
     assert missing == ["input_layernorm.weight"] and unexpected == []
     layer.input_layernorm = torch.nn.Identity()
     fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias="fc.bias" in state)
@@ -93,14 +102,16 @@ def _hf_eagle_head(head_dir, hf):
 
 
 def test_draft_onnx_equals_independent_hf_layer_head(model):
-    """E5 without sharing code with the exporter: the same head rebuilt from the raw
-    safetensors on transformers' LlamaDecoderLayer (bias included) matches the draft ONNX."""
+    """Draft-head weights silently wrong, checked without sharing code with the exporter: the
+    same head rebuilt from the raw safetensors on transformers' LlamaDecoderLayer (bias
+    included) matches the draft ONNX."""
     forward = _hf_eagle_head(model.head_dir, model.hf)
     be = model.backend("draft")
     kv = be.allocate_kv(16)
     tokens, pos, mask, past, feats = next(_draft_steps(model.manifest.dims.hidden, seed=3))
     out = run_step(be, kv, tokens, pos, mask, past, features=feats)
-    y, logp = forward(torch.from_numpy(feats)[None], torch.from_numpy(np.asarray(tokens))[None], torch.from_numpy(pos)[None])
+    y, logp = forward(torch.from_numpy(feats)[None], torch.from_numpy(np.asarray(tokens))[None],
+                      torch.from_numpy(pos)[None])
     np.testing.assert_allclose(out[c.NEXT_FEATURES][0], y[0].numpy(), rtol=0, atol=ATOL)
     k = out[c.TOPK_IDS].shape[-1]
     want_lp, want_ids = torch.topk(logp[0], k, dim=-1)
@@ -173,11 +184,14 @@ def _broken_head(src, dst, change):
 BROKEN = {
     "missing fc.weight": (lambda s: s.pop("fc.weight"), ["fc.weight", "missing"]),
     "missing down_proj": (lambda s: s.pop("layers.0.mlp.down_proj.weight"), ["layers.0.mlp.down_proj.weight"]),
-    "misshaped fc.weight": (lambda s: s.update({"fc.weight": torch.zeros(64, 64)}), ["fc.weight", "[64, 64]", "[64, 128]"]),
+    "misshaped fc.weight": (lambda s: s.update({"fc.weight": torch.zeros(64, 64)}),
+                            ["fc.weight", "[64, 64]", "[64, 128]"]),
     "misshaped fc.bias": (lambda s: s.update({"fc.bias": torch.zeros(65)}), ["fc.bias", "[65]"]),
-    "unexpected tensor": (lambda s: s.update({"layers.1.mlp.up_proj.weight": torch.zeros(2, 2)}), ["layers.1.mlp.up_proj.weight"]),
+    "unexpected tensor": (lambda s: s.update({"layers.1.mlp.up_proj.weight": torch.zeros(2, 2)}),
+                          ["layers.1.mlp.up_proj.weight"]),
     "int8 weights": (lambda s: s.update({"fc.weight": s["fc.weight"].to(torch.int8)}), ["fc.weight", "int8"]),
-    "NaN weights": (lambda s: s["layers.0.mlp.up_proj.weight"].__setitem__((0, 0), float("nan")), ["layers.0.mlp.up_proj.weight", "NaN"]),
+    "NaN weights": (lambda s: s["layers.0.mlp.up_proj.weight"].__setitem__((0, 0), float("nan")),
+                    ["layers.0.mlp.up_proj.weight", "NaN"]),
 }
 
 # head config.json edits -> words the one error line must contain
@@ -236,8 +250,9 @@ def test_missing_fc_weight_cli_process_exits_nonzero(mha, tmp_path):
 
     head = _broken_head(mha.head_dir, tmp_path / "head", lambda s: s.pop("fc.weight"))
     out_root = tmp_path / "engines"
-    proc = subprocess.run([sys.executable, "-m", "eagle_deploy.exporter.cli", "--model", str(mha.target_dir), "--draft", str(head),
-                           "--out", str(out_root), "--max-length", "64"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "eagle_deploy.exporter.cli", "--model", str(mha.target_dir),
+                           "--draft", str(head), "--out", str(out_root), "--max-length", "64"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "'fc.weight'" in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stdout == ""
@@ -264,7 +279,8 @@ def test_published_head_with_embedding_copy_and_bin_format_loads(mha, tmp_path):
 def test_max_length_outside_the_model_is_refused(mha, tmp_path, capsys, bad):
     from eagle_deploy.exporter.cli import main
 
-    rc = main(["--model", str(mha.target_dir), "--draft", str(mha.head_dir), "--out", str(tmp_path / "e"), "--max-length", bad])
+    rc = main(["--model", str(mha.target_dir), "--draft", str(mha.head_dir), "--out", str(tmp_path / "e"),
+               "--max-length", bad])
     err = capsys.readouterr().err
     assert rc == 2 and f"--max-length {bad} must be in [2, 256]" in err
     assert not (tmp_path / "e").exists()
@@ -273,7 +289,7 @@ def test_max_length_outside_the_model_is_refused(mha, tmp_path, capsys, bad):
 def test_manifest_records_the_export(model):
     m = model.manifest
     assert m.max_length == 256 and list(m.eos_token_ids) == [tiny.EOS_ID]
-    assert m.dims.num_kv_heads == (2 if model.name == "gqa" else 4) and m.dims.vocab == 256
+    assert m.dims.num_kv_heads == (2 if model.name.startswith("gqa") else 4) and m.dims.vocab == 256
     assert m.draft.trained is True and m.draft.graph_top_k == 10
     assert m.draft.max_position_embeddings == 256 and m.draft.draft_vocab_size == 256  # the head's own limit
     from eagle_deploy.exporter.models import sha256_file
@@ -295,7 +311,8 @@ def test_reduced_draft_vocabulary_maps_ids_back_and_stays_lossless(mha, tmp_path
     counts = np.random.default_rng(0).integers(0, 1000, 256).astype(np.int64)
     counts[0] = 0  # EOS: kept although it was never seen
     np.save(head_dir / TOKEN_COUNTS_FILE, counts)
-    out = export(str(mha.target_dir), str(head_dir), tmp_path / "out", ExportOptions(max_length=128, draft_vocab=64), progress=None)
+    out = export(str(mha.target_dir), str(head_dir), tmp_path / "out", ExportOptions(max_length=128, draft_vocab=64),
+                 progress=None)
     manifest = Manifest.load(out)
     assert manifest.draft.draft_vocab_size == 64
     allowed = set(np.argsort(-counts, kind="stable")[:63].tolist()) | {0}

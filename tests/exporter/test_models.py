@@ -21,8 +21,8 @@ FAMILY_NAMES = list(FAMILIES)
 
 def _cli(args, tmp_path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1"}
-    return subprocess.run([sys.executable, "-m", "eagle_deploy.exporter.cli", *args, "--out", str(tmp_path / "engines")],
-                          capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([sys.executable, "-m", "eagle_deploy.exporter.cli", *args,
+                           "--out", str(tmp_path / "engines")], capture_output=True, text=True, timeout=120, env=env)
 
 
 def _one_error(err: str) -> str:
@@ -146,7 +146,8 @@ def test_unsupported_configurations_are_named(kind, kwargs, message):
 def test_supported_families_accepted():
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    for cls, arch in ((LlamaConfig, "LlamaForCausalLM"), (MistralConfig, "MistralForCausalLM"), (Qwen2Config, "Qwen2ForCausalLM")):
+    for cls, arch in ((LlamaConfig, "LlamaForCausalLM"), (MistralConfig, "MistralForCausalLM"),
+                      (Qwen2Config, "Qwen2ForCausalLM")):
         cfg = cls(sliding_window=None) if cls is not LlamaConfig else cls()
         cfg.architectures = [arch]
         assert check_family(cfg).architecture == arch
@@ -157,7 +158,8 @@ def test_supported_families_accepted():
 
 def test_existing_export_is_not_overwritten_without_force(mha, capsys):
     before = sorted(p.name for p in mha.export_dir.iterdir())
-    rc = main(["--model", str(mha.target_dir), "--draft", str(mha.head_dir), "--out", str(mha.export_dir.parent), "--name", mha.name])
+    rc = main(["--model", str(mha.target_dir), "--draft", str(mha.head_dir), "--out", str(mha.export_dir.parent),
+               "--name", mha.name])
     line = _one_error(capsys.readouterr().err)
     assert rc == 2 and "--force" in line
     assert sorted(p.name for p in mha.export_dir.iterdir()) == before

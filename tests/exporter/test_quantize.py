@@ -20,6 +20,7 @@ import pytest
 from onnx import numpy_helper
 
 from eagle_deploy.contract.manifest import Manifest
+from eagle_deploy.contract.onnx_io import KV_SHARED
 from eagle_deploy.exporter.models import sha256_file
 from eagle_deploy.exporter.quantize import constant_matmuls, quantize_graph
 from tests import tiny
@@ -40,8 +41,8 @@ def exports(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("quant")
     target = tiny.build_tiny_target(root / "target", gqa=True, seed=5, norm_noise=0.1, tie_word_embeddings=True)
     head = tiny.build_tiny_head(root / "head", target, seed=6, norm_noise=0.1)
-    return {name: export(str(target), str(head), root / "exports", ExportOptions(max_length=MAX_LENGTH, quant=quant, name=name),
-                         progress=None)
+    return {name: export(str(target), str(head), root / "exports",
+                         ExportOptions(max_length=MAX_LENGTH, quant=quant, name=name), progress=None)
             for name, quant in (("fp32", None), ("int8", "int8"), ("int4", "int4"))}
 
 
@@ -77,7 +78,9 @@ def test_fp32_lm_head_is_a_matmul_on_the_transposed_tied_embedding(exports):
 def test_every_weight_matmul_is_quantised_including_the_lm_head(exports, kind):
     fp32, quant = _graph(exports["fp32"]), _graph(exports[kind])
     weights = constant_matmuls(fp32)
-    assert len(weights) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer + the LM head
+    # q, k, v, o, gate, up, down per layer + the LM head; the fused graph packs q, k and v into one
+    fused = Manifest.load(exports[kind]).target.kv_layout == KV_SHARED
+    assert len(weights) == 2 * (5 if fused else 7) + 1
     assert constant_matmuls(quant) == []
     nbits = [n for n in quant.graph.node if n.op_type == "MatMulNBits"]
     assert len(nbits) == len(weights)
@@ -86,8 +89,13 @@ def test_every_weight_matmul_is_quantised_including_the_lm_head(exports, kind):
     lm = [(n, a) for n, a in zip(nbits, attrs) if (a["K"], a["N"]) == (64, tiny.VOCAB)]
     assert len(lm) == 1 and lm[0][0].name.startswith(_lm_head(fp32).name)
     assert {a["accuracy_level"] for a in attrs} == {4}
-    # attention (activation x activation) and RoPE's rotate-half permutation (must stay exact) stay fp32
-    assert sum(n.op_type == "MatMul" for n in quant.graph.node) == 2 * (4 + 2)
+    # attention (activation x activation) and RoPE's rotate-half permutation (must stay exact) stay fp32;
+    # in the fused graph (the fp32 default) both are inside GroupQueryAttention, one per layer
+    if fused:
+        assert sum(n.op_type == "MatMul" for n in quant.graph.node) == 0
+        assert sum(n.op_type == "GroupQueryAttention" for n in quant.graph.node) == 2
+    else:
+        assert sum(n.op_type == "MatMul" for n in quant.graph.node) == 2 * (4 + 2)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -98,10 +106,12 @@ def test_manifest_records_the_quantisation(exports, kind):
     q = m.target.quant_info
     assert q.kind == kind and q.method == "nbits"
     assert (q.settings["block_size"], q.settings["accuracy_level"], q.settings["symmetric"]) == (32, 4, True)
-    assert q.quantised_matmuls == 15 and q.batch_invariant is False
+    fused = m.target.kv_layout == KV_SHARED  # q, k and v packed into one MatMul per layer
+    assert q.quantised_matmuls == (11 if fused else 15) and q.batch_invariant is False
     assert m.target.sha256 == sha256_file(folder / m.target.path)  # hashed after quantising
     assert any(kind in note and "quantised target" in note for note in m.notes)
-    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in exports["fp32"].iterdir())  # no .data, no temp files
+    # no .data, no temp files
+    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in exports["fp32"].iterdir())
 
 
 def _teacher_forced_logits(folder, seqs) -> np.ndarray:
@@ -218,10 +228,12 @@ def test_rotate_half_matmul_stays_exact_even_as_an_initializer(tmp_path, method)
     w = numpy_helper.from_array(np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32), "w")
     r = numpy_helper.from_array(rotate_half_matrix(64).numpy(), "r")
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["h"], name="proj"), helper.make_node("MatMul", ["h", "r"], ["y"], name="rotate")],
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="proj"),
+         helper.make_node("MatMul", ["h", "r"], ["y"], name="rotate")],
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [w, r])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph,
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     assert exact_matmuls(model) == ["rotate"]
     if method == "nbits":
         out = nbits_model_from_onnx(model, bits=4, block_size=32)

@@ -13,7 +13,8 @@ PROMPTS = [
 @pytest.mark.slow
 def test_smollm2_export_then_eagle_equals_vanilla(smollm2_export):
     folder = smollm2_export
-    assert sorted(p.name for p in folder.iterdir()) == ["draft.onnx", "draft_vocab.npy", "manifest.json", "target.onnx", "tokenizer"]
+    assert sorted(p.name for p in folder.iterdir()) == ["draft.onnx", "draft_vocab.npy", "manifest.json", "shared.data",
+                                                        "target.onnx", "tokenizer"]
     assert not [p for p in folder.parent.iterdir() if ".partial-" in p.name]
 
     from eagle_deploy.runtime.api import EagleRuntime
@@ -21,6 +22,11 @@ def test_smollm2_export_then_eagle_equals_vanilla(smollm2_export):
     rt = EagleRuntime.load(folder, threads=2)
     assert rt.manifest.dims.num_layers == 30 and rt.manifest.dims.vocab == 49152
     assert rt.manifest.max_length == 2048 and rt.manifest.chat_template
+    # one copy of the embedding (49152 x 576 fp32), in shared.data; the draft graph keeps only the head's own
+    # layer and its 8192 LM-head rows
+    shared = rt.manifest.shared_weights
+    assert [(t.role, t.shape) for t in shared.tensors] == [("embedding", (49152, 576))]
+    assert (folder / "draft.onnx").stat().st_size < 40 * 2**20 < (folder / "shared.data").stat().st_size
     for prompt in PROMPTS:
         eagle = rt.generate(prompt, max_new_tokens=64)
         vanilla = rt.generate(prompt, max_new_tokens=64, mode="vanilla")

@@ -1,5 +1,7 @@
 """The exported target graph (onnxruntime, IO binding into a KVBuffer) against transformers'
-own LlamaForCausalLM: prefill, per-node tree verification, and CASES.md E1-E4."""
+own LlamaForCausalLM: prefill, per-node tree verification, and the graph faults: rotary
+table frozen at trace length, tree-mask input ignored, mask/positions taken from the wrong
+dimension, NaN from fully masked (padded) rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +15,13 @@ from eagle_deploy.runtime.tree import DraftTree
 from tests.helpers import causal_mask, hf_features, hf_logits, kv_rows, poison, prefill, run_step, run_tree
 
 ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=["mha", "gqa", "gqa_standard"])
+def model(request):
+    """Both tiny targets as the default fp32 graph (fused operators, shared KV), and the GQA one
+    as the standard-op graph (sequence-major KV)."""
+    return request.getfixturevalue(request.param)
 
 
 def _rng_tokens(n: int, seed: int) -> list[int]:
@@ -33,7 +42,9 @@ def _graph(model, which="target") -> onnx.ModelProto:
 
 def test_graph_io_follows_contract(model):
     g = _graph(model).graph
-    inputs, outputs = c.target_io(model.manifest.dims.num_layers, "float32")
+    layout = c.KV_SEQ_MAJOR if model.name.endswith("standard") else c.KV_SHARED  # fp32 default: fused
+    assert model.manifest.target.kv_layout == model.manifest.draft.kv_layout == layout
+    inputs, outputs = c.target_io(model.manifest.dims.num_layers, "float32", layout)
     assert [i.name for i in g.input] == [s.name for s in inputs]
     assert [o.name for o in g.output] == [s.name for s in outputs]
     assert list(model.manifest.target.inputs) == inputs
@@ -64,7 +75,7 @@ def test_prefill_kv_matches_hf_cache(model):
     with torch.no_grad():
         cache = model.hf(torch.tensor([prompt]), use_cache=True).past_key_values
     for layer in range(model.manifest.dims.num_layers):
-        for kind, ours in (("keys", kv.arrays[2 * layer]), ("values", kv.arrays[2 * layer + 1])):
+        for kind, ours in (("keys", kv.rows(2 * layer)), ("values", kv.rows(2 * layer + 1))):
             theirs = getattr(cache.layers[layer], kind)[0].permute(1, 0, 2).numpy()  # (T, kvh, hd)
             np.testing.assert_allclose(ours[:9, 0], theirs, rtol=0, atol=ATOL, err_msg=f"layer {layer} {kind}")
 
@@ -82,10 +93,10 @@ def test_verify_logits_per_node_match_hf_path(model):
     _assert_nodes_match_hf(model, prefix, tree, out[c.LOGITS][0])
 
 
-# ---------------------------------------------------------------- E1: RoPE beyond trace length
+# ---------------------------------------------------------------- rotary table frozen at trace length
 
 
-def test_e1_tree_at_positions_beyond_trace_length(model):
+def test_tree_at_positions_beyond_trace_length(model):
     """Traced at seq 3 / past 2; run with past 200 and a 10-node tree (positions ~200-204):
     per-node logits equal eager transformers."""
     prefix = _rng_tokens(200, seed=4)
@@ -99,7 +110,7 @@ def test_e1_tree_at_positions_beyond_trace_length(model):
     _assert_nodes_match_hf(model, prefix, tree, out[c.LOGITS][0])
 
 
-def test_e1_last_position_of_the_export(model):
+def test_last_position_of_the_export(model):
     """A single token at position max_length - 1 (the last KV row) still matches eager."""
     n = model.manifest.max_length
     tokens = _rng_tokens(n, seed=5)
@@ -110,13 +121,14 @@ def test_e1_last_position_of_the_export(model):
     np.testing.assert_allclose(out[c.LOGITS][0, 0], hf_logits(model.hf, tokens)[-1], rtol=0, atol=ATOL)
 
 
-def test_e1_no_rotary_table_sized_to_a_length(model):
+def test_no_rotary_table_sized_to_a_length(model):
     """RoPE comes from positions in-graph: the only rotary constant is inv_freq [head_dim/2];
     no float tensor is shaped like a cos/sin table [L, head_dim] or [L, head_dim/2]."""
     hd = model.manifest.dims.head_dim
     g = _graph(model).graph
     tensors = [numpy_helper.to_array(t) for t in g.initializer]
-    tensors += [numpy_helper.to_array(a.t) for n in g.node if n.op_type == "Constant" for a in n.attribute if a.type == onnx.AttributeProto.TENSOR]
+    tensors += [numpy_helper.to_array(a.t) for n in g.node if n.op_type == "Constant"
+                for a in n.attribute if a.type == onnx.AttributeProto.TENSOR]
     rotate = rotate_half_matrix(hd).numpy()  # the constant [hd, hd] rotate-half permutation, not a table
     tables = [t.shape for t in tensors if t.dtype.kind == "f" and t.ndim >= 1 and t.shape[-1] in (hd, hd // 2)
               and t.size > hd and not (t.shape == rotate.shape and np.array_equal(t, rotate))]
@@ -125,7 +137,7 @@ def test_e1_no_rotary_table_sized_to_a_length(model):
     assert consumers, "position_ids has no consumer"
 
 
-# ---------------------------------------------------------------- E2: tree mask honoured
+# ---------------------------------------------------------------- tree-mask input ignored
 
 
 def _e2_setup(model):
@@ -137,13 +149,13 @@ def _e2_setup(model):
     return prefix, tree, be, kv
 
 
-def test_e2_per_node_logits_follow_own_path(model):
+def test_per_node_logits_follow_own_path(model):
     prefix, tree, be, kv = _e2_setup(model)
     out = run_tree(be, kv, tree, 10)
     _assert_nodes_match_hf(model, prefix, tree, out[c.LOGITS][0])
 
 
-def test_e2_clearing_an_ancestor_bit_changes_the_node(model):
+def test_clearing_an_ancestor_bit_changes_the_node(model):
     prefix, tree, be, kv = _e2_setup(model)
     base = run_tree(be, kv, tree, 10)[c.LOGITS][0]
     mask = tree.attention_mask(10)
@@ -153,7 +165,7 @@ def test_e2_clearing_an_ancestor_bit_changes_the_node(model):
     np.testing.assert_array_equal(np.delete(cut, 3, axis=0), np.delete(base, 3, axis=0))
 
 
-def test_e2_branches_never_see_each_other(model):
+def test_branches_never_see_each_other(model):
     """Changing every token of branch 0->2->4 leaves branch 0->1->3 bit-identical."""
     prefix, tree, be, kv = _e2_setup(model)
     base = run_tree(be, kv, tree, 10)
@@ -165,16 +177,16 @@ def test_e2_branches_never_see_each_other(model):
     assert np.abs(changed[c.LOGITS][0, 4] - base[c.LOGITS][0, 4]).max() > 1e-3
 
 
-def test_e2_mask_input_has_a_consumer(model):
+def test_mask_input_has_a_consumer(model):
     for which in ("target", "draft"):
         g = _graph(model, which).graph
         assert any(c.ATTENTION_MASK in n.input for n in g.node), f"{which}: attention_mask is unused"
 
 
-# ---------------------------------------------------------------- E3: chunking / positions
+# ---------------------------------------------------------------- mask/positions taken from the wrong dimension
 
 
-def test_e3_one_call_vs_chunks_vs_single_tokens(model):
+def test_one_call_vs_chunks_vs_single_tokens(model):
     prompt = _rng_tokens(12, seed=7)
     runs = {}
     for name, chunks in (("one", [12]), ("7+5", [7, 5]), ("singles", [1] * 12)):
@@ -193,7 +205,7 @@ def test_e3_one_call_vs_chunks_vs_single_tokens(model):
             np.testing.assert_allclose(a, b, rtol=0, atol=ATOL, err_msg=name)
 
 
-def test_e3_positions_are_an_explicit_input(model):
+def test_positions_are_an_explicit_input(model):
     """position_ids is a graph input, and the graph uses it rather than the sequence index:
     moving one token's position changes its logits, and HF given the same positions agrees."""
     import torch
@@ -210,20 +222,21 @@ def test_e3_positions_are_an_explicit_input(model):
     np.testing.assert_allclose(moved, want, rtol=0, atol=ATOL)
 
 
-# ---------------------------------------------------------------- E4: masked rows stay finite
+# ---------------------------------------------------------------- NaN from fully masked (padded) rows
 
 
-def test_e4_mask_value_is_finite_in_fp16_and_in_the_graph(model):
+def test_mask_value_is_finite_in_fp16_and_in_the_graph(model):
     assert np.isfinite(np.float16(c.MASK_VALUE)) and float(np.float16(c.MASK_VALUE)) == c.MASK_VALUE
     g = _graph(model).graph
-    consts = [numpy_helper.to_array(a.t) for n in g.node if n.op_type == "Constant" for a in n.attribute if a.type == onnx.AttributeProto.TENSOR]
+    consts = [numpy_helper.to_array(a.t) for n in g.node if n.op_type == "Constant"
+              for a in n.attribute if a.type == onnx.AttributeProto.TENSOR]
     consts += [numpy_helper.to_array(t) for t in g.initializer]
     values = {float(v) for t in consts if t.dtype.kind == "f" and t.size == 1 for v in t.ravel()}
     assert c.MASK_VALUE in values
     assert not any(np.isinf(v) for v in values)
 
 
-def test_e4_padded_tree_equals_unpadded_and_pads_are_never_attended(model):
+def test_padded_tree_equals_unpadded_and_pads_are_never_attended(model):
     prefix, tree, be, kv = _e2_setup(model)
     P = len(prefix)
     plain = run_tree(be, kv, tree, P)
@@ -257,7 +270,7 @@ def test_e4_padded_tree_equals_unpadded_and_pads_are_never_attended(model):
 
 
 @pytest.mark.parametrize("rows", [0, 1])
-def test_e4_fully_masked_row_is_finite(model, rows):
+def test_fully_masked_row_is_finite(model, rows):
     """A row that may attend to nothing at all (past 0 or 1) gives finite logits."""
     be = model.backend()
     kv = be.allocate_kv(8)
@@ -277,3 +290,87 @@ def test_rotate_half_matrix_is_exact():
         x = torch.randn(3, 5, 64).to(dtype)
         expected = torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
         assert torch.equal(torch.matmul(x, rotate_half_matrix(64).to(dtype)), expected)
+
+
+# ---------------------------------------------------------------- fused vs standard graph
+
+
+def test_graph_kind_follows_the_kv_layout(model):
+    """The fused graph has one GroupQueryAttention per layer (RoPE inside: no Sin/Cos per layer,
+    no Softmax) and fused residual norms; the standard graph has no onnxruntime contrib op."""
+    layers = model.manifest.dims.num_layers
+    for which, n in (("target", layers), ("draft", 1)):
+        g = _graph(model, which).graph
+        ops = [node.op_type for node in g.node]
+        contrib = {node.op_type for node in g.node if node.domain == "com.microsoft"}
+        if model.manifest.target.kv_layout == c.KV_SHARED:
+            assert ops.count("GroupQueryAttention") == n and "Softmax" not in ops
+            assert contrib == {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"}
+            # target: post-attention norm of each layer, input norm of layers 1.., final norm; draft: post norm
+            assert ops.count("SkipSimplifiedLayerNormalization") == (2 * n if which == "target" else 1)
+            assert ops.count("Cos") == ops.count("Sin") == 1  # rotary rows built once per forward
+        else:
+            assert contrib == set() and ops.count("Softmax") == n
+
+
+def test_fused_graph_refuses_a_mask_that_looks_ahead(model):
+    """The fused operator is causal over the new tokens: a mask letting a node see a later
+    node is refused by the backend instead of being silently cut; a KV buffer of the other
+    layout is refused too."""
+    from eagle_deploy.runtime.kv import KVBuffer
+
+    be = model.backend()
+    kv = be.allocate_kv(32)
+    prefill(be, kv, [3, 4, 5])
+    mask = causal_mask(3, 2)
+    mask[0, 0, 4] = True  # new token 0 sees new token 1
+    if model.manifest.target.kv_layout != c.KV_SHARED:
+        run_step(be, kv, [6, 7], [3, 4], mask, 3)  # the standard graph follows the mask as given
+        return
+    with pytest.raises(ValueError, match="later new token"):
+        run_step(be, kv, [6, 7], [3, 4], mask, 3)
+    other = KVBuffer.allocate(be.kv_names, 32, 1, model.manifest.dims.num_kv_heads, model.manifest.dims.head_dim,
+                              np.float32)
+    with pytest.raises(ValueError, match="layout"):
+        prefill(be, other, [3, 4, 5])
+
+
+def test_fused_rotary_rows_cover_positions_far_from_the_rows(gqa):
+    """The fused graph builds its rotary rows for this call's positions only (base = the
+    smallest): positions far above the KV rows (a draft's scratch rows run ahead of positions
+    the other way round) and spread wider than the call still match transformers."""
+    import torch
+
+    be = gqa.backend()
+    kv = be.allocate_kv(16)
+    prompt = _rng_tokens(6, seed=9)
+    pos = np.array([100, 101, 102, 103, 104, 140])  # rows 0..5, positions 100.. and one far out
+    out = run_step(be, kv, prompt, pos, causal_mask(0, 6), 0)[c.LOGITS][0]
+    with torch.no_grad():
+        want = gqa.hf(torch.tensor([prompt]), position_ids=torch.from_numpy(pos[None])).logits[0].numpy()
+    np.testing.assert_allclose(out, want, rtol=0, atol=ATOL)
+
+
+def test_fused_torch_module_equals_the_standard_one(gqa):
+    """ExportableTarget with the shared KV layout, run eagerly (the operators' torch forwards,
+    which tracing runs), equals the standard module on a tree over a past: logits, features and
+    the KV rows it writes; rows past the call stay untouched."""
+    import torch
+
+    from eagle_deploy.exporter.target import ExportableTarget
+
+    std, fused = ExportableTarget(gqa.hf).eval(), ExportableTarget(gqa.hf, c.KV_SHARED).eval()
+    L, kvh, hd = gqa.manifest.dims.num_layers, gqa.manifest.dims.num_kv_heads, gqa.manifest.dims.head_dim
+    rng = np.random.default_rng(0)
+    past = [torch.from_numpy(rng.normal(0, 1, (7, 1, kvh, hd)).astype(np.float32)) for _ in range(2 * L)]
+    shared = [torch.cat((p, torch.full((5, 1, kvh, hd), 7.0))).permute(1, 2, 0, 3).contiguous() for p in past]
+    tree = DraftTree.from_paths(9, [[1, 2], [3]])
+    args = (torch.from_numpy(tree.tokens[None]), torch.from_numpy(tree.positions(7)[None]),
+            torch.from_numpy(tree.attention_mask(7)), torch.arange(tree.size)[None])
+    with torch.no_grad():
+        want, got = std(*args, *past), fused(*args, *shared)
+    for a, b in zip(want[:2], got[:2]):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    for new, buf in zip(want[2:], got[2:]):
+        torch.testing.assert_close(buf[:, :, 7:7 + tree.size].permute(2, 0, 1, 3), new, rtol=0, atol=1e-5)
+        assert bool((buf[:, :, 7 + tree.size:] == 7.0).all())

@@ -1,5 +1,6 @@
 """TensorRT engine build (exporter/trt_build.py): optimization profiles, build configuration,
-external-data checks (T4) and the fp16 graph's fp32 islands (T1, CPU check).
+external-data checks (paths of the external data files), shapes outside the optimization profile, and the
+fp16 graph's fp32 islands (fp16 RMSNorm overflow, CPU check).
 
 Everything here runs without TensorRT: profiles are pure Python, the build orchestration
 runs against stand-in Polygraphy loaders, and the configuration is a real Polygraphy
@@ -50,14 +51,16 @@ def tiny_dir(tmp_path_factory):
 
 
 def _export(tiny_dir, root: Path, name: str, **kw) -> Path:
+    """An export of the standard-op graph (what TensorRT builds from), unless kw says otherwise."""
     from eagle_deploy.exporter.export import ExportOptions, export
 
+    kw.setdefault("graph", "standard")
     return export(str(tiny_dir), "random", root, ExportOptions(max_length=MAX_LENGTH, name=name, **kw), progress=None)
 
 
 @pytest.fixture(scope="module")
 def ext_export(tiny_dir, tmp_path_factory):
-    """fp32 export with external data forced (T4)."""
+    """fp32 export with external data forced (external-data paths)."""
     return _export(tiny_dir, tmp_path_factory.mktemp("trt-exports"), "ext", external_data="always")
 
 
@@ -154,9 +157,10 @@ def test_profiles_json_roundtrip(manifest):
         assert tb.ProfileSpec.from_json(data) == p
 
 
-def test_t2_profile_bounds_64_nodes_length_256(manifest):
-    """T2: built for 64 tree nodes and length 256: 64 nodes at 256 fit, 65 nodes or length 257
-    raise a clear error naming the input, its size and the bounds."""
+def test_profile_bounds_64_nodes_length_256(manifest):
+    """Shape outside the optimization profile: built for 64 tree nodes and length 256: 64
+    nodes at 256 fit, 65 nodes or length 257 raise a clear error naming the input, its size
+    and the bounds."""
     profiles = _named(tb.target_profiles(manifest, tb.TrtBuildOptions(max_tree_tokens=64)))
     order = profile_order(profiles)
     kv = c.kv_names(manifest.dims.num_layers)
@@ -230,15 +234,17 @@ def test_build_config_is_strongly_typed_with_profiles_and_cache(manifest, tmp_pa
 
 
 def test_build_engines_from_another_cwd_with_relative_path(ext_copy, tmp_path, monkeypatch):
-    """T4: the export folder given relative to another working directory; every path handed
-    to the loaders is absolute, the network is parsed strongly typed, the config carries no
-    precision flag, engines + timing cache land beside the graphs, the manifest records them."""
+    """External-data paths: the export folder given relative to another working directory;
+    every path handed to the loaders is absolute, the network is parsed strongly typed, the
+    config carries no precision flag, engines + timing cache land beside the graphs, the
+    manifest records them."""
     calls = []
     monkeypatch.setattr(tb, "_polygraphy_loaders", lambda: _fake_pg(calls))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    record = tb.build_engines(Path(os.path.relpath(ext_copy, elsewhere)), options=tb.TrtBuildOptions(max_tree_tokens=32))
+    record = tb.build_engines(Path(os.path.relpath(ext_copy, elsewhere)),
+                              options=tb.TrtBuildOptions(max_tree_tokens=32))
     nets = [r for r in calls if r.kind == "NetworkFromOnnxPath"]
     assert [Path(n.args[0]).name for n in nets] == [c.TARGET_FILE, c.DRAFT_FILE]
     for n in nets:
@@ -275,12 +281,17 @@ def test_build_failure_is_named_and_leaves_no_engine(ext_copy, monkeypatch):
 
 
 def test_external_data_files_are_found(ext_export):
-    assert [p.name for p in tb.check_external_data(ext_export / c.TARGET_FILE)] == ["target.onnx.data"]
-    assert [p.name for p in tb.check_external_data(ext_export / c.DRAFT_FILE)] == ["draft.onnx.data"]
+    """Each graph's own data file, and the shared file both take the embedding (and the full-vocabulary
+    LM head) from."""
+    assert sorted(p.name for p in tb.check_external_data(ext_export / c.TARGET_FILE)) == ["shared.data",
+                                                                                           "target.onnx.data"]
+    assert sorted(p.name for p in tb.check_external_data(ext_export / c.DRAFT_FILE)) == ["draft.onnx.data",
+                                                                                          "shared.data"]
 
 
 def test_moved_onnx_without_data_names_the_missing_file(ext_export, tmp_path):
-    """T4: a .onnx moved without its data file fails with an error naming that file."""
+    """External-data paths: a .onnx moved without its data file fails with an error naming
+    that file."""
     moved = tmp_path / "moved"
     moved.mkdir()
     shutil.copy(ext_export / c.TARGET_FILE, moved / c.TARGET_FILE)
@@ -308,6 +319,26 @@ def test_missing_graph_is_named(ext_copy):
         tb.build_engines(ext_copy)
 
 
+def test_fused_export_is_refused_before_tensorrt(tiny_dir, tmp_path, monkeypatch, capsys):
+    """TensorRT cannot run onnxruntime's contrib operators: an export of the fused graph (the
+    fp32 default) is refused before TensorRT is reached, naming the fix; --backend trt exports
+    the standard graph, and --backend trt --graph fused is refused by the CLI."""
+    def no_trt():
+        raise AssertionError("TensorRT must not be reached for a fused export")
+    monkeypatch.setattr(tb, "_polygraphy_loaders", no_trt)
+    fused = _export(tiny_dir, tmp_path / "exports", "fused", graph="auto")
+    assert Manifest.load(fused).target.kv_layout == c.KV_SHARED
+    with pytest.raises(ValueError, match="--backend trt"):
+        tb.build_engines(fused)
+    assert Manifest.load(fused).engines.trt is None
+    from eagle_deploy.exporter.cli import graph_for, main
+
+    assert graph_for("auto", "trt") == "standard" and graph_for("auto", "ort") == "auto"
+    rc = main(["--model", str(tiny_dir), "--draft", "random", "--out", str(tmp_path / "cli"), "--backend", "trt",
+               "--graph", "fused", "--max-length", "64"])
+    assert rc == 2 and "--graph standard" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(GPU_REASON is None or "TensorRT not installed" not in (GPU_REASON or ""),
                     reason="TensorRT is installed; this checks the message shown without it")
 def test_without_tensorrt_the_error_says_how_to_install(ext_copy, tiny_dir, tmp_path, capsys):
@@ -321,7 +352,7 @@ def test_without_tensorrt_the_error_says_how_to_install(ext_copy, tiny_dir, tmp_
 
 
 # ---------------------------------------------------------------------------------------------
-# T1 (CPU check): in the fp16 graph the RMSNorm chain and the softmax run in fp32
+# fp16 RMSNorm overflow (CPU check): in the fp16 graph the RMSNorm chain and the softmax run in fp32
 
 
 def _input_types(path: Path) -> tuple[list, dict]:
@@ -336,7 +367,7 @@ def _input_types(path: Path) -> tuple[list, dict]:
 
 
 @pytest.mark.parametrize("graph, norms, softmaxes", [(c.TARGET_FILE, 2 * 2 + 1, 2), (c.DRAFT_FILE, 1, 1)])
-def test_t1_fp16_graph_keeps_norm_and_softmax_in_fp32(fp16_export, graph, norms, softmaxes):
+def test_fp16_graph_keeps_norm_and_softmax_in_fp32(fp16_export, graph, norms, softmaxes):
     from onnx import TensorProto
 
     assert Manifest.load(fp16_export).target.dtype == "float16"
@@ -349,7 +380,8 @@ def test_t1_fp16_graph_keeps_norm_and_softmax_in_fp32(fp16_export, graph, norms,
         found = ops.get(op, [])
         assert len(found) == count, (op, len(found))
         for n in found:
-            assert types[n.input[0]] == TensorProto.FLOAT, f"{op} {n.name} runs in {TensorProto.DataType.Name(types[n.input[0]])}"
+            assert types[n.input[0]] == TensorProto.FLOAT, (f"{op} {n.name} runs in "
+                                                            f"{TensorProto.DataType.Name(types[n.input[0]])}")
     by_output = {o: n for n in nodes for o in n.output}
     for sq in ops["Sqrt"]:  # the Sqrt's consumer (1/x or Reciprocal) is float32 too
         consumers = [n for n in nodes if sq.output[0] in n.input]
@@ -371,7 +403,8 @@ def test_gpu_build_engines_records_manifest(ext_copy, tmp_path, monkeypatch):
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    record = tb.build_engines(Path(os.path.relpath(ext_copy, elsewhere)), options=tb.TrtBuildOptions(max_tree_tokens=64))
+    record = tb.build_engines(Path(os.path.relpath(ext_copy, elsewhere)),
+                              options=tb.TrtBuildOptions(max_tree_tokens=64))
     import tensorrt as trt
 
     assert record.trt_version == trt.__version__

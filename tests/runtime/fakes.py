@@ -56,7 +56,8 @@ class ScriptedTarget:
         return [int(t) for t in kv.arrays[0][:n, 0, 0, 0]]
 
 
-def fake_manifest(vocab: int = 256, max_length: int = 256, eos: Sequence[int] = (0,), chat_template: bool = False) -> Manifest:
+def fake_manifest(vocab: int = 256, max_length: int = 256, eos: Sequence[int] = (0,),
+                  chat_template: bool = False) -> Manifest:
     graph = GraphEntry(path="none.onnx", dtype="float32", inputs=(), outputs=())
     draft = DraftEntry(path="none.onnx", dtype="float32", inputs=(), outputs=(), graph_top_k=10, trained=False)
     dims = Dims(num_layers=1, hidden=HIDDEN, num_heads=1, num_kv_heads=1, head_dim=1, vocab=vocab,
@@ -73,7 +74,8 @@ class Script:
     stop falls inside an accepted chunk); `wrong_at` (depth index) replaces one draft token
     by `off` so rounds also end early."""
 
-    def __init__(self, prompt: Sequence[int], generation: Sequence[int], vocab: int = 256, after: int = 32, off: int = 126):
+    def __init__(self, prompt: Sequence[int], generation: Sequence[int], vocab: int = 256, after: int = 32,
+                 off: int = 126):
         self.prompt, self.generation = list(prompt), list(generation)
         self.vocab, self.after, self.off = vocab, after, off
 

@@ -69,7 +69,8 @@ def test_generation_result_fields(mha):
     request = rt.stream(PROMPTS[0], max_new_tokens=24, temperature=0.8, top_p=0.95, top_k=50, seed=3)
     deltas = list(request)
     res = request.result
-    assert "".join(deltas) == res.text == r.text and res.token_ids == r.token_ids and res.finish_reason == r.finish_reason
+    assert ("".join(deltas) == res.text == r.text and res.token_ids == r.token_ids
+            and res.finish_reason == r.finish_reason)
 
 
 REQUESTS = [
@@ -84,7 +85,8 @@ REQUESTS = [
 
 
 def _signature(r: GenerationResult):
-    keep = ("new_tokens", "finish_reason", "target_forwards", "draft_forwards", "accepted_per_round", "tree_depth_per_round")
+    keep = ("new_tokens", "finish_reason", "target_forwards", "draft_forwards", "accepted_per_round",
+            "tree_depth_per_round")
     return r.text, r.token_ids, r.finish_reason, {k: r.stats.to_json()[k] for k in keep}
 
 
@@ -110,7 +112,7 @@ def test_interleaved_streams_on_one_instance_fail_loudly(mha):
     assert rt.generate(PROMPTS[0], max_new_tokens=30).token_ids == mha.expected(PROMPTS[0], 30)
 
 
-# ---------------------------------------------------------------- bad input (CASES: clear errors, no forward)
+# ---------------------------------------------------------------- bad input: clear errors, no forward
 
 LONG = list(range(1, 250)) * 2  # > max_length tokens
 BAD = {
@@ -237,7 +239,8 @@ def test_cli_seed_is_reproducible_and_matches_the_api(mha, capsys):
         assert cli.main(args + ["--seed", seed]) == 0
         runs.append(json.loads(capsys.readouterr().out))
     assert runs[0]["token_ids"] == runs[1]["token_ids"] != runs[2]["token_ids"]
-    api_run = mha.rt.generate("Seeds: é€🙂", max_new_tokens=20, temperature=0.9, top_p=0.95, top_k=40, seed=5, chat=False)
+    api_run = mha.rt.generate("Seeds: é€🙂", max_new_tokens=20, temperature=0.9, top_p=0.95, top_k=40, seed=5,
+                              chat=False)
     assert api_run.token_ids == runs[0]["token_ids"] and api_run.text == runs[0]["text"]
     assert runs[0]["stats"]["lossless"] is True
 

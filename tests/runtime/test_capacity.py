@@ -56,22 +56,24 @@ def test_tree_is_clipped_at_capacity_and_finishes_with_length(model, prompt_len)
     assert max(call.past + len(call.input_ids) for call in calls) == L
     assert len(calls[1].input_ids) == min(31, L - prompt_len)  # full tree, or clipped to the room left
     assert 1 <= len(calls[-1].input_ids) < 31  # the last tree was clipped
-    assert np.all(np.isnan(rt.decoder.kv.arrays[0][L:])), "a row past max_length was written"
+    assert np.all(np.isnan(rt.decoder.kv.rows(0)[L:])), "a row past max_length was written"
 
 
 @pytest.mark.parametrize("tree", ["dynamic-wide", "eagle1"])
 def test_eagle_drafter_near_capacity_reads_nothing_stale(model, tree):
     L = model.manifest.max_length
-    config = TreeConfig("dynamic", total_tokens=60, depth=6, top_k=8) if tree == "dynamic-wide" else TreeConfig.static("eagle1")
+    config = (TreeConfig("dynamic", total_tokens=60, depth=6, top_k=8) if tree == "dynamic-wide"
+              else TreeConfig.static("eagle1"))
     prompt = _long_prompt(230, seed=5)
     rt = _guarded(model.runtime(tree=config), L)
     result = rt.generate(prompt, max_new_tokens=100)
     want = model.expected(prompt, L + 1 - 230)
     assert result.token_ids == want
     assert result.finish_reason == ("stop" if want[-1] in model.eos_ids else "length")
-    assert np.all(np.isnan(rt.decoder.kv.arrays[-1][L:]))
+    assert np.all(np.isnan(rt.decoder.kv.rows(-1)[L:]))
     draft_calls = rt.decoder.drafter.backend.calls
-    assert draft_calls and max(call.past + len(call.input_ids) for call in draft_calls) <= rt.decoder.drafter.kv.capacity
+    assert draft_calls and (max(call.past + len(call.input_ids) for call in draft_calls)
+                            <= rt.decoder.drafter.kv.capacity)
 
 
 def test_prompt_one_short_of_capacity_gives_two_tokens(model):
@@ -100,7 +102,7 @@ def test_vanilla_runs_to_capacity(model):
     result = rt.generate(prompt, max_new_tokens=100, mode="vanilla")
     want = model.expected(prompt, L + 1 - 240)
     assert result.token_ids == want
-    assert np.all(np.isnan(rt.decoder.kv.arrays[0][L:]))
+    assert np.all(np.isnan(rt.decoder.kv.rows(0)[L:]))
 
 
 def test_finish_says_whether_capacity_or_max_new_tokens_was_the_limit(model):

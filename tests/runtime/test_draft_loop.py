@@ -1,6 +1,6 @@
-"""The EAGLE draft loop (CASES.md R2, R3): the token shift of what the draft graph is fed,
-the draft KV after every round against a fresh draft forward, and determinism within a
-process, across processes, and across requests."""
+"""The EAGLE draft loop: the token shift between features and tokens in what the draft
+graph is fed, stale draft KV (the draft KV after every round against a fresh draft forward),
+and determinism within a process, across processes, and across requests."""
 from __future__ import annotations
 
 import json
@@ -45,7 +45,7 @@ def _accept_two(pos, ref):
     return [ref[pos:pos + 2] + [wrong_token(ref[pos + 2])]]
 
 
-def test_r2_token_shift(model):
+def test_token_shift(model):
     prompt = PROMPTS[0]  # [t0..t4]
     assert len(prompt) == 5
     ref = model.ref(prompt, 16)
@@ -67,7 +67,7 @@ def test_r2_token_shift(model):
     np.testing.assert_allclose(second.features, h[5:8], rtol=0, atol=ATOL)
 
 
-def test_r2_tree_expansion_inputs(model):
+def test_tree_expansion_inputs(model):
     """Expansion calls after the extension: depth-d nodes at position root + d - 1, fed the
     head's own predicted feature of their parent, seeing committed rows and their ancestors only."""
     prompt = PROMPTS[1]
@@ -127,7 +127,8 @@ def _sequential_scores(model, committed, root_pos, tree):
             top_ids.setdefault(path[depth], list(lp))
             total += lp[int(tree.tokens[child])]  # KeyError: the child is not in its parent's top-k
             p = root_pos + depth
-            out = run_step(be, kv, [int(tree.tokens[child])], [p], causal_mask(p, 1), p, logits_at=[0], features=feat[None])
+            out = run_step(be, kv, [int(tree.tokens[child])], [p], causal_mask(p, 1), p, logits_at=[0],
+                           features=feat[None])
             feat = out["next_features"][0, -1]
         scores[node] = total
     return scores, top_ids
@@ -147,7 +148,8 @@ def test_draft_tree_scores_equal_a_sequential_reference(model, tree_name):
     for committed, root_pos, tree in recorder.seen[:2]:
         assert tree.size == tree_cfg.total_tokens
         # static trees keep every choice; dynamic ones rerank by score (deep nodes may drop out)
-        assert int(tree.depths.max()) == tree_cfg.depth if tree_name == "eagle1" else 2 <= int(tree.depths.max()) <= tree_cfg.depth
+        assert (int(tree.depths.max()) == tree_cfg.depth if tree_name == "eagle1"
+                else 2 <= int(tree.depths.max()) <= tree_cfg.depth)
         scores, top_ids = _sequential_scores(model, committed, root_pos, tree)
         np.testing.assert_allclose(tree.scores, scores, rtol=0, atol=ATOL)
         for node in range(tree.size):
@@ -170,7 +172,7 @@ def _static_prefix(tree, node, top_ids) -> tuple:
     return tuple(ranks)
 
 
-# ---------------------------------------------------------------- R3: draft KV is never stale
+# ---------------------------------------------------------------- draft KV is never stale
 
 
 def _perfect(pos, ref):
@@ -184,7 +186,7 @@ def _mixed(pos, ref):
 
 
 @pytest.mark.parametrize("kind", ["eagle-only", "perfect", "mixed"])
-def test_r3_draft_kv_equals_fresh_draft_forward_every_round(model, kind):
+def test_draft_kv_equals_fresh_draft_forward_every_round(model, kind):
     prompt = PROMPTS[2]
     ref = model.ref(prompt, 48)
     if kind == "eagle-only":
@@ -205,12 +207,13 @@ def test_r3_draft_kv_equals_fresh_draft_forward_every_round(model, kind):
     for r in spy.rounds:
         # the drafter has been fed every pair up to this round's root (the last round may skip it)
         assert r.draft_len == r.target_len - len(r.chunk) or r is spy.rounds[-1]
-        assert_kv_close(r.draft_kv, kv_rows(fresh, r.draft_len), atol=ATOL, what=f"draft KV after round ending at {r.target_len}")
+        assert_kv_close(r.draft_kv, kv_rows(fresh, r.draft_len), atol=ATOL,
+                        what=f"draft KV after round ending at {r.target_len}")
     if kind != "eagle-only":
         assert max(len(r.chunk) for r in spy.rounds) >= 3
 
 
-# ---------------------------------------------------------------- R3: determinism
+# ---------------------------------------------------------------- determinism
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 1234}
 
@@ -229,7 +232,7 @@ def _counters(rt, prompt, **kw) -> dict:
 
 
 @pytest.mark.parametrize("kw", [{}, SAMPLED], ids=["greedy", "sampled"])
-def test_r3_same_prompt_twice_in_one_process(model, kw):
+def test_same_prompt_twice_in_one_process(model, kw):
     rt = model.runtime()
     first = _signature(rt, PROMPTS[0], **kw)
     assert _signature(rt, PROMPTS[0], **kw) == first
@@ -237,7 +240,7 @@ def test_r3_same_prompt_twice_in_one_process(model, kw):
 
 
 @pytest.mark.parametrize("kw", [{}, SAMPLED], ids=["greedy", "sampled"])
-def test_r3_request_b_after_a_equals_b_fresh(model, kw):
+def test_request_b_after_a_equals_b_fresh(model, kw):
     a, b = PROMPTS[2], PROMPTS[1]
     rt = model.runtime()
     rt.generate(a, max_new_tokens=40, **kw)
@@ -251,7 +254,7 @@ def test_r3_request_b_after_a_equals_b_fresh(model, kw):
         assert after_a["tokens"] == model.expected(b, 32)
 
 
-def test_r3_fresh_process_gives_identical_tokens(mha):
+def test_fresh_process_gives_identical_tokens(mha):
     script = (
         "import json, sys\n"
         "from eagle_deploy.runtime.api import EagleRuntime\n"

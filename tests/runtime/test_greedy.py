@@ -1,6 +1,6 @@
 """Greedy EAGLE decoding is lossless: token for token equal to vanilla greedy on the same
 engine and to a plain transformers greedy loop, for dynamic and static trees, MHA and GQA,
-and under adversarial scripted drafts (CASES.md V1)."""
+and under adversarial scripted drafts."""
 from __future__ import annotations
 
 import pytest
@@ -18,6 +18,13 @@ TREES = {
     "dynamic-root-only": TreeConfig("dynamic", total_tokens=1, depth=3, top_k=2),
     "eagle1": TreeConfig.static("eagle1"),
 }
+
+
+@pytest.fixture(scope="module", params=["mha", "gqa", "gqa_standard"])
+def model(request):
+    """Both tiny targets as the default fp32 graph (fused operators, shared KV), and the GQA one
+    as the standard-op graph (sequence-major KV)."""
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +110,8 @@ ADVERSARIAL = {
     "root-only": (_root_only, lambda acc: all(a == 1 for a in acc)),
     "all-root-children-wrong": (_all_root_children_wrong, lambda acc: all(a == 1 for a in acc)),
     "perfect-depth-5": (_perfect(5), lambda acc: all(a == 6 for a in acc[:-1]) and 1 <= acc[-1] <= 6),
-    "correct-second-sibling": (_correct_second_sibling, lambda acc: all(a == 5 for a in acc[:-1]) and 1 <= acc[-1] <= 5),
+    "correct-second-sibling": (_correct_second_sibling,
+                               lambda acc: all(a == 5 for a in acc[:-1]) and 1 <= acc[-1] <= 5),
 }
 
 

@@ -1,6 +1,7 @@
 """KVBuffer: compaction of a scattered accepted path, capacity checks, NaN poisoning; after
-every round the target KV equals a fresh prefill of the committed tokens; one buffer reused
-across tree sizes equals fresh exactly-sized buffers bitwise (CASES.md K3)."""
+every round the target KV equals a fresh prefill of the committed tokens; KV buffer reuse
+across tree sizes: one buffer, prefilled from an empty past and reused for trees of every
+size, equals fresh exactly-sized buffers bitwise."""
 from __future__ import annotations
 
 import numpy as np
@@ -27,7 +28,8 @@ from tests.helpers import (
 def _numbered(capacity=16, layers=2):
     """A buffer whose row r holds the value r (per array a: r + 1000 * a)."""
     names = c.kv_names(layers)
-    arrays = [np.broadcast_to((np.arange(capacity) + 1000 * i)[:, None, None, None], (capacity, 1, 2, 3)).astype(np.float32).copy()
+    arrays = [np.broadcast_to((np.arange(capacity) + 1000 * i)[:, None, None, None],
+                              (capacity, 1, 2, 3)).astype(np.float32).copy()
               for i in range(len(names))]
     return KVBuffer(names, arrays)
 
@@ -40,6 +42,26 @@ def test_compact_moves_a_scattered_path_into_place():
         np.testing.assert_array_equal(a[:5], b[:5])  # rows before start untouched
         np.testing.assert_array_equal(a[5:9, 0, 0, 0], np.array([5, 7, 10, 12]) + 1000 * i)
         np.testing.assert_array_equal(a[9:], b[9:])  # only rows 5..8 are written
+
+
+def test_shared_layout_rows_view_and_compaction_match_seq_major():
+    """The fused graphs' layout [batch, kv_heads, capacity, head_dim]: rows() views it
+    sequence-major (writes go through), and compaction moves the same rows as in the
+    sequence-major layout."""
+    seq = _numbered()
+    shared = KVBuffer(seq.names, [np.ascontiguousarray(a.transpose(1, 2, 0, 3)) for a in seq.arrays], c.KV_SHARED)
+    assert shared.capacity == seq.capacity == 16 and shared.arrays[0].shape == (1, 2, 16, 3)
+    for i in range(len(seq.arrays)):
+        np.testing.assert_array_equal(shared.rows(i), seq.arrays[i])
+    for kv in (seq, shared):
+        kv.compact(5, [0, 2, 5, 7])
+    for i in range(len(seq.arrays)):
+        np.testing.assert_array_equal(shared.rows(i), seq.arrays[i])
+    poison(shared, 12)
+    assert np.isnan(shared.arrays[1][:, :, 12:]).all() and not np.isnan(shared.arrays[1][:, :, :12]).any()
+    assert KVBuffer.allocate(seq.names, 8, 1, 2, 3, np.float32, c.KV_SHARED).arrays[0].shape == (1, 2, 8, 3)
+    with pytest.raises(ValueError, match="layout"):
+        KVBuffer(seq.names, seq.arrays, "bnsh")
 
 
 def test_compact_overlapping_moves_read_before_write():
@@ -113,7 +135,7 @@ def test_target_kv_equals_fresh_prefill_after_every_round(model, kind):
         assert_kv_close(r.target_kv, kv_rows(fresh, r.target_len), what=f"round ending at {r.target_len}")
 
 
-# ---------------------------------------------------------------- K3: reuse across tree sizes
+# ---------------------------------------------------------------- KV buffer reuse across tree sizes
 
 
 def _random_tree(n: int, seed: int) -> DraftTree:
@@ -122,7 +144,7 @@ def _random_tree(n: int, seed: int) -> DraftTree:
     return DraftTree(rng.integers(1, 256, n), np.array(parents), -np.arange(n, dtype=np.float32))
 
 
-def test_k3_one_buffer_reused_across_tree_sizes_equals_fresh_buffers(model):
+def test_one_buffer_reused_across_tree_sizes_equals_fresh_buffers(model):
     prompt = PROMPTS[2] * 2
     P = len(prompt)
     reused_be = RecordingBackend(model.backend(), poison=True)
@@ -142,3 +164,19 @@ def test_k3_one_buffer_reused_across_tree_sizes_equals_fresh_buffers(model):
         for a, b in zip(kv_rows(reused, P + n), kv_rows(fresh, P + n)):
             np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(first[c.LOGITS], fresh_first[c.LOGITS])
+
+
+def test_one_backend_alternating_between_kv_buffers(model):
+    """OrtBackend keeps a shared-layout buffer bound between calls: switching the buffer (as a
+    second request would) rebinds it, and each buffer sees only its own rows."""
+    be = model.backend()
+    a, b = be.allocate_kv(32), be.allocate_kv(32)
+    out_a = prefill(be, a, PROMPTS[0])
+    out_b = prefill(be, b, PROMPTS[1])
+    step_a = prefill(be, a, [42], past=len(PROMPTS[0]))
+    step_b = prefill(be, b, [42], past=len(PROMPTS[1]))
+    for prompt, first, step in ((PROMPTS[0], out_a, step_a), (PROMPTS[1], out_b, step_b)):
+        fresh_be = model.backend()
+        fresh = fresh_be.allocate_kv(32)
+        np.testing.assert_array_equal(prefill(fresh_be, fresh, prompt)[c.LOGITS], first[c.LOGITS])
+        np.testing.assert_array_equal(prefill(fresh_be, fresh, [42], past=len(prompt))[c.LOGITS], step[c.LOGITS])

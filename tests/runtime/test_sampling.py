@@ -1,5 +1,6 @@
 """Lossless sampling: output follows the processed target distribution exactly (SpecInfer
-arXiv 2305.09781 §4; EAGLE-2 arXiv 2406.16858 §4), whatever the drafts are (CASES.md S2).
+arXiv 2305.09781 §4; EAGLE-2 arXiv 2406.16858 §4), whatever the drafts are; sampling
+parameters (temperature, top-k, top-p) apply to the target distribution.
 
 (a) Verification level, hand-built logits: a "world" gives every context its own logits;
     trees of 1, 4 and 12 nodes whose children are always the same two tokens (a biased
@@ -11,8 +12,9 @@ arXiv 2305.09781 §4; EAGLE-2 arXiv 2406.16858 §4), whatever the drafts are (CA
     scripted drafter always proposing the same two tokens: the joint of two consecutive
     generated tokens against the exact probabilities from transformers' forward and
     transformers' own logits warpers.
-(c) S2: top-k / top-p / temperature truncation (never a token outside the allowed set,
-    in-set frequencies fit the renormalised truncated target), top-k=1 equals greedy, a
+(c) Sampling parameters apply to the target distribution: top-k / top-p / temperature
+    truncation (never a token outside the allowed set, in-set frequencies fit the
+    renormalised truncated target), top-k=1 equals greedy, a
     parameter grid with rounds that accept everything and rounds that accept nothing, and
     seeded determinism.
 """
@@ -156,17 +158,17 @@ def exact_two(world: World, temperature, top_p=1.0, top_k=0) -> tuple[np.ndarray
 
 
 PARAMS = {"T1": (1.0, 1.0, 0), "T0.7-p0.9": (0.7, 0.9, 0), "k3-T1.3": (1.3, 1.0, 3)}
-CASES_A = [("1", "T1"), ("4", "T1"), ("12", "T1"), ("random-12", "T1"),
-           ("4", "T0.7-p0.9"), ("12", "T0.7-p0.9"), ("random-12", "T0.7-p0.9"),
-           ("12", "k3-T1.3"), ("random-12", "k3-T1.3")]
+TREE_PARAM_CASES = [("1", "T1"), ("4", "T1"), ("12", "T1"), ("random-12", "T1"),
+                    ("4", "T0.7-p0.9"), ("12", "T0.7-p0.9"), ("random-12", "T0.7-p0.9"),
+                    ("12", "k3-T1.3"), ("random-12", "k3-T1.3")]
 
 
 @pytest.mark.statistical
-@pytest.mark.parametrize("tree_name, params_name", CASES_A)
+@pytest.mark.parametrize("tree_name, params_name", TREE_PARAM_CASES)
 def test_verification_output_follows_the_target_exactly(tree_name, params_name):
     T, top_p, top_k = PARAMS[params_name]
     params = SamplingParams(T, top_p, top_k)
-    case = CASES_A.index((tree_name, params_name))
+    case = TREE_PARAM_CASES.index((tree_name, params_name))
     world = World(seed=case)
     pool = _pool(tree_name)
     firsts, pairs, accepted = np.empty(N_VERIFY, np.int64), np.empty(N_VERIFY, np.int64), 0
@@ -249,15 +251,16 @@ def _two_tokens(rt, params: SamplingParams, n: int) -> np.ndarray:
     return out
 
 
-N_S2 = 10_000
+N_TRUNCATION = 10_000
 
 
 @pytest.mark.statistical
 @pytest.mark.parametrize("T, top_p, top_k", [(1.0, 1.0, 3), (0.7, 0.5, 0)], ids=["top-k=3,T=1", "top-p=0.5,T=0.7"])
-def test_s2_truncation_applies_to_the_target(v16, v16_logits, T, top_p, top_k):
-    """CASES S2 over 10k seeds: t0 (prefill) and t1 (first verification round; the drafter
-    proposes the likeliest allowed token and a token outside the allowed set) never fall
-    outside the allowed set, and their frequencies fit the renormalised truncated target."""
+def test_truncation_applies_to_the_target(v16, v16_logits, T, top_p, top_k):
+    """Sampling parameters apply to the target distribution, over 10k seeds: t0 (prefill)
+    and t1 (first verification round; the drafter proposes the likeliest allowed token and a
+    token outside the allowed set) never fall outside the allowed set, and their frequencies
+    fit the renormalised truncated target."""
     l0, l1, _ = v16_logits
     p0, p1 = ref_probs(l0, T, top_p, top_k), ref_probs(l1, T, top_p, top_k)
     allowed0, allowed1 = p0 > 0, p1 > 0
@@ -267,7 +270,7 @@ def test_s2_truncation_applies_to_the_target(v16, v16_logits, T, top_p, top_k):
     outside = int(np.argmin(p0 @ allowed1))  # the token least often allowed after t0
     drafter = _fixed_pair_drafter([[inside], [outside]])
     rt = v16.runtime(drafter=drafter)
-    draws = _two_tokens(rt, SamplingParams(T, top_p, top_k), N_S2)
+    draws = _two_tokens(rt, SamplingParams(T, top_p, top_k), N_TRUNCATION)
     t0, t1 = draws[:, 0], draws[:, 1]
     assert allowed0[t0].all(), "t0 outside the allowed set"
     assert allowed1[t0, t1].all(), "t1 outside the allowed set"
@@ -313,7 +316,7 @@ class _NoneDrafter:
 GRID = [(T, top_p, top_k) for T in (1e-5, 0.1, 1.0) for top_p in (0.5, 0.9, 1.0) for top_k in (0, 1, 5)]
 
 
-def test_s2_parameter_grid_accept_all_and_none(v16):
+def test_parameter_grid_accept_all_and_none(v16):
     """T x top-p x top-k (27 settings) with a drafter whose root children are the whole
     vocabulary (a draft is always accepted: every round commits 2 tokens) and one whose
     children all have zero probability (nothing accepted: 1 token per round); no
@@ -347,10 +350,12 @@ def test_top_k_one_and_vanishing_top_p_equal_greedy(request, which):
     assert greedy.token_ids == model.expected(prompt, 24)
     for T in (0.3, 1.0, 2.0):
         for seed in (0, 1):
-            assert rt.generate(prompt, max_new_tokens=24, temperature=T, top_k=1, seed=seed).token_ids == greedy.token_ids
+            assert (rt.generate(prompt, max_new_tokens=24, temperature=T, top_k=1, seed=seed).token_ids
+                    == greedy.token_ids)
             # top-p so small that only the argmax is left: the sampling path (not the greedy
             # shortcut) must still produce the greedy tokens
-            assert rt.generate(prompt, max_new_tokens=24, temperature=T, top_p=1e-9, seed=seed).token_ids == greedy.token_ids
+            assert (rt.generate(prompt, max_new_tokens=24, temperature=T, top_p=1e-9, seed=seed).token_ids
+                    == greedy.token_ids)
 
 
 def test_seeded_sampling_is_reproducible(v16):

@@ -122,8 +122,8 @@ def test_finish_reasons(model):
     # a stop string ends the request with "stop" and is excluded from the text
     ref = model.ref(PROMPT, 40)
     full = rt.tokenizer.decode(ref[:20], skip_special_tokens=True)
-    stop = next(full[i:i + 2] for i in range(4, len(full) - 2) if "\ufffd" not in full[i:i + 2] and full[i:i + 2].isprintable()
-                and full[i:i + 2] not in full[:i + 1])
+    stop = next(full[i:i + 2] for i in range(4, len(full) - 2)
+                if "\ufffd" not in full[i:i + 2] and full[i:i + 2].isprintable() and full[i:i + 2] not in full[:i + 1])
     result = rt.generate(PROMPT, max_new_tokens=40, stop=[stop])
     assert result.finish_reason == "stop"
     assert result.text == full[:full.index(stop)]

@@ -157,7 +157,8 @@ def test_stop_spanning_a_multibyte_character(tok):
 
 def test_eos_ids_stop_and_are_not_text(tok):
     ids = _b("hé!") + [0] + _b("?x")
-    for eos, text, kept in (([ord("!")], "hé", 4), ([ord("?"), ord("!")], "hé", 4), ([0], "hé!", 5), ([ord("?")], "hé!", 6)):
+    for eos, text, kept in (([ord("!")], "hé", 4), ([ord("?"), ord("!")], "hé", 4), ([0], "hé!", 5),
+                            ([ord("?")], "hé!", 6)):
         ts, deltas, n = _push_all(tok, ids, eos=eos)
         assert ts.text == text and "".join(deltas) == text
         assert n == kept and ts.ids == ids[:kept] and ts.ids[-1] in eos
@@ -304,7 +305,8 @@ def test_stop_on_the_real_model_cuts_the_chunk(mha):
     rt = mha.rt
     ref = rt.generate(PROMPTS[1], max_new_tokens=40)
     text = ref.text
-    start = next(i for i in range(3, len(text) - 3) if "\ufffd" not in text[i:i + 3] and text[i:i + 3] not in text[:i + 2])
+    start = next(i for i in range(3, len(text) - 3)
+                 if "\ufffd" not in text[i:i + 3] and text[i:i + 3] not in text[:i + 2])
     stop = text[start:start + 3]
     result = rt.generate(PROMPTS[1], max_new_tokens=40, stop=[stop, "\x01never"])
     assert result.finish_reason == "stop" and result.text == text[:start]
@@ -320,7 +322,8 @@ def test_cli_stream_prints_the_text_and_honours_repeated_stops(mha, capsys):
     prompt = "Hello wörld, €5 🙂"
     full = rt.generate(prompt, max_new_tokens=48, chat=False)
     text = full.text
-    start = next(i for i in range(4, len(text) - 2) if "\ufffd" not in text[i:i + 2] and text[i:i + 2] not in text[:i + 1])
+    start = next(i for i in range(4, len(text) - 2)
+                 if "\ufffd" not in text[i:i + 2] and text[i:i + 2] not in text[:i + 1])
     stops = ["\x02absent", text[start:start + 2]]
     want = rt.generate(prompt, max_new_tokens=48, chat=False, stop=stops)
     assert want.finish_reason == "stop" and want.text == text[:start]

@@ -89,7 +89,8 @@ def test_greedy_threshold_mode_leaves_the_greedy_path(v16, v16_logits):
     z = int(np.argsort(-p)[1])  # the second likeliest token after t0
     drafter = ScriptedDrafter(lambda committed: [[z]] if len(committed) == len(PROMPT) + 1 else [])
     greedy = v16.runtime(drafter=drafter).generate(PROMPT, max_new_tokens=4)
-    lossy = v16.runtime(drafter=drafter, acceptance="threshold", threshold=0.5 * p[z]).generate(PROMPT, max_new_tokens=4)
+    lossy = v16.runtime(drafter=drafter, acceptance="threshold",
+                        threshold=0.5 * p[z]).generate(PROMPT, max_new_tokens=4)
     assert greedy.token_ids == v16.expected(PROMPT, 4)
     assert lossy.token_ids[:2] == [t0, z] != greedy.token_ids[:2]
 

@@ -8,7 +8,10 @@ with onnxruntime and writes its outputs to the bound addresses. So the binding l
 (KV written in place at row `past`, staging buffers, int32 bindings, profile selection,
 checks before enqueue) is exercised for real; only TensorRT's kernels are not. Its token
 inputs are declared int32 so that an int64 buffer passed as a raw pointer would be read as
-garbage (T3). `gpu`-marked tests need TensorRT and a CUDA GPU and skip visibly elsewhere.
+garbage (int64 ids handed to an int32 binding). Also covered: shapes outside the optimization
+profile, and past/present aliasing per backend (the same scripted loop on every backend);
+on a GPU, fp16 RMSNorm overflow with large activations. `gpu`-marked tests need TensorRT and
+a CUDA GPU and skip visibly elsewhere.
 """
 from __future__ import annotations
 
@@ -20,10 +23,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-from tests.helpers import ScriptedDrafter, gpu_skip_reason, poison
-
-torch = pytest.importorskip("torch")
 
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.contract.manifest import Manifest
@@ -43,6 +42,9 @@ from eagle_deploy.runtime.drafter import EagleDrafter, causal_mask
 from eagle_deploy.runtime.kv import CapacityError, KVBuffer
 from eagle_deploy.runtime.sampling import SamplingParams
 from eagle_deploy.runtime.tree import TreeConfig, TreeConfigError
+from tests.helpers import ScriptedDrafter, gpu_skip_reason, poison
+
+torch = pytest.importorskip("torch")
 
 MAX_LENGTH = 256
 THREADS = 1
@@ -50,7 +52,8 @@ THREADS = 1
 
 GPU_REASON = gpu_skip_reason()
 gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"TensorRT not installed / no CUDA GPU: {GPU_REASON}")
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU (ort-cuda needs onnxruntime-gpu and a GPU)")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="no CUDA GPU (ort-cuda needs onnxruntime-gpu and a GPU)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +102,8 @@ class FakeEngine:
         self.session = ort.InferenceSession(str(folder / graph.path), so, providers=["CPUExecutionProvider"])
         self.graph, self.dims, self.profiles = graph, dims, profiles
         self.tensors = {}
-        for spec, mode in [(s, TensorIOMode.INPUT) for s in graph.inputs] + [(s, TensorIOMode.OUTPUT) for s in graph.outputs]:
+        for spec, mode in ([(s, TensorIOMode.INPUT) for s in graph.inputs]
+                           + [(s, TensorIOMode.OUTPUT) for s in graph.outputs]):
             dt = DataType.INT32 if spec.name in int32 else FROM_NAME[spec.dtype]
             self.tensors[spec.name] = (mode, dt, spec)
         self.names = list(self.tensors)
@@ -163,7 +167,8 @@ class FakeContext:
                 arr = _read(self.addresses[name], self.shapes[name], NP[dt])
                 feeds[name] = arr.astype(np.int64) if dt == DataType.INT32 else arr  # the graph itself is int64
         outs = eng.session.run([n for n, t in eng.tensors.items() if t[0] == TensorIOMode.OUTPUT], feeds)
-        for (name, (mode, dt, spec)), out in zip([(n, t) for n, t in eng.tensors.items() if t[0] == TensorIOMode.OUTPUT], outs):
+        for (name, (mode, dt, spec)), out in zip([(n, t) for n, t in eng.tensors.items()
+                                                  if t[0] == TensorIOMode.OUTPUT], outs):
             out = np.ascontiguousarray(out.astype(NP[dt]))
             assert out.shape == tuple(self.get_tensor_shape(name)), name
             if out.nbytes:
@@ -177,12 +182,27 @@ class FakeContext:
 
 
 @pytest.fixture(scope="module")
-def export_dir(tmp_path_factory):
-    from eagle_deploy.exporter.export import ExportOptions, export
+def tiny_target(tmp_path_factory):
     from tests.tiny import build_tiny_target
 
-    model = build_tiny_target(tmp_path_factory.mktemp("trtb-model") / "tiny", gqa=True)
-    return export(str(model), "random", tmp_path_factory.mktemp("trtb-exports"),
+    return build_tiny_target(tmp_path_factory.mktemp("trtb-model") / "tiny", gqa=True)
+
+
+@pytest.fixture(scope="module")
+def export_dir(tiny_target, tmp_path_factory):
+    """The standard-op graph (what TensorRT engines are built from; sequence-major KV)."""
+    from eagle_deploy.exporter.export import ExportOptions, export
+
+    return export(str(tiny_target), "random", tmp_path_factory.mktemp("trtb-exports"),
+                  ExportOptions(max_length=MAX_LENGTH, name="tiny", graph="standard"), progress=None)
+
+
+@pytest.fixture(scope="module")
+def fused_export_dir(tiny_target, tmp_path_factory):
+    """The same target as the default fp32 graph (onnxruntime's fused operators, shared KV)."""
+    from eagle_deploy.exporter.export import ExportOptions, export
+
+    return export(str(tiny_target), "random", tmp_path_factory.mktemp("trtb-exports-fused"),
                   ExportOptions(max_length=MAX_LENGTH, name="tiny"), progress=None)
 
 
@@ -220,7 +240,7 @@ def _kv_np(a) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# pure checks: dtype coercion (T3) and profile bounds (T2)
+# pure checks: dtype coercion (int64 ids into an int32 binding) and profile bounds
 
 
 def test_int64_into_int32_binding_is_cast_not_reinterpreted():
@@ -251,7 +271,8 @@ def test_profile_violation_message():
     msg = profile_violation({"input_ids": (1, 65)}, bounds)
     assert "'input_ids'" in msg and "65" in msg and "[1, 64]" in msg and "(1, 64)" in msg
     assert "rank" in profile_violation({"input_ids": (65,)}, bounds)
-    with pytest.raises(ProfileShapeError, match=r"(?s)no TensorRT optimization profile.*profile 0 \(verify\).*--max-tree-tokens"):
+    with pytest.raises(ProfileShapeError,
+                       match=r"(?s)no TensorRT optimization profile.*profile 0 \(verify\).*--max-tree-tokens"):
         select_profile({"input_ids": (1, 65)}, [("verify", bounds)])
 
 
@@ -309,9 +330,10 @@ def test_profiles_are_chosen_per_call(export_dir, manifest):
     assert [names[ctx.profile] for ctx in engine.contexts] == ["prefill", "decode", "verify"]
 
 
-def test_t2_out_of_profile_raises_before_enqueue(export_dir, manifest):
-    """T2: 64 tree nodes at total length 256 run; 65 nodes, or length 257, raise a clear
-    error naming input, size and bounds before anything is enqueued."""
+def test_out_of_profile_raises_before_enqueue(export_dir, manifest):
+    """Shape outside the optimization profile: 64 tree nodes at total length 256 run; 65
+    nodes, or length 257, raise a clear error naming input, size and bounds before anything
+    is enqueued."""
     trt_b, engine = fake_backend(export_dir, manifest)
     kv = trt_b.allocate_kv(MAX_LENGTH)
     trt_b.run(_step_inputs(list(range(64)), MAX_LENGTH - 64), kv, MAX_LENGTH - 64)
@@ -361,7 +383,8 @@ def test_int64_mask_is_rejected_not_reinterpreted(export_dir, manifest):
 
 
 def _script_from(reference: list[int], prompt_len: int):
-    """Scripted drafter (K4): the reference continuation for 3 tokens, then a wrong branch."""
+    """Scripted drafter (past/present aliasing per backend): the reference continuation for
+    3 tokens, then a wrong branch."""
     def script(committed):
         done = len(committed) - prompt_len
         good = reference[done: done + 3]
@@ -376,9 +399,10 @@ def _decode(target, drafter, prompt, n=24, vanilla=False):
     return [t for ch in chunks for t in ch], chunks
 
 
-def test_k4_scripted_loop_same_tokens_as_ort(export_dir, manifest):
-    """K4 on CPU: the same 6+ round loop with a scripted drafter on ORT-CPU and on the
-    TensorRT backend (stand-in engine) commits identical tokens per round."""
+def test_scripted_loop_same_tokens_as_ort(export_dir, manifest):
+    """Past/present aliasing per backend, on CPU: the same 6+ round loop with a scripted
+    drafter on ORT-CPU and on the TensorRT backend (stand-in engine) commits identical tokens
+    per round."""
     prompt = [65, 32, 119, 111, 114, 108, 100, 10]
     ref, _ = _decode(ort_backend(export_dir, manifest), None, prompt, vanilla=True)
     drafted = [_decode(b, ScriptedDrafter(_script_from(ref, len(prompt))), prompt)
@@ -405,7 +429,18 @@ def test_eagle_drafter_on_trt_matches_ort(export_dir, manifest):
 # ort-cuda backend: the same IO binding on torch buffers, on onnxruntime's CPU provider here
 
 
-def test_ort_torch_binding_matches_ort(export_dir, manifest):
+@pytest.fixture(params=["standard", "fused"])
+def any_export(request, export_dir):
+    """(folder, manifest) of the standard-op export and of the fused one (KV layouts
+    seq_major and shared)."""
+    folder = export_dir if request.param == "standard" else request.getfixturevalue("fused_export_dir")
+    manifest = Manifest.load(folder)
+    assert manifest.target.kv_layout == (c.KV_SEQ_MAJOR if request.param == "standard" else c.KV_SHARED)
+    return folder, manifest
+
+
+def test_ort_torch_binding_matches_ort(any_export):
+    export_dir, manifest = any_export
     ref = ort_backend(export_dir, manifest)
     dev = OrtCudaBackend(export_dir, manifest.target, manifest.dims, device="cpu", threads=THREADS)
     kv_ref, kv = ref.allocate_kv(MAX_LENGTH), dev.allocate_kv(MAX_LENGTH)
@@ -416,19 +451,21 @@ def test_ort_torch_binding_matches_ort(export_dir, manifest):
         out, exp = dev.run(inputs, kv, past), ref.run(inputs, kv_ref, past)
         np.testing.assert_array_equal(out.logits, exp.logits)
         np.testing.assert_array_equal(out.features, exp.features)
-    for a, b in zip(kv.arrays, kv_ref.arrays):
-        np.testing.assert_array_equal(_kv_np(a)[:11], b[:11])
-        assert np.isnan(_kv_np(a)[11:]).all()
+    for i in range(len(kv.arrays)):
+        np.testing.assert_array_equal(_kv_np(kv.rows(i))[:11], kv_ref.rows(i)[:11])
+        assert np.isnan(_kv_np(kv.rows(i))[11:]).all()
     with pytest.raises(TypeError, match="not a torch tensor"):
         dev.run(_prefill_inputs([1]), kv_ref, 0)
 
 
-def test_ort_torch_binding_decode_loop(export_dir, manifest):
+def test_ort_torch_binding_decode_loop(any_export):
+    export_dir, manifest = any_export
     tree = manifest.tree
     prompt = [9, 8, 7, 6, 5]
     runs = []
     for make in (lambda w: ort_backend(export_dir, manifest, w),
-                 lambda w: OrtCudaBackend(export_dir, getattr(manifest, w), manifest.dims, device="cpu", threads=THREADS)):
+                 lambda w: OrtCudaBackend(export_dir, getattr(manifest, w), manifest.dims, device="cpu",
+                                          threads=THREADS)):
         drafter = EagleDrafter(make("draft"), tree, MAX_LENGTH, manifest.draft.graph_top_k)
         runs.append(_decode(make("target"), drafter, prompt, n=16))
     assert runs[0] == runs[1]
@@ -459,8 +496,9 @@ def trt_export(export_dir, tmp_path_factory):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_k4_scripted_loop_trt_equals_ort_cpu(trt_export):
-    """K4: the same scripted-drafter loop on ORT-CPU and TensorRT: identical argmax per step."""
+def test_gpu_scripted_loop_trt_equals_ort_cpu(trt_export):
+    """Past/present aliasing per backend: the same scripted-drafter loop on ORT-CPU and
+    TensorRT: identical argmax per step."""
     m = Manifest.load(trt_export)
     prompt = [65, 32, 119, 111, 114, 108, 100, 10]
     ref, _ = _decode(ort_backend(trt_export, m), None, prompt, vanilla=True)
@@ -488,7 +526,7 @@ def test_gpu_trt_logits_match_ort_and_kv_in_place(trt_export):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_t2_real_engine(trt_export):
+def test_gpu_out_of_profile_real_engine(trt_export):
     m = Manifest.load(trt_export)
     trt_b = TrtBackend.from_manifest(trt_export, m, "target")
     kv = trt_b.allocate_kv(MAX_LENGTH)
@@ -505,15 +543,16 @@ def test_gpu_eagle_runtime_trt_equals_ort(trt_export):
     from eagle_deploy.runtime.api import EagleRuntime
 
     prompt = [5, 6, 7, 8, 9]
-    outs = [EagleRuntime.load(trt_export, backend=b).generate(prompt, max_new_tokens=32).token_ids for b in ("ort", "trt")]
+    outs = [EagleRuntime.load(trt_export, backend=b).generate(prompt, max_new_tokens=32).token_ids
+            for b in ("ort", "trt")]
     assert outs[0] == outs[1]
 
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_t1_fp16_engine_large_activations(tmp_path):
-    """T1: activations ~300 per element: the fp16 engine's logits are finite and their argmax
-    equals the fp32 graph's."""
+def test_gpu_fp16_engine_large_activations(tmp_path):
+    """fp16 RMSNorm overflow: activations ~300 per element: the fp16 engine's logits are
+    finite and their argmax equals the fp32 graph's."""
     from eagle_deploy.exporter.export import ExportOptions, export
     from tests.tiny import build_tiny_target
 
@@ -524,8 +563,10 @@ def test_gpu_t1_fp16_engine_large_activations(tmp_path):
     with torch.no_grad():
         hf.model.embed_tokens.weight.mul_(300.0 / hf.model.embed_tokens.weight.abs().mean())
     hf.save_pretrained(model)
-    fp32 = export(str(model), "random", tmp_path / "e", ExportOptions(max_length=MAX_LENGTH, name="fp32"), progress=None)
-    fp16 = export(str(model), "random", tmp_path / "e", ExportOptions(max_length=MAX_LENGTH, name="fp16", dtype="fp16"), progress=None)
+    fp32 = export(str(model), "random", tmp_path / "e", ExportOptions(max_length=MAX_LENGTH, name="fp32"),
+                  progress=None)
+    fp16 = export(str(model), "random", tmp_path / "e", ExportOptions(max_length=MAX_LENGTH, name="fp16", dtype="fp16"),
+                  progress=None)
     tb.build_engines(fp16, options=tb.TrtBuildOptions(max_tree_tokens=16))
     m32, m16 = Manifest.load(fp32), Manifest.load(fp16)
     ref, trt_b = ort_backend(fp32, m32), TrtBackend.from_manifest(fp16, m16, "target")

@@ -1,6 +1,6 @@
 """Verification: exact accepted lengths on hand-built logits, and the greedy tie-break (lower
 token id) in the verifier, in vanilla decoding, and end to end with two identical LM-head
-rows (CASES.md V1)."""
+rows (adversarial drafts stay lossless, ties broken towards the lower id)."""
 from __future__ import annotations
 
 import numpy as np

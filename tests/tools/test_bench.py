@@ -31,17 +31,19 @@ def export_dir(tmp_path_factory) -> Path:
     return tiny_export(tmp_path_factory)
 
 
-def _bench(export_dir, tmp_path, *extra) -> tuple[int, dict]:
+def _bench(export_dir, tmp_path, *extra, memory: bool = False) -> tuple[int, dict]:
+    """memory=False: --no-memory (the memory probe's two fresh processes are tested once)."""
     out = tmp_path / "res" / "r.json"
     rc = cli.main(["--engines", str(export_dir), "--prompts", str(prompt_file(tmp_path)), "--max-new-tokens", "12",
-                   "--threads", "1", "--out", str(out), "-q", *extra])
+                   "--threads", "1", "--out", str(out), "-q", *extra, *([] if memory else ["--no-memory"])])
     return rc, (json.loads(out.read_text()) if out.exists() else {})
 
 
 def test_end_to_end_json_and_png(export_dir, tmp_path, capsys):
-    rc, res = _bench(export_dir, tmp_path, "--no-baselines", "--temperatures", "0,0.8", "--json")
+    rc, res = _bench(export_dir, tmp_path, "--no-baselines", "--temperatures", "0,0.8", "--json", memory=True)
     assert rc == 0
-    stdout = json.loads(capsys.readouterr().out)  # --json: the aggregate on stdout
+    captured = capsys.readouterr()
+    stdout = json.loads(captured.out)  # --json: the aggregate on stdout
     assert set(stdout) >= {"aggregate", "greedy_identity", "json", "png"}
     assert TOP_KEYS <= set(res) and res["schema"] == "eagle-bench/1"
     png = Path(stdout["png"])
@@ -67,6 +69,15 @@ def test_end_to_end_json_and_png(export_dir, tmp_path, capsys):
     assert gi["prompts"] == len(PROMPTS) and gi["identical"] == len(PROMPTS) and gi["bugs"] == 0
     assert 0 <= res["numerics"]["ort"]["batch_vs_single_max_logit_diff"] < 1e-3
     assert res["memory"]["process"]["peak_rss_mb"] > 0 and "load_rss_mb" in res["memory"]["eagle"]
+    # peak memory of each mode in its own process (vanilla: the target graph alone), and the export by file
+    modes = res["memory"]["modes"]["ort"]
+    assert modes["vanilla"]["mode"] == "vanilla" and modes["eagle"]["mode"] == "eagle"
+    assert modes["vanilla"]["peak_rss_mb"] > 0 and modes["eagle"]["peak_rss_mb"] > 0
+    v, e = modes["vanilla"]["peak_rss_mb"], modes["eagle"]["peak_rss_mb"]
+    assert modes["eagle_vs_vanilla_peak_rss"] == round(e / v, 3)
+    assert {"target.onnx", "draft.onnx", "shared.data", "manifest.json"} <= set(modes["export"]["files"])
+    assert stdout["memory"]["modes"]["ort"]["eagle"]["peak_rss_mb"] == modes["eagle"]["peak_rss_mb"]
+    assert "memory [ort] (fresh process per mode): peak RSS vanilla" in captured.err
 
 
 def test_hf_baselines_and_visible_llamacpp_skip(export_dir, tmp_path, capsys):
@@ -187,7 +198,8 @@ def test_divergence_classification():
     assert dv.classify(None, 1.0) == "bug" and dv.classify(0.2, 0.3) == "numerics" and dv.classify(0.3, 0.3) == "bug"
     s = dv.summarize([{"identical": True, "divergence": None}, {"identical": False, "divergence": d.to_json()},
                       {"identical": False, "divergence": {"position": 3, "top2_gap": 2.0, "class": "bug"}}], floor=1.0)
-    assert s["identical"] == 1 and s["percent_identical"] == pytest.approx(33.3) and s["numerics"] == 1 and s["bugs"] == 1
+    assert (s["identical"] == 1 and s["percent_identical"] == pytest.approx(33.3) and s["numerics"] == 1
+            and s["bugs"] == 1)
     assert s["largest_gap_at_divergence"] == 2.0
 
 
@@ -204,8 +216,10 @@ def test_speedups_from_synthetic_records():
     def run(tokens, seconds):
         return {"new_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "ttft_ms": 1.0}
 
-    records = [{"category": "x", "temperature": 0.0, "runs": {"eagle": run(100, 1.0), "vanilla": run(100, 2.0), "hf": run(50, 2.0)}},
-               {"category": "y", "temperature": 0.0, "runs": {"eagle": run(100, 2.0), "vanilla": run(100, 2.0), "hf": run(50, 2.0)}}]
+    records = [{"category": "x", "temperature": 0.0,
+                "runs": {"eagle": run(100, 1.0), "vanilla": run(100, 2.0), "hf": run(50, 2.0)}},
+               {"category": "y", "temperature": 0.0,
+                "runs": {"eagle": run(100, 2.0), "vanilla": run(100, 2.0), "hf": run(50, 2.0)}}]
     agg = report.aggregate(records)["0"]
     assert agg["all"]["systems"]["eagle"]["tokens_per_s"] == pytest.approx(200 / 3, rel=1e-3)
     assert agg["all"]["speedup"]["eagle_vs_vanilla"]["aggregate"] == pytest.approx(4 / 3, rel=1e-3)
@@ -252,7 +266,8 @@ def test_tune_writes_the_tree_to_the_manifest(export_dir, tmp_path):
     assert m.tree.to_json() == record["chosen"] and m.tree.validate(10)
     assert m.engines.tuning.chosen == m.tree
     t = m.engines.tuning.to_json()
-    assert {"date", "machine", "target_ms", "draft_ms", "calibration", "candidates", "measured", "chosen", "previous"} <= set(t)
+    assert {"date", "machine", "target_ms", "draft_ms", "calibration", "candidates", "measured", "chosen",
+            "previous"} <= set(t)
     assert set(t["target_ms"]) >= {"1", "2", "4", "8"} and set(t["draft_ms"]) >= {"1", "2"}
     assert {r["top_k"] for r in t["calibration"]["runs"]} == {1, 2}
     assert record["chosen"] in [r["tree"] for r in t["measured"]]
@@ -277,7 +292,8 @@ def _small_tune_init(init):
 
 
 def test_calibration_prompts_alternate_between_sets():
-    prompts = [{"id": f"a{i}", "set": "a", "prompt": "x"} for i in range(10)] + [{"id": "b0", "set": "b", "prompt": "y"}]
+    prompts = ([{"id": f"a{i}", "set": "a", "prompt": "x"} for i in range(10)]
+               + [{"id": "b0", "set": "b", "prompt": "y"}])
     assert [p["id"] for p in tn.pick_calibration(prompts, 4)] == ["a0", "b0", "a9"]
     assert [p["id"] for p in tn.pick_calibration(prompts, 1)] == ["a0"]
 
@@ -309,5 +325,23 @@ def test_default_run_is_quick_and_baselines_are_opt_in(export_dir, tmp_path, mon
         cli.main(["--engines", str(export_dir), "--out", str(tmp_path / "r.json"), *flags])
     assert seen[0].baselines == baselines and seen[0].limit == limit
     with pytest.raises(_Captured):  # a prompt file is run whole unless --limit says otherwise
-        cli.main(["--engines", str(export_dir), "--prompts", str(prompt_file(tmp_path)), "--out", str(tmp_path / "r.json")])
+        cli.main(["--engines", str(export_dir), "--prompts", str(prompt_file(tmp_path)),
+                  "--out", str(tmp_path / "r.json")])
     assert seen[1].limit == 0 and seen[1].baselines == []
+
+
+def test_memory_probe_peak_is_the_child_process_own(export_dir):
+    """Each mode's peak is its fresh process's own high-water mark (VmHWM), not the large
+    parent's: Linux's ru_maxrss survives exec and would report the parent's peak."""
+    import numpy as np
+
+    from eagle_deploy.bench.memory import measure_modes
+    from eagle_deploy.runtime.memory import rss_mb
+
+    ballast = np.ones(600 * 2**20 // 8)  # 600 MiB resident in this (parent) process
+    parent = rss_mb()
+    modes = measure_modes(export_dir, [5, 6, 7, 8], max_new_tokens=4, threads=1)
+    assert float(ballast[-1]) == 1.0
+    for mode in ("vanilla", "eagle"):
+        assert 0 < modes[mode]["peak_rss_mb"] < parent - 400, (modes[mode], parent)
+        assert modes[mode]["rss_loaded_mb"] >= modes[mode]["rss_before_load_mb"]

@@ -35,7 +35,8 @@ def test_sampled_generation_is_seeded(gqa):
 
 
 def test_token_data_roundtrip(tmp_path):
-    data = TokenData.from_sequences([[1, 2, 3], [4, 5], [60000, 7, 8, 9]], [1, 1, 2], [{"id": "a"}, {"id": "b"}, {"id": "c"}], {"k": 1})
+    data = TokenData.from_sequences([[1, 2, 3], [4, 5], [60000, 7, 8, 9]], [1, 1, 2],
+                                    [{"id": "a"}, {"id": "b"}, {"id": "c"}], {"k": 1})
     data.save(tmp_path / "d.npz")
     back = TokenData.load(tmp_path / "d.npz")
     assert [back.sequence(i).tolist() for i in range(3)] == [[1, 2, 3], [4, 5], [60000, 7, 8, 9]]
@@ -73,7 +74,8 @@ def test_unrolled_forward_matches_the_drafting_chain(gqa):
         for i in (4, 9, 15):
             for s in (1, 2, 3):
                 c = i - s + 1
-                x, K, V = head(feats[:, : c + 1], tokens[:, 1: c + 2], torch.arange(c + 1)[None], _causal(c + 1), empty, empty)
+                x, K, V = head(feats[:, : c + 1], tokens[:, 1: c + 2], torch.arange(c + 1)[None], _causal(c + 1),
+                               empty, empty)
                 g = x[:, -1:]
                 for d in range(1, s):
                     g, k, v = head(g, tokens[:, c + 1 + d: c + 2 + d], torch.tensor([[c + d]]),
@@ -110,7 +112,8 @@ def test_short_training_lowers_the_loss_and_the_head_decodes_losslessly(gqa, tin
     save_head(head, tmp_path / "head")
     reloaded = load_head(tmp_path / "head", gqa.hf)
     assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in head.state_dict().items())
-    out = export(str(gqa.target_dir), str(tmp_path / "head"), tmp_path / "exports", ExportOptions(max_length=256), progress=None)
+    out = export(str(gqa.target_dir), str(tmp_path / "head"), tmp_path / "exports", ExportOptions(max_length=256),
+                 progress=None)
     from eagle_deploy.runtime.api import EagleRuntime
 
     rt = EagleRuntime.load(out, threads=1)

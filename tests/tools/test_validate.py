@@ -37,11 +37,15 @@ def test_passes_on_a_good_export(export_dir, tmp_path, capsys):
     verify = feeds[2]
     assert verify[c.INPUT_IDS].shape == (1, 10) and verify[c.ATTENTION_MASK].shape == (1, 10, 24 + 10)
     assert verify[c.POSITION_IDS].tolist() == [[24 + d for d in (0, 1, 1, 1, 2, 2, 2, 3, 3, 4)]]
-    assert verify[c.past_name(0, "key")].shape[0] == 24  # a real prefill's past
+    # the past as the graph takes it: the fused (shared KV) graph [1, kv_heads, P, head_dim], else [P, 1, ...]
+    from eagle_deploy.contract.manifest import Manifest
+
+    axis = c.KV_SEQ_AXIS[Manifest.load(export_dir).target.kv_layout]
+    assert verify[c.past_name(0, "key")].shape[axis] == 24  # a real prefill's past
     assert not verify[c.ATTENTION_MASK][0, 1, 24 + 2]  # siblings do not see each other
     draft = load_json(str(tmp_path / "draft_inputs.json"))
     assert [f[c.INPUT_IDS].shape[1] for f in draft] == [24, 4, 4]
-    assert draft[2][c.past_name(0, "key")].shape[0] == 28
+    assert draft[2][c.past_name(0, "key")].shape[axis] == 28
 
 
 def test_printed_polygraphy_command_reproduces_the_check(export_dir, tmp_path, capsys):

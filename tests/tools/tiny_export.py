@@ -27,7 +27,8 @@ def tiny_export(tmp_path_factory) -> Path:
         root = tmp_path_factory.mktemp("tools-tiny")
         target = tiny.build_tiny_target(root / "target", seed=0, norm_noise=0.1)
         head = tiny.build_tiny_head(root / "head", target, seed=1, norm_noise=0.1)
-        _CACHE[key] = export(str(target), str(head), root / "exports", ExportOptions(max_length=256, name="tiny"), progress=None)
+        _CACHE[key] = export(str(target), str(head), root / "exports", ExportOptions(max_length=256, name="tiny"),
+                             progress=None)
     return _CACHE[key]
 
 

@@ -58,10 +58,12 @@ def _names(allowed):
 def build_parser() -> argparse.ArgumentParser:
     from eagle_deploy.runtime.backends import BACKENDS
 
-    p = argparse.ArgumentParser(prog="eagle-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="eagle-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=Path, required=True, help="export folder written by eagle-export")
     p.add_argument("--sets", default="humaneval,chat", help="prompt sets: humaneval, chat (comma-separated)")
-    p.add_argument("--prompts", type=Path, action="append", default=[], help="a JSONL prompt file ({\"prompt\": ...} per line); replaces --sets")
+    p.add_argument("--prompts", type=Path, action="append", default=[],
+                   help="a JSONL prompt file ({\"prompt\": ...} per line); replaces --sets")
     p.add_argument("--limit", type=int, default=None,
                    help=f"first N prompts of each set, 0 = all (default: {DEFAULT_LIMIT} of each built-in set, "
                         "all of a --prompts file; humaneval has 164 prompts, chat 48)")
@@ -75,14 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "pip install '.[llamacpp]'")
     p.add_argument("--no-baselines", action="store_true",
                    help="EAGLE and vanilla only (the default; overrides --baselines)")
-    p.add_argument("--backends", type=_names(BACKENDS), default=["ort"], help="comma-separated: ort, ort-cuda, trt (first = plain names)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every system (ORT sessions, torch, llama.cpp)")
+    p.add_argument("--backends", type=_names(BACKENDS), default=["ort"],
+                   help="comma-separated: ort, ort-cuda, trt (first = plain names)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="threads for every system (ORT sessions, torch, llama.cpp)")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generation per system")
-    p.add_argument("--out", type=Path, default=None, help="result JSON (default bench_results/<export>-<time>.json); the PNG goes beside it")
-    p.add_argument("--json", action="store_true", help="print the aggregate as JSON on stdout (the table goes to stderr)")
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the memory probe (by default EAGLE's and vanilla's peak RSS are measured on the first "
+                        "prompt, each in a fresh process, vanilla with the target graph alone; ~2 loads + 2 decodes)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="result JSON (default bench_results/<export>-<time>.json); the PNG goes beside it")
+    p.add_argument("--json", action="store_true",
+                   help="print the aggregate as JSON on stdout (the table goes to stderr)")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-prompt progress lines")
     t = p.add_argument_group("tuning (--tune)")
-    t.add_argument("--tune", action="store_true", help="measure cost curves and acceptance, pick the tree, write it to the manifest")
+    t.add_argument("--tune", action="store_true",
+                   help="measure cost curves and acceptance, pick the tree, write it to the manifest")
     t.add_argument("--calib", type=int, default=4, help="calibration prompts for --tune")
     t.add_argument("--repeats", type=int, default=5, help="timed forwards per cost-curve point (median)")
     t.add_argument("--no-save", action="store_true", help="--tune: report the choice without writing the manifest")
@@ -104,7 +114,7 @@ def _bench(args, tree, say) -> int:
     sets = [str(p) for p in args.prompts] or [s.strip() for s in args.sets.split(",") if s.strip()]
     limit = args.limit if args.limit is not None else (0 if args.prompts else DEFAULT_LIMIT)
     cfg = BenchConfig(args.engines, sets, limit, args.max_new_tokens, args.temperatures, baselines, args.backends,
-                      args.threads, tree, args.seed, not args.no_warmup)
+                      args.threads, tree, args.seed, not args.no_warmup, memory=not args.no_memory)
     result = run_bench(cfg, log=(lambda m: None) if args.quiet else say)
     out = args.out or _default_out(args.engines)
     report.write_json(result, out)
@@ -113,7 +123,8 @@ def _bench(args, tree, say) -> int:
     if args.json:
         print(summary, file=sys.stderr)
         print(json.dumps({"aggregate": result["aggregate"], "greedy_identity": result["greedy_identity"],
-                          "baselines": result["baselines"], "memory": result["memory"], "json": str(out), "png": str(png)}))
+                          "baselines": result["baselines"], "memory": result["memory"],
+                          "json": str(out), "png": str(png)}))
     else:
         print(summary)
         print(f"wrote {out} and {png}")
@@ -131,7 +142,8 @@ def _tune(args, tree, say) -> int:
     record = tune(cfg, log=(lambda m: None) if args.quiet else say)
     chosen = record["chosen"]
     line = (f"chosen tree: total_tokens={chosen['total_tokens']} depth={chosen['depth']} top_k={chosen['top_k']} "
-            f"({record['chosen_measured_tokens_per_s']:.1f} tokens/s measured, {record['speedup_vs_vanilla']:.2f}x vanilla; "
+            f"({record['chosen_measured_tokens_per_s']:.1f} tokens/s measured, "
+            f"{record['speedup_vs_vanilla']:.2f}x vanilla; "
             f"{'written to the manifest' if cfg.save else 'not saved (--no-save)'})")
     if args.json:
         print(line, file=sys.stderr)

@@ -81,7 +81,8 @@ def batch_vs_single(backend, ids: Sequence[int]) -> float:
     return float(np.abs(batched.astype(np.float64) - single).max())
 
 
-def check_greedy(backend, prompt: Sequence[int], eagle: Sequence[int], vanilla: Sequence[int], floor: float) -> Divergence | None:
+def check_greedy(backend, prompt: Sequence[int], eagle: Sequence[int], vanilla: Sequence[int],
+                 floor: float) -> Divergence | None:
     """None when EAGLE's greedy output equals vanilla's; else the first divergence, its
     top-2 gap (one target forward over prompt + common prefix) and its class."""
     pos = first_difference(eagle, vanilla)

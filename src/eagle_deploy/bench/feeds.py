@@ -37,6 +37,17 @@ class Feed:
     inputs: dict[str, np.ndarray]
 
 
+def in_kv_layout(feeds: list[Feed], layout: str) -> list[Feed]:
+    """`feeds` (past KV sequence-major, [P, 1, kvh, hd]) as a graph of KV layout `layout` takes
+    them without IO binding. "shared": [1, kvh, P, hd], a buffer of exactly the past rows, for
+    which the fused operator returns present [1, kvh, P + S, hd] (past rows, then the new ones)
+    instead of writing in place."""
+    if layout != c.KV_SHARED:
+        return feeds
+    return [Feed(f.label, {k: np.ascontiguousarray(v.transpose(1, 2, 0, 3)) if k.startswith("past_key_values.") else v
+                           for k, v in f.inputs.items()}) for f in feeds]
+
+
 def reference_forward(backend) -> Forward:
     """Adapter over TorchBackend.forward: feeds with the past by name -> (outputs, presents)."""
     def forward(feeds: dict) -> tuple[dict, list]:
@@ -104,7 +115,8 @@ def draft_feeds(forward: Forward, prompt: list[int], state: dict, dtype, frontie
     kvh, hd = state["present"][0].shape[2:]
     empty = [np.zeros((0, 1, kvh, hd), dtype) for _ in kv_pairs]
     feats = state["features"].astype(dtype)[None]  # (1, n, H)
-    ext = _with_past(_step(list(prompt[1:]) + [state["root"]], np.arange(n), causal_mask(0, n), [n - 1]), kv_pairs, empty)
+    ext = _with_past(_step(list(prompt[1:]) + [state["root"]], np.arange(n), causal_mask(0, n), [n - 1]),
+                     kv_pairs, empty)
     ext[c.FEATURES] = feats
     outs, present = forward(ext)
     K = min(frontier, outs[c.TOPK_IDS].shape[-1])

@@ -60,8 +60,9 @@ def aggregate(prompts: list[dict]) -> dict:
         out[t] = {}
         for cat, systems in cats.items():
             stats = {s: _agg_runs(systems[s]) for s in sorted(systems, key=_system_rank)}
-            out[t][cat] = {"systems": stats, "speedup": _speedups(stats, [p for p in prompts if temp_key(p["temperature"]) == t
-                                                                            and cat in ("all", p["category"])])}
+            out[t][cat] = {"systems": stats,
+                           "speedup": _speedups(stats, [p for p in prompts if temp_key(p["temperature"]) == t
+                                                        and cat in ("all", p["category"])])}
     return out
 
 
@@ -138,13 +139,34 @@ def plot(result: dict, path: Path) -> Path:
     return path
 
 
+def memory_lines(modes: dict) -> list[str]:
+    """Summary lines for result["memory"]["modes"] (bench/memory.py): peak RSS of vanilla and
+    EAGLE, each in a fresh process, and the export folder by file."""
+    lines = []
+    for backend, m in modes.items():
+        if "error" in m:
+            lines.append(f"memory [{backend}]: probe failed: {m['error']}")
+            continue
+        v, e = m["vanilla"], m["eagle"]
+        device = "".join(f", {name} GPU {x['device_mb']} MiB" for name, x in (("vanilla", v), ("EAGLE", e))
+                         if x.get("device_mb") is not None)
+        lines.append(f"memory [{backend}] (fresh process per mode): peak RSS vanilla {v['peak_rss_mb']} MiB, "
+                     f"EAGLE {e['peak_rss_mb']} MiB ({m['eagle_vs_vanilla_peak_rss']:.2f}x){device}")
+        files = m.get("export", {}).get("files", {})
+        if files:
+            lines.append(f"export {m['export']['total'] / 2**20:.1f} MiB: "
+                         + ", ".join(f"{name} {size / 2**20:.1f}" for name, size in files.items()))
+    return lines
+
+
 def format_summary(result: dict) -> str:
     """The human-readable table of the aggregate (category "all")."""
     lines = []
     for t, cats in result["aggregate"].items():
         block = cats["all"]
         lines.append(f"== temperature {t} ({block['systems'][next(iter(block['systems']))]['prompts']} prompts)")
-        lines.append(f"{'system':<18}{'tokens/s':>10}{'tau':>7}{'TTFT ms':>9}{'load RSS MiB':>14}  time split (draft/verify/commit/other, ms/token)")
+        lines.append(f"{'system':<18}{'tokens/s':>10}{'tau':>7}{'TTFT ms':>9}{'load RSS MiB':>14}"
+                     "  time split (draft/verify/commit/other, ms/token)")
         for system, s in block["systems"].items():
             split = s.get("time_ms_per_token")
             split_txt = "/".join(f"{split[p]:.1f}" for p in ("draft", "verify", "commit", "other")) if split else "-"
@@ -153,10 +175,13 @@ def format_summary(result: dict) -> str:
             rss = result["memory"].get(system, {}).get("load_rss_mb", "-")
             lines.append(f"{system:<18}{s['tokens_per_s']:>10.1f}{tau:>7}{ttft:>9}{rss!s:>14}  {split_txt}")
         for key, sp in block["speedup"].items():
-            lines.append(f"speed-up {key}: {sp['aggregate']:.2f}x" + (f" (per-prompt mean {sp['mean_per_prompt']:.2f}x)" if "mean_per_prompt" in sp else ""))
+            lines.append(f"speed-up {key}: {sp['aggregate']:.2f}x"
+                         + (f" (per-prompt mean {sp['mean_per_prompt']:.2f}x)" if "mean_per_prompt" in sp else ""))
     proc = result["memory"].get("process")
     if proc:
-        lines.append(f"process peak RSS {proc['peak_rss_mb']} MiB (all systems loaded together; 'load RSS' = growth when each was loaded; EAGLE and vanilla share one loaded engine)")
+        lines.append(f"process peak RSS {proc['peak_rss_mb']} MiB (all systems loaded together; "
+                     "'load RSS' = growth when each was loaded; EAGLE and vanilla share one loaded engine)")
+    lines += memory_lines(result["memory"].get("modes") or {})
     g = result.get("greedy_identity")
     for backend, s in (g or {}).items():
         if s["prompts"]:

@@ -8,7 +8,9 @@ Result JSON keys: schema, engines, manifest, date, machine, config, tree, numeri
 temperature: id, set, category, temperature, seed, prompt_ids, prompt_tokens, order, runs
 {system: run}, greedy {backend: {identical, divergence}}), aggregate ({temperature:
 {category: {systems, speedup}}}), greedy_identity ({backend: summary}), baselines ({name:
-{status, note}}), memory ({system: {load_rss_mb}, "process": {peak_rss_mb, rss_mb}}), notes.
+{status, note}}), memory ({system: {load_rss_mb}, "process": {peak_rss_mb, rss_mb}, "modes": {backend:
+EAGLE's and vanilla's peak memory each in a fresh process, and the export's size by file
+(bench/memory.py)}}), notes.
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ class BenchConfig:
     tree: object | None = None  # TreeConfig; None = the manifest's
     seed: int = 0
     warmup: bool = True
+    memory: bool = True  # also measure EAGLE's and vanilla's peak memory, each in a fresh process
+
 
 
 def load_prompts(sets: list[str], limit: int = 0) -> list[dict]:
@@ -52,7 +56,8 @@ def load_prompts(sets: list[str], limit: int = 0) -> list[dict]:
         rows = prompt_set(name)
         label = Path(name).stem if name not in ("humaneval", "chat") else name
         for row in rows[: limit] if limit else rows:
-            out.append({"id": row.get("id"), "set": label, "category": row.get("category") or label, "prompt": row["prompt"]})
+            out.append({"id": row.get("id"), "set": label, "category": row.get("category") or label,
+                        "prompt": row["prompt"]})
     return out
 
 
@@ -126,10 +131,12 @@ def _encode(records: list[dict], rt, cfg: BenchConfig, result: dict) -> list[dic
     room = rt.manifest.max_length - cfg.max_new_tokens
     too_long = sorted({str(r["id"]) for r in records if r["prompt_tokens"] > room})
     if too_long:
-        result["notes"].append(f"skipped {len(too_long)} prompt(s) longer than max_length - max_new_tokens = {room} tokens: {', '.join(too_long)}")
+        result["notes"].append(f"skipped {len(too_long)} prompt(s) longer than max_length - max_new_tokens = "
+                               f"{room} tokens: {', '.join(too_long)}")
     kept = [r for r in records if r["prompt_tokens"] <= room]
     if not kept:
-        raise ValueError(f"no prompt fits this export: every prompt is longer than {room} tokens (max_length - max_new_tokens)")
+        raise ValueError(f"no prompt fits this export: every prompt is longer than {room} tokens "
+                         "(max_length - max_new_tokens)")
     return kept
 
 
@@ -157,7 +164,25 @@ def _finish_record(r: dict, loaded: _Loaded, floors: dict, log: Callable) -> Non
     for name, run in r["runs"].items():
         if vanilla and not name.startswith(("eagle", "vanilla")):
             run["first_difference_vs_vanilla"] = dv.first_difference(run["token_ids"], vanilla["token_ids"])
-    log(f"{r['id']} T={r['temperature']:g}: " + ", ".join(f"{n} {run['tokens_per_s']:.1f} tok/s" for n, run in r["runs"].items()))
+    log(f"{r['id']} T={r['temperature']:g}: "
+        + ", ".join(f"{n} {run['tokens_per_s']:.1f} tok/s" for n, run in r["runs"].items()))
+
+
+def measure_memory(cfg: BenchConfig, loaded: _Loaded, prompt_ids: list[int], log: Callable) -> dict:
+    """{backend: bench.memory.measure_modes(...)} on the first prompt, or {"error": ...} for a
+    backend whose probe failed (the speed results are kept)."""
+    from .memory import measure_modes
+
+    out = {}
+    for backend, rt, _, _ in loaded.engines:
+        log(f"measuring peak memory on {backend} (one fresh process per mode)")
+        try:
+            out[backend] = measure_modes(cfg.engines, prompt_ids, cfg.max_new_tokens, backend, cfg.threads,
+                                         rt.tree.to_json())
+        except Exception as err:  # a failed probe must not lose the speed numbers
+            out[backend] = {"error": f"{type(err).__name__}: {err}"}
+            log(f"note: memory probe on {backend} failed: {err}")
+    return out
 
 
 def run_bench(cfg: BenchConfig, log: Callable = print) -> dict:
@@ -168,8 +193,8 @@ def run_bench(cfg: BenchConfig, log: Callable = print) -> dict:
     prompts = load_prompts(cfg.prompt_sets, cfg.limit)
     if not prompts:
         raise ValueError("no prompts selected")
-    records = [{"id": p["id"], "set": p["set"], "category": p["category"], "prompt": p["prompt"], "temperature": float(t),
-                "seed": cfg.seed + i, "runs": {}}
+    records = [{"id": p["id"], "set": p["set"], "category": p["category"], "prompt": p["prompt"],
+                "temperature": float(t), "seed": cfg.seed + i, "runs": {}}
                for i, p in enumerate(prompts) for t in cfg.temperatures]
     result = {"schema": SCHEMA, "engines": str(cfg.engines), "manifest": manifest.name,
               "date": _dt.datetime.now().isoformat(timespec="seconds"), "machine": machine_info(cfg.threads),
@@ -201,8 +226,11 @@ def run_bench(cfg: BenchConfig, log: Callable = print) -> dict:
             for r in records:
                 r["runs"].pop(name, None)
     for backend in floors:
-        result["greedy_identity"][backend] = dv.summarize([r["greedy"][backend] for r in records if "greedy" in r], floors[backend])
+        result["greedy_identity"][backend] = dv.summarize([r["greedy"][backend] for r in records if "greedy" in r],
+                                                          floors[backend])
     result["memory"]["process"] = {"peak_rss_mb": peak_rss_mb(), "rss_mb": rss_mb()}
+    if cfg.memory:
+        result["memory"]["modes"] = measure_memory(cfg, loaded, records[0]["prompt_ids"], log)
     result["prompts"] = records
     result["aggregate"] = aggregate(records)
     return result

@@ -35,7 +35,8 @@ class Run:
 
     def to_json(self) -> dict:
         out = {"new_tokens": len(self.token_ids), "seconds": round(self.seconds, 4),
-               "tokens_per_s": round(self.tokens_per_s, 2), "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 2),
+               "tokens_per_s": round(self.tokens_per_s, 2),
+               "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 2),
                "finish_reason": self.finish_reason, "token_ids": list(self.token_ids)}
         out.update(self.stats)
         return out
@@ -65,10 +66,11 @@ class EagleSystem:
         self.rt, self.mode, self.name = runtime, mode, name or mode
 
     def run(self, ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int | None = 0) -> Run:
-        r = self.rt.generate(list(ids), max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, mode=self.mode)
+        r = self.rt.generate(list(ids), max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                             mode=self.mode)
         s = r.stats.to_json()
-        keep = {k: s[k] for k in ("mean_accept_len", "target_forwards", "draft_forwards", "time_ms", "accepted_per_round",
-                                  "tree_depth_per_round")}
+        keep = {k: s[k] for k in ("mean_accept_len", "target_forwards", "draft_forwards", "time_ms",
+                                  "accepted_per_round", "tree_depth_per_round")}
         return Run(self.name, list(r.token_ids), r.stats.t_total, r.stats.t_prefill * 1e3, r.finish_reason, keep)
 
 
@@ -119,7 +121,8 @@ class LlamaCppSystem:
     """llama.cpp on the export's GGUF file through llama-cpp-python: plain decoding, or its
     prompt-lookup speculation (`LlamaPromptLookupDecoding`)."""
 
-    def __init__(self, gguf: Path, eos_ids: list[int], threads: int, n_ctx: int, lookup: int = 0, name: str = "llamacpp"):
+    def __init__(self, gguf: Path, eos_ids: list[int], threads: int, n_ctx: int, lookup: int = 0,
+                 name: str = "llamacpp"):
         llama_cpp = importlib.import_module("llama_cpp")
         draft = None
         if lookup:
@@ -133,7 +136,8 @@ class LlamaCppSystem:
         self.llm.reset()  # no prompt-prefix reuse across requests (each request prefills, as the others do)
         tokens, first, reason = [], None, "length"
         t0 = time.perf_counter()
-        for tok in self.llm.generate(list(ids), temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+        for tok in self.llm.generate(list(ids), temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                     reset=True):
             if first is None:
                 first = time.perf_counter()
             tokens.append(int(tok))
@@ -152,7 +156,8 @@ def baseline_unavailable(name: str, manifest) -> str | None:
 
     if name.startswith("llamacpp"):
         if importlib.util.find_spec("llama_cpp") is None:
-            return "llama-cpp-python is not installed (pip install '.[bench]' in the repository; it compiles llama.cpp, ~6 min): skipped"
+            return ("llama-cpp-python is not installed (pip install '.[bench]' in the repository; "
+                    "it compiles llama.cpp, ~6 min): skipped")
         src = target_source(manifest)
         if src is None or src.suffix != ".gguf" or not src.is_file():
             return f"the export's target ({src}) is not a GGUF file llama.cpp can load: skipped"

@@ -83,7 +83,8 @@ def target_curve(backend, sizes, past: int, repeats: int, vocab: int) -> dict[in
     rng = np.random.default_rng(0)
     out = {}
     for S in sizes:
-        inputs = StepInputs(rng.integers(3, vocab, (1, S)), np.arange(past, past + S)[None], causal_mask(past, S), np.arange(S)[None])
+        inputs = StepInputs(rng.integers(3, vocab, (1, S)), np.arange(past, past + S)[None], causal_mask(past, S),
+                            np.arange(S)[None])
         out[int(S)] = _median_ms(lambda: backend.run(inputs, kv, past), repeats)
     return out
 
@@ -94,8 +95,8 @@ def draft_curve(backend, sizes, past: int, repeats: int, vocab: int, hidden: int
     rng = np.random.default_rng(1)
     out = {}
     for F in sizes:
-        inputs = StepInputs(rng.integers(3, vocab, (1, F)), np.full((1, F), past), causal_mask(past, F), np.arange(F)[None],
-                            rng.standard_normal((1, F, hidden)).astype(dtype))
+        inputs = StepInputs(rng.integers(3, vocab, (1, F)), np.full((1, F), past), causal_mask(past, F),
+                            np.arange(F)[None], rng.standard_normal((1, F, hidden)).astype(dtype))
         out[int(F)] = _median_ms(lambda: backend.run(inputs, kv, past), repeats)
     return out
 
@@ -307,7 +308,8 @@ def tune(cfg: TuneConfig, log: Callable = print) -> dict:
     top_ks = [k for k in cfg.top_ks if k <= m.draft.graph_top_k]
     depths = {K: calib_depth(K, cfg.node_budget, cfg.max_depth) for K in top_ks}
     full = {K: growth_size(K, depths[K]) + 1 for K in top_ks}
-    sizes = sorted({s for s in cfg.sizes if s < m.max_length // 2} | {t for t in full.values() if t < m.max_length // 2})
+    sizes = sorted({s for s in cfg.sizes if s < m.max_length // 2}
+                   | {t for t in full.values() if t < m.max_length // 2})
     past = max(0, min(cfg.past, m.max_length - max(sizes) - 1))
     log(f"cost curves at past {past}: target S in {sizes}, draft F in {sorted(set(top_ks) | {1, 2, 4})}")
     tcurve = target_curve(rt.decoder.target, sizes, past, cfg.repeats, m.dims.vocab)
@@ -324,8 +326,10 @@ def tune(cfg: TuneConfig, log: Callable = print) -> dict:
         overhead_ms = meas["round_ms"] - rec.forward_s * 1e3 / max(meas["rounds"], 1)  # tree building, accept, commit
         residuals.append((full[K] - 1, overhead_ms))
         meas["overhead_ms_per_round"] = round(overhead_ms, 3)
-        calib.append({"top_k": K, "depth": depths[K], "total_tokens": full[K], **meas, **acceptance_profile(rec.rounds, depths[K])})
-        log(f"calibration top_k={K} depth={depths[K]} ({full[K]} tokens): tau {meas['tau']:.2f}, {meas['round_ms']:.1f} ms/round")
+        calib.append({"top_k": K, "depth": depths[K], "total_tokens": full[K], **meas,
+                      **acceptance_profile(rec.rounds, depths[K])})
+        log(f"calibration top_k={K} depth={depths[K]} ({full[K]} tokens): tau {meas['tau']:.2f}, "
+            f"{meas['round_ms']:.1f} ms/round")
     overhead = fit_overhead(residuals)
     cands = [(T, D, K) for K in top_ks for D in range(1, depths[K] + 1) for T in sizes
              if 2 <= T <= growth_size(K, D) + 1 and T in cfg.sizes and D <= T - 1  # deeper: same tree, more draft steps
@@ -337,7 +341,8 @@ def tune(cfg: TuneConfig, log: Callable = print) -> dict:
     *results, vanilla = measure_trees(rt, trees + [None], prompts, cfg.max_new_tokens)
     measured = [{"tree": tree.to_json(), **meas} for tree, meas in zip(trees, results)]
     for tree, meas in zip(trees, results):
-        log(f"measured {tree.kind} T={tree.total_tokens} D={tree.depth} K={tree.top_k}: {meas['tokens_per_s']:.1f} tokens/s, tau {meas['tau']:.2f}")
+        log(f"measured {tree.kind} T={tree.total_tokens} D={tree.depth} K={tree.top_k}: "
+            f"{meas['tokens_per_s']:.1f} tokens/s, tau {meas['tau']:.2f}")
     log(f"measured vanilla decoding: {vanilla['tokens_per_s']:.1f} tokens/s")
     best = max(measured, key=lambda r: r["tokens_per_s"])
     record = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "backend": cfg.backend,

@@ -58,7 +58,8 @@ def tree_from_args(args, base: TreeConfig | None) -> TreeConfig | None:
     if args.tree and args.tree != "dynamic":
         sized = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
         if sized:
-            raise TreeConfigError(f"--tree {args.tree} is a fixed EAGLE-1 tree; {', '.join(sized)} only apply to --tree dynamic")
+            raise TreeConfigError(f"--tree {args.tree} is a fixed EAGLE-1 tree; "
+                                  f"{', '.join(sized)} only apply to --tree dynamic")
         return TreeConfig.static(args.tree)
     if not args.tree and all(v is None for v in given.values()):
         return base
@@ -66,7 +67,8 @@ def tree_from_args(args, base: TreeConfig | None) -> TreeConfig | None:
         if value is not None and value < 1:
             raise TreeConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.total_tokens == 1:
-        raise TreeConfigError("--total-tokens 1 verifies only the root, which is vanilla decoding: use --vanilla, or >= 2")
+        raise TreeConfigError("--total-tokens 1 verifies only the root, which is vanilla decoding: "
+                              "use --vanilla, or >= 2")
     start = base if base is not None and base.kind == "dynamic" else DEFAULT_TREE
     pick = lambda value, default: default if value is None else value  # noqa: E731
     return TreeConfig("dynamic", pick(args.total_tokens, start.total_tokens), pick(args.depth, start.depth),

@@ -33,6 +33,11 @@ from .tree_config import TreeConfig, TreeConfigError
 FORMAT_VERSION = 1
 QUANT_KINDS = ("int4", "int8")  # weight quantisation of a graph (`eagle-export --quant`)
 GRAPHS = ("target", "draft")
+# how a reduced draft vocabulary was ranked: the head's token_counts.npy (response-token
+# frequencies from eagle-train), the tokenizer's merge rank (BPE merge order; no data needed),
+# or token id order (tokenizers without merges); see exporter/draft_vocab.py
+DRAFT_VOCAB_SOURCES = ("token_counts", "merge_rank", "token_id")
+SHARED_ROLES = ("embedding", "lm_head")  # SharedTensor.role
 
 
 class ManifestError(ValueError):
@@ -110,28 +115,92 @@ class GraphEntry:
         """Layers whose KV this graph takes (its `past_key_values.*` inputs, two per layer)."""
         return sum(1 for s in self.inputs if s.name.startswith("past_key_values.")) // 2
 
+    @property
+    def kv_layout(self) -> str:
+        """How this graph takes its KV (`onnx_io.KV_LAYOUTS`), read from its KV specs' shape:
+        "seq_major" (standard ops) or "shared" (fused GroupQueryAttention, one buffer in and
+        out). Manifest.load accepts only these two."""
+        return c.kv_layout_of(self.inputs) or c.KV_SEQ_MAJOR
+
 
 @dataclass(frozen=True, kw_only=True)
 class DraftEntry(GraphEntry):
     """The draft graph and its head: graph_top_k (the top-k computed in-graph; trees may use
     any top_k up to it), trained (False: a random head), draft_vocab_size (tokens the head can
     propose; the vocabulary when not reduced), draft_vocab_file (those ids, .npy, when reduced),
-    max_position_embeddings (the head's own position limit; None in exports made before it
-    was recorded). JSON: the graph's `extra` object."""
+    draft_vocab_source (how they were ranked: one of DRAFT_VOCAB_SOURCES; None when not
+    reduced or not recorded), max_position_embeddings (the head's own position limit; None in
+    exports made before it was recorded). JSON: the graph's `extra` object."""
 
     graph_top_k: int
     trained: bool = True
     draft_vocab_size: int | None = None
     draft_vocab_file: str | None = None
+    draft_vocab_source: str | None = None
     max_position_embeddings: int | None = None
 
     def _extra(self) -> dict:
         out = {"graph_top_k": self.graph_top_k, "draft_vocab_size": self.draft_vocab_size, "trained": self.trained}
         if self.draft_vocab_file is not None:
             out["draft_vocab_file"] = self.draft_vocab_file
+        if self.draft_vocab_source is not None:
+            out["draft_vocab_source"] = self.draft_vocab_source
         if self.max_position_embeddings is not None:
             out["max_position_embeddings"] = self.max_position_embeddings
         return {**out, **super()._extra()}
+
+
+@dataclass(frozen=True)
+class SharedTensor:
+    """One weight tensor the target and draft graphs both use, stored once: `role` ("embedding":
+    the token embedding; "lm_head": LM head weights, with a full draft vocabulary), its
+    initializer name in each graph, dtype (contract name) and shape as stored, and where its
+    bytes lie in the shared file (offset, length)."""
+
+    role: str
+    target_name: str
+    draft_name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+
+    def to_json(self) -> dict:
+        return {"role": self.role, "target_name": self.target_name, "draft_name": self.draft_name,
+                "dtype": self.dtype, "shape": list(self.shape), "offset": self.offset, "length": self.length}
+
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """The weights the draft graph takes from the target (JSON: `shared_weights`): one
+    external-data file in the export folder (`onnx_io.SHARED_WEIGHTS_FILE`) that both graphs
+    reference, so the folder holds them once and onnxruntime maps them once per graph without
+    copying (see onnx_io). `size`: the file's length in bytes; `sha256`: its hash."""
+
+    file: str
+    size: int
+    tensors: tuple[SharedTensor, ...]
+    sha256: str | None = None
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "size": self.size, "sha256": self.sha256,
+                "tensors": [t.to_json() for t in self.tensors]}
+
+    def check(self, folder: Path, which: str = "draft") -> None:
+        """Raise ManifestError (one line) when the shared file is missing from `folder` or
+        shorter than the tensors need: graph `which` cannot load without it."""
+        path = Path(folder) / self.file
+        words = {"embedding": "token embedding", "lm_head": "LM head"}
+        roles = " and ".join(sorted({words.get(t.role, t.role) for t in self.tensors}, reverse=True)) or "weights"
+        what = (f"the {which} graph needs the {roles} ({len(self.tensors)} tensor(s)) kept there once for the target "
+                "and draft graphs")
+        if not path.is_file():
+            raise ManifestError(f"{path} is missing: {what}; copy the whole export folder or re-export")
+        need = max((t.offset + t.length for t in self.tensors), default=0)
+        found = path.stat().st_size
+        if found < max(need, self.size):
+            raise ManifestError(f"{path} is truncated ({found} bytes, expected {max(need, self.size)}): {what}; "
+                                "copy the whole export folder or re-export")
 
 
 @dataclass(frozen=True)
@@ -249,13 +318,15 @@ class Manifest:
     engines: Engines = field(default_factory=Engines)
     notes: tuple[str, ...] = ()
     format_version: int = FORMAT_VERSION
+    shared_weights: SharedWeights | None = None  # weights both graphs use, stored once (None: each holds its own)
 
     def to_json(self) -> dict:
         return {"name": self.name, "dims": self.dims.to_json(), "max_length": self.max_length,
                 "target": self.target.to_json(), "draft": self.draft.to_json(), "tree": self.tree.to_json(),
                 "eos_token_ids": list(self.eos_token_ids), "tokenizer": self.tokenizer,
                 "chat_template": self.chat_template, "sources": self.sources.to_json(), "tools": dict(self.tools),
-                "engines": self.engines.to_json(), "notes": list(self.notes), "format_version": self.format_version}
+                "engines": self.engines.to_json(), "notes": list(self.notes), "format_version": self.format_version,
+                **({"shared_weights": self.shared_weights.to_json()} if self.shared_weights else {})}
 
     def save(self, folder: Path) -> Path:
         path = Path(folder) / MANIFEST_FILE
@@ -408,6 +479,7 @@ def _read_manifest(data, source: str) -> Manifest:
         top.fail("max_length", f"at most draft.extra.max_position_embeddings {draft.max_position_embeddings} "
                                "(the draft head's position limit)", max_length)
     tree = _read_tree(top.obj("tree"), draft.graph_top_k)
+    shared = _read_shared(top.obj("shared_weights"), target, draft) if "shared_weights" in data else None
     eos = top.array("eos_token_ids")
     for i, e in enumerate(eos):
         if isinstance(e, bool) or not isinstance(e, int) or e < 0:
@@ -421,7 +493,32 @@ def _read_manifest(data, source: str) -> Manifest:
         eos_token_ids=tuple(eos), tokenizer=top.string("tokenizer", optional=True),
         chat_template=top.boolean("chat_template"), sources=sources,
         tools=top.str_map("tools"), engines=_read_engines(top.obj("engines", default={}), draft.graph_top_k),
-        notes=tuple(notes), format_version=version)
+        notes=tuple(notes), format_version=version, shared_weights=shared)
+
+
+def _read_shared(o: _Obj, target: GraphEntry, draft: GraphEntry) -> SharedWeights:
+    o.only([f.name for f in fields(SharedWeights)])
+    file = o.string("file")
+    if "/" in file or "\\" in file or file in (".", "..") or file in (target.path, draft.path):
+        o.fail("file", "a data file name inside the export folder", file)
+    size = o.integer("size", minimum=0)
+    tensors = []
+    for i, raw in enumerate(o.array("tensors")):
+        t = _Obj(o.source, f"{o.name('tensors')}[{i}]", raw, "a shared tensor {role, target_name, draft_name, ...}")
+        t.only([f.name for f in fields(SharedTensor)])
+        shape = t.array("shape")
+        for axis, d in enumerate(shape):
+            if not _is_size(d):
+                t.fail(f"shape[{axis}]", "an integer >= 0", d)
+        tensor = SharedTensor(role=t.string("role", choices=SHARED_ROLES), target_name=t.string("target_name"),
+                              draft_name=t.string("draft_name"), dtype=t.string("dtype", choices=NAMES),
+                              shape=tuple(shape), offset=t.integer("offset", minimum=0),
+                              length=t.integer("length", minimum=0))
+        if tensor.offset + tensor.length > size:
+            t.fail("length", f"at most {size - tensor.offset} (the shared file is {size} bytes)", tensor.length)
+        tensors.append(tensor)
+    return SharedWeights(file=file, size=size, tensors=tuple(tensors), sha256=o.string("sha256", default=None,
+                                                                                          optional=True))
 
 
 def _read_dims(o: _Obj) -> Dims:
@@ -470,8 +567,8 @@ def _read_graph(o: _Obj, dims: Dims, draft: bool, trained: bool = True) -> Graph
     quant = o.string("quant", default=None, choices=QUANT_KINDS + (None,))
     sha = o.string("sha256", default=None, optional=True)
     extra = o.obj("extra", default={})
-    extra.only(["graph_top_k", "draft_vocab_size", "trained", "draft_vocab_file", "max_position_embeddings", "quant"]
-               if draft else ["quant"])
+    extra.only(["graph_top_k", "draft_vocab_size", "trained", "draft_vocab_file", "draft_vocab_source",
+                "max_position_embeddings", "quant"] if draft else ["quant"])
     quant_info = _read_quant(extra.obj("quant")) if "quant" in extra.data else None
     if quant_info is not None and quant_info.kind != quant:
         o.fail("quant", f"{quant_info.kind!r} (as {extra.name('quant')}.kind says)", quant)
@@ -480,7 +577,7 @@ def _read_graph(o: _Obj, dims: Dims, draft: bool, trained: bool = True) -> Graph
     if not draft:
         entry = GraphEntry(**common)
         _check_layers(o, entry, dims.num_layers)
-        _check_contract(o, entry, *c.target_io(dims.num_layers, dtype))
+        _check_contract(o, entry, *c.target_io(dims.num_layers, dtype, entry.kv_layout))
         return entry
     top_k = extra.integer("graph_top_k", minimum=1)
     vocab_size = extra.integer("draft_vocab_size", minimum=1, default=dims.vocab)
@@ -489,12 +586,14 @@ def _read_graph(o: _Obj, dims: Dims, draft: bool, trained: bool = True) -> Graph
     entry = DraftEntry(**common, graph_top_k=top_k, trained=extra.boolean("trained", default=trained),
                        draft_vocab_size=vocab_size,
                        draft_vocab_file=extra.string("draft_vocab_file", default=None, optional=True),
+                       draft_vocab_source=extra.string("draft_vocab_source", default=None,
+                                                       choices=DRAFT_VOCAB_SOURCES + (None,)),
                        max_position_embeddings=extra.integer("max_position_embeddings", minimum=2, default=None,
                                                              optional=True))
     found_k = next((s.shape[-1] for s in outputs if s.name == c.TOPK_IDS and s.shape), top_k)
     if isinstance(found_k, int) and found_k != top_k:
         extra.fail("graph_top_k", f"{found_k} (the last dimension of draft.outputs {c.TOPK_IDS!r})", top_k)
-    _check_contract(o, entry, *c.draft_io(dtype, top_k))
+    _check_contract(o, entry, *c.draft_io(dtype, top_k, entry.kv_layout))
     return entry
 
 

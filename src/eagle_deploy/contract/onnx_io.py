@@ -14,12 +14,17 @@ verification.
 |---|---|---|---|
 | `input_ids` | int64 | [batch, seq] | new tokens (tree nodes in tree order) |
 | `position_ids` | int64 | [batch, seq] | absolute positions (depth-based for a tree) |
-| `attention_mask` | bool | [batch, seq, total_seq] | row i: may new token i attend to column j; columns 0..past_seq-1 are the cache rows in buffer order, then the new tokens (the tree mask) |
+| `attention_mask` | bool | [batch, seq, total_seq] | row i: may new token i attend to column j |
 | `logits_indices` | int64 | [batch, num_logits] | which of the `seq` positions get logits |
-| `past_key_values.{i}.key` / `.value` | T | [past_seq, batch, kv_heads, head_dim] | layer i cache, sequence-major so that every prefix of a preallocated buffer is contiguous |
+| `past_key_values.{i}.key` / `.value` | T | [past_seq, batch, kv_heads, head_dim] | layer i cache, sequence-major |
 | `logits` (out) | float32 | [batch, num_logits, vocab] | target logits at `logits_indices` |
 | `features` (out) | T | [batch, seq, hidden] | final-norm hidden states, the LM-head input: the EAGLE feature |
-| `present.{i}.key` / `.value` (out) | T | [seq, batch, kv_heads, head_dim] | KV of the new tokens only; the runtime binds them straight into its buffer at row `past_seq` |
+| `present.{i}.key` / `.value` (out) | T | [seq, batch, kv_heads, head_dim] | KV of the new tokens only |
+
+`attention_mask` columns 0..past_seq-1 are the cache rows in buffer order, then the new
+tokens (the tree mask). The cache is sequence-major so that every prefix of a preallocated
+buffer is contiguous; the runtime binds each `present` output straight into its buffer at
+row `past_seq`.
 
 Draft graph (`draft.onnx`): the EAGLE-1/2 draft head (arXiv 2401.15077 §3): FC over
 [token embedding; feature], one decoder layer without input norm, the target's LM head.
@@ -33,12 +38,40 @@ Draft graph (`draft.onnx`): the EAGLE-1/2 draft head (arXiv 2401.15077 §3): FC 
 | `logits_indices` | int64 | [batch, num_logits] | positions whose top-k is computed |
 | `past_key_values.0.key` / `.value` | T | [past_seq, batch, kv_heads, head_dim] | the head's own cache |
 | `next_features` (out) | T | [batch, seq, hidden] | predicted feature at position p+1 |
-| `topk_logprobs` (out) | float32 | [batch, num_logits, top_k] | log-softmax of the head's next-token distribution, top-k, descending |
+| `topk_logprobs` (out) | float32 | [batch, num_logits, top_k] | head's next-token log-softmax, top-k, descending |
 | `topk_ids` (out) | int64 | [batch, num_logits, top_k] | token ids of those entries (full target vocabulary) |
 | `present.0.key` / `.value` (out) | T | [seq, batch, kv_heads, head_dim] | KV of the new rows |
 
 No full-vocabulary logits leave the draft graph. `top_k` is fixed at export
 (`Manifest.draft.graph_top_k`); trees may use any `top_k` up to it.
+
+KV layouts (`KV_LAYOUTS`; each graph's is the shape of its KV specs in the manifest,
+`kv_layout_of`). The tables above show `seq_major`, the standard-op graph (`--backend trt`:
+TensorRT cannot run onnxruntime's contrib operators). The default onnxruntime export is
+`shared` (`KV_SHAPE_SHARED`): attention is onnxruntime's fused `GroupQueryAttention`
+(com.microsoft, rotary inside, `past_present_share_buffer`), so both `past_key_values.{i}.*`
+and `present.{i}.*` are [batch, kv_heads, kv_capacity, head_dim] and are bound to the *same*
+buffer (the whole KV buffer, `kv_capacity` = its rows). The graph reads rows
+[0, past_seq), with past_seq = total_seq - seq taken from `attention_mask`'s shape, writes the
+new tokens' rows [past_seq, total_seq) in place and leaves every other row untouched. On top
+of `attention_mask` the fused operator applies its own causal mask over the new tokens: new
+token i can see new token j only if j <= i, so tree nodes must follow their ancestors (tree
+order, which DraftTree and the drafter always produce; backends check it). Needs
+past_seq + seq <= kv_capacity.
+
+Shared weights (`shared.data`, `SHARED_WEIGHTS_FILE`): the tensors the draft graph takes
+from the target are stored once, in one ONNX external-data file that both graphs reference
+(each keeps its own initializer name; offsets are 64 KiB-aligned). Always the token
+embedding [vocab, hidden] (the target's `Gather` table, in the target's dtype: fp32 in
+int4/int8 exports too, whose embedding is not quantised); with a full draft vocabulary
+(`--draft-vocab full`) also the LM head weights, byte-identical in both graphs (the same
+MatMulNBits blobs and scales in a quantised export). A reduced draft vocabulary's LM head rows
+are the draft graph's own (vocab' x hidden, quantised with the draft). `Manifest.shared_weights`
+lists each shared tensor (role, name in each graph, dtype, shape, offset, length) and the
+file's size and sha256. onnxruntime maps external data read-only instead of copying it, so
+the shared tensors occupy memory once (only the embedding rows actually gathered become
+resident). Neither graph loads without the file: the runtime checks it before opening a
+session (ManifestError naming the file and the tensors).
 """
 from __future__ import annotations
 
@@ -48,6 +81,8 @@ TARGET_FILE = "target.onnx"
 DRAFT_FILE = "draft.onnx"
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
+SHARED_WEIGHTS_FILE = "shared.data"  # the tensors both graphs use (see "Shared weights" above)
+SHARED_ALIGNMENT = 1 << 16  # byte alignment of each tensor in it (mmap-able on every OS)
 
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
@@ -98,6 +133,20 @@ class TensorSpec:
 
 KV_SHAPE_PAST = ("past_seq", "batch", "kv_heads", "head_dim")
 KV_SHAPE_PRESENT = ("seq", "batch", "kv_heads", "head_dim")
+KV_SHAPE_SHARED = ("batch", "kv_heads", "kv_capacity", "head_dim")  # past and present: one buffer
+
+KV_SEQ_MAJOR = "seq_major"  # standard ops: past prefix in, new rows out (bound at row past_seq)
+KV_SHARED = "shared"  # fused GroupQueryAttention: one [batch, kv_heads, capacity, head_dim] buffer in and out
+KV_LAYOUTS = (KV_SEQ_MAJOR, KV_SHARED)
+KV_SEQ_AXIS = {KV_SEQ_MAJOR: 0, KV_SHARED: 2}  # the sequence (row) axis of a KV buffer in each layout
+_KV_SHAPES = {KV_SEQ_MAJOR: (KV_SHAPE_PAST, KV_SHAPE_PRESENT), KV_SHARED: (KV_SHAPE_SHARED, KV_SHAPE_SHARED)}
+
+
+def kv_layout_of(inputs) -> str | None:
+    """The KV layout a graph's input specs declare (by the shape of its first
+    `past_key_values.*` input), or None when it has none or an unknown shape."""
+    past = next((s for s in inputs if s.name.startswith("past_key_values.")), None)
+    return next((k for k, (shape, _) in _KV_SHAPES.items() if past is not None and tuple(past.shape) == shape), None)
 _MASK_SHAPE = ("batch", "seq", "total_seq")
 
 
@@ -110,16 +159,20 @@ def _common_inputs() -> list[TensorSpec]:
     ]
 
 
-def _kv_specs(num_layers: int, dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+def _kv_specs(num_layers: int, dtype: str, kv_layout: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    if kv_layout not in _KV_SHAPES:
+        raise ValueError(f"kv_layout {kv_layout!r} is not one of {', '.join(KV_LAYOUTS)}")
     pairs = kv_names(num_layers)
-    past = [TensorSpec(p, dtype, KV_SHAPE_PAST) for p, _ in pairs]
-    present = [TensorSpec(q, dtype, KV_SHAPE_PRESENT) for _, q in pairs]
+    shape_past, shape_present = _KV_SHAPES[kv_layout]
+    past = [TensorSpec(p, dtype, shape_past) for p, _ in pairs]
+    present = [TensorSpec(q, dtype, shape_present) for _, q in pairs]
     return past, present
 
 
-def target_io(num_layers: int, dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+def target_io(num_layers: int, dtype: str,
+              kv_layout: str = KV_SEQ_MAJOR) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """(inputs, outputs) of the target graph, in graph order."""
-    past, present = _kv_specs(num_layers, dtype)
+    past, present = _kv_specs(num_layers, dtype, kv_layout)
     outputs = [
         TensorSpec(LOGITS, "float32", ("batch", "num_logits", "vocab")),
         TensorSpec(FEATURES, dtype, ("batch", "seq", "hidden")),
@@ -127,9 +180,10 @@ def target_io(num_layers: int, dtype: str) -> tuple[list[TensorSpec], list[Tenso
     return _common_inputs() + past, outputs + present
 
 
-def draft_io(dtype: str, top_k: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
+def draft_io(dtype: str, top_k: int,
+             kv_layout: str = KV_SEQ_MAJOR) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """(inputs, outputs) of the draft graph, in graph order."""
-    past, present = _kv_specs(1, dtype)
+    past, present = _kv_specs(1, dtype, kv_layout)
     inputs = [TensorSpec(FEATURES, dtype, ("batch", "seq", "hidden"))] + _common_inputs()
     outputs = [
         TensorSpec(NEXT_FEATURES, dtype, ("batch", "seq", "hidden")),

@@ -132,7 +132,8 @@ def _frontier_sizes(tree: TreeConfig) -> list[int]:
     return [tree.top_k]
 
 
-def tree_calls(which: str, tree: TreeConfig, max_length: int, draft_capacity: int | None = None) -> list[tuple[str, int, int, int]]:
+def tree_calls(which: str, tree: TreeConfig, max_length: int,
+               draft_capacity: int | None = None) -> list[tuple[str, int, int, int]]:
     """(what, seq, past, num_logits) of the forwards a round with `tree` makes, at the largest
     past each can have (and at past 0). Prompt-sized prefills are excluded (checked per call)."""
     calls = []

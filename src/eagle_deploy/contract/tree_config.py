@@ -71,7 +71,8 @@ class TreeConfig:
             if getattr(self, name) < 1:
                 raise TreeConfigError(f"tree {name} must be >= 1, got {getattr(self, name)}")
         if self.top_k > graph_top_k:
-            raise TreeConfigError(f"tree top_k {self.top_k} exceeds the draft graph's top-k {graph_top_k} (re-export with --graph-top-k)")
+            raise TreeConfigError(f"tree top_k {self.top_k} exceeds the draft graph's top-k {graph_top_k} "
+                                  "(re-export with --graph-top-k)")
         if self.kind == "static":
             if not self.choices:
                 raise TreeConfigError("a static tree needs choices")

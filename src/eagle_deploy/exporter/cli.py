@@ -14,28 +14,70 @@ from eagle_deploy.contract.dtypes import CLI_NAMES as CLI_DTYPES
 from .models import ALIASES  # no torch: the parser is built without the heavy imports
 
 
+def _draft_vocab(text: str) -> int:
+    """--draft-vocab: 'full' (or 0) -> 0, else a positive token count."""
+    if text.strip().lower() == "full":
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count or 'full', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a token count >= 0 or 'full', got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle-export", description=__doc__,
                                 formatter_class=HelpFormatter)
-    p.add_argument("--model", required=True, help=f"alias ({', '.join(ALIASES)}), a Hugging Face model folder, or a .gguf file")
-    p.add_argument("--draft", default=None, help="EAGLE head folder or cached hub id; 'random' for an untrained head; default: the alias's head")
+    p.add_argument("--model", required=True,
+                   help=f"alias ({', '.join(ALIASES)}), a Hugging Face model folder, or a .gguf file")
+    p.add_argument("--draft", default=None,
+                   help="EAGLE head folder or cached hub id; 'random' for an untrained head; default: the alias's head")
     p.add_argument("--out", type=Path, default=Path("engines"), help="output root; the export goes to OUT/NAME")
     p.add_argument("--name", default=None, help="export folder name (default: the alias or checkpoint name)")
-    p.add_argument("--dtype", default="fp32", choices=list(CLI_DTYPES), help="graph precision (fp16/bf16 keep RMSNorm and softmax in fp32)")
-    p.add_argument("--quant", default=None, choices=["int4", "int8"], help="quantise the target graph for CPU (lossless w.r.t. the quantised target)")
+    p.add_argument("--dtype", default="fp32", choices=list(CLI_DTYPES),
+                   help="graph precision (fp16/bf16 keep RMSNorm and softmax in fp32)")
+    p.add_argument("--quant", default=None, choices=["int4", "int8"],
+                   help="quantise the target graph for CPU (lossless w.r.t. the quantised target)")
     p.add_argument("--no-quant-draft", dest="quant_draft", action="store_false",
-                   help="with --quant, keep the draft graph fp32 (by default it is quantised the same way: measured 6-30%% faster, same tau)")
-    p.add_argument("--backend", default="ort", choices=["ort", "trt"], help="'trt' also builds TensorRT engines (needs a GPU and TensorRT)")
+                   help="with --quant, keep the draft graph fp32 (by default it is quantised the same way: "
+                        "measured 6-30%% faster, same tau)")
+    p.add_argument("--backend", default="ort", choices=["ort", "trt"],
+                   help="'trt' also builds TensorRT engines (needs a GPU and TensorRT; implies --graph standard)")
+    p.add_argument("--graph", default="auto", choices=["auto", "fused", "standard"],
+                   help="'fused': attention, RoPE and residual norms as onnxruntime contrib operators "
+                        "(GroupQueryAttention, SkipSimplifiedLayerNormalization; fp32 only); 'standard': plain ONNX "
+                        "operators, which TensorRT and other runtimes can run; 'auto': fused for fp32 with --backend "
+                        "ort, else standard")
     p.add_argument("--max-length", type=int, default=None,
                    help="KV capacity in tokens (prompt + output may reach max_length + 1: the last new token needs no "
                         "KV row) (default: alias value or min(max_position_embeddings, 4096), capped to the draft "
                         "head's max_position_embeddings; an explicit value above the head's limit is refused)")
-    p.add_argument("--graph-top-k", type=int, default=10, help="top-k computed inside the draft graph (upper bound for --tree-top-k)")
-    p.add_argument("--draft-vocab", type=int, default=None, help="default: the alias's measured choice, else 0. Restrict the draft head's LM head to the N most frequent tokens (0 = full vocabulary; verification stays full, so output stays lossless)")
-    p.add_argument("--external-data", default="auto", choices=["auto", "always", "never"], help="ONNX external data (auto: above 2 GiB)")
+    p.add_argument("--graph-top-k", type=int, default=10,
+                   help="top-k computed inside the draft graph (upper bound for --tree-top-k)")
+    p.add_argument("--draft-vocab", type=_draft_vocab, default=None,
+                   help="tokens the draft head may propose: N most frequent (the head's token_counts.npy, else the "
+                        "tokenizer's merge rank), or 'full' (also 0). Default: the alias's measured choice, else "
+                        "8192 or a quarter of the vocabulary if larger (full when the vocabulary is at most 8192). "
+                        "Verification stays over the full vocabulary, so output stays lossless")
+    p.add_argument("--external-data", default="auto", choices=["auto", "always", "never"],
+                   help="ONNX external data (auto: above 2 GiB)")
     p.add_argument("--force", action="store_true", help="replace an existing export folder")
+    p.add_argument("--triton-repo", type=Path, default=None,
+                   help="after the export, write a Triton model repository serving it into this folder (model "
+                        "'eagle', replaced if present; eagle-triton-repo has the other settings)")
+    p.add_argument("--triton-instances", type=int, default=1, help="model instances for --triton-repo")
     add_tree_args(p, "by target precision, measured on a 2-core CPU (contract/tree_config.py DEFAULT_TREES)")
     return p
+
+
+def graph_for(graph: str, backend: str) -> str:
+    """--graph for this --backend: TensorRT cannot run onnxruntime's contrib operators, so
+    --backend trt takes the standard graph (and refuses --graph fused)."""
+    if backend == "trt" and graph == "fused":
+        raise ValueError("--backend trt needs --graph standard (TensorRT cannot run onnxruntime's contrib operators)")
+    return "standard" if backend == "trt" else graph
 
 
 def _interrupt(signum, frame):
@@ -53,16 +95,23 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     step = lambda msg: print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     # a polite kill (SIGTERM) unwinds like Ctrl-C, so the partial folder is removed
-    previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
+    previous = (signal.signal(signal.SIGTERM, _interrupt)
+                if threading.current_thread() is threading.main_thread() else None)
     try:
         options = ExportOptions(dtype=args.dtype, max_length=args.max_length, graph_top_k=args.graph_top_k,
-                                draft_vocab=args.draft_vocab, tree=tree_from_args(args, None), external_data=args.external_data,
-                                quant=args.quant, quant_draft=args.quant_draft, name=args.name, force=args.force)
+                                draft_vocab=args.draft_vocab, tree=tree_from_args(args, None),
+                                external_data=args.external_data,
+                                quant=args.quant, quant_draft=args.quant_draft, name=args.name, force=args.force,
+                                graph=graph_for(args.graph, args.backend))
         out = export(args.model, args.draft, args.out, options, progress=step)
         if args.backend == "trt":
             from .trt_build import build_engines
 
             build_engines(out, progress=step)
+        if args.triton_repo is not None:
+            from eagle_deploy.triton.repo import write_repo  # imports no runtime module
+
+            step(f"triton model: {write_repo(out, args.triton_repo, instances=args.triton_instances, force=True)}")
     except (ModelNotAvailableError, UnsupportedModelError, HeadCheckpointError, FileExistsError, FileNotFoundError,
             ValueError) as err:
         print(f"eagle-export: error: {err}", file=sys.stderr)

@@ -17,6 +17,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED
+
+from .fused import FusedDecoderLayer, fused_inputs
 from .layers import Rotary, gather_positions, mask_bias
 from .target import DecoderLayer, Dims, dims_of
 
@@ -47,7 +50,8 @@ def expected_shapes(dims: Dims, intermediate: int, attention_bias: bool) -> dict
         p + "post_attention_layernorm.weight": (H,),
     }
     if attention_bias:
-        shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
+        shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)})
     return shapes
 
 
@@ -77,13 +81,16 @@ def check_head_state(state: dict[str, torch.Tensor], dims: Dims, intermediate: i
         if key not in state:
             raise HeadCheckpointError(f"draft head is missing tensor {key!r} (expected shape {list(shape)})")
         if tuple(state[key].shape) != shape:
-            raise HeadCheckpointError(f"draft head tensor {key!r} has shape {list(state[key].shape)}, expected {list(shape)}")
+            raise HeadCheckpointError(f"draft head tensor {key!r} has shape {list(state[key].shape)}, "
+                                      f"expected {list(shape)}")
         if not state[key].is_floating_point():
-            raise HeadCheckpointError(f"draft head tensor {key!r} is {state[key].dtype}, expected floating point weights")
+            raise HeadCheckpointError(f"draft head tensor {key!r} is {state[key].dtype}, "
+                                      "expected floating point weights")
         if not bool(torch.isfinite(state[key]).all()):
             raise HeadCheckpointError(f"draft head tensor {key!r} contains NaN or infinite values")
     if "fc.bias" in state and tuple(state["fc.bias"].shape) != (dims.hidden,):
-        raise HeadCheckpointError(f"draft head tensor 'fc.bias' has shape {list(state['fc.bias'].shape)}, expected [{dims.hidden}]")
+        raise HeadCheckpointError(f"draft head tensor 'fc.bias' has shape {list(state['fc.bias'].shape)}, "
+                                  f"expected [{dims.hidden}]")
     extra = sorted(set(state) - set(shapes) - set(OPTIONAL_KEYS) - set(IGNORED_KEYS))
     if extra:
         raise HeadCheckpointError(f"draft head has unexpected tensors {extra} (is it an EAGLE-1/2 head?)")
@@ -105,14 +112,16 @@ def check_head_config(config, path: Path, dims: Dims) -> None:
         raise HeadCheckpointError(f"draft head config {path} must be a JSON object, got {type(config).__name__}")
     for key, attr in GEOMETRY_KEYS.items():
         if key in config and config[key] is not None and config[key] != getattr(dims, attr):
-            raise HeadCheckpointError(f"draft head config {path}: {key} = {config[key]!r}, but the target has {getattr(dims, attr)}")
+            raise HeadCheckpointError(f"draft head config {path}: {key} = {config[key]!r}, "
+                                      f"but the target has {getattr(dims, attr)}")
     for key in ("intermediate_size", "max_position_embeddings"):
         value = config.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise HeadCheckpointError(f"draft head config {path}: {key} must be a positive integer, got {value!r}")
     act = config.get("hidden_act", "silu")
     if act != "silu":
-        raise HeadCheckpointError(f"draft head config {path}: hidden_act {act!r} is not supported (the head's MLP is SwiGLU: 'silu')")
+        raise HeadCheckpointError(f"draft head config {path}: hidden_act {act!r} is not supported "
+                                  "(the head's MLP is SwiGLU: 'silu')")
     for key in ("rope_theta", "rms_norm_eps"):
         value = config.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
@@ -186,11 +195,16 @@ class EagleHead(nn.Module):
         """The head's own tensors under the published key names."""
         return dict(self.state_dict())
 
-    def forward(self, features, input_ids, position_ids, attention_mask, past_k, past_v):
+    def fc_input(self, features, input_ids):
+        """The decoder layer's input: fc([embed(token_{p+1}); feature_p]), [B, S, H]."""
         emb = self.embed(input_ids).to(features.dtype)  # (B, S, H)
-        x = self.fc(torch.cat((emb, features), dim=-1))  # (B, S, H); embedding first
+        return self.fc(torch.cat((emb, features), dim=-1))  # (B, S, H); embedding first
+
+    def forward(self, features, input_ids, position_ids, attention_mask, past_k, past_v):
+        x = self.fc_input(features, input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
-        return self._layer(x, cos, sin, mask_bias(attention_mask, self.dims.num_heads // self.dims.num_kv_heads), past_k, past_v)
+        return self._layer(x, cos, sin, mask_bias(attention_mask, self.dims.num_heads // self.dims.num_kv_heads),
+                           past_k, past_v)
 
     def logits(self, next_features: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] float32 through the target's LM head."""
@@ -269,12 +283,19 @@ class ExportableDraft(nn.Module):
     -> (next_features [B,S,H], topk_logprobs [B,N,K] f32, topk_ids [B,N,K] int64, present_k, present_v).
     `draft_vocab` (optional [V'] int64 ids) restricts the head's LM head to those target
     tokens (a reduced draft vocabulary, as in FR-Spec); ids come back in the full vocabulary.
+    kv_layout "shared": the head's layer on fused operators (exporter/fused.py), KV as for
+    ExportableTarget.
     """
 
-    def __init__(self, head: EagleHead, top_k: int, draft_vocab: torch.Tensor | None = None):
+    def __init__(self, head: EagleHead, top_k: int, draft_vocab: torch.Tensor | None = None,
+                 kv_layout: str = KV_SEQ_MAJOR):
         super().__init__()
         self.head = head
         self.top_k = top_k
+        self.kv_layout = kv_layout
+        # the head's layer on fused operators, outside the module tree (the head owns the weights)
+        self.__dict__["_fused_layer"] = (FusedDecoderLayer(head.layers[0], head.dims, input_norm=False)
+                                         if kv_layout == KV_SHARED else None)
         self.embed = head.embed  # registered here so the tracer sees the shared weights as parameters
         W = head.lm_head.weight
         if draft_vocab is not None:
@@ -285,7 +306,13 @@ class ExportableDraft(nn.Module):
             self.lm_weight = W
 
     def forward(self, features, input_ids, position_ids, attention_mask, logits_indices, past_k, past_v):
-        x, k, v = self.head(features, input_ids, position_ids, attention_mask, past_k, past_v)
+        if self._fused_layer is None:
+            x, k, v = self.head(features, input_ids, position_ids, attention_mask, past_k, past_v)
+        else:
+            x = self.head.fc_input(features, input_ids)
+            f = fused_inputs(position_ids, attention_mask, self.head.rotary, x.dtype)
+            pending, x, k, v = self._fused_layer(None, x, f, past_k, past_v)
+            x = x + pending
         logits = torch.matmul(gather_positions(x, logits_indices), self.lm_weight.t()).float()  # (B, N, V')
         logprobs, ids = torch.topk(torch.log_softmax(logits, dim=-1), self.top_k, dim=-1)
         if self.draft_vocab is not None:

@@ -12,11 +12,13 @@ from pathlib import Path
 from eagle_deploy.contract.dtypes import CLI_NAMES as CLI_DTYPES
 from eagle_deploy.contract.dtypes import canonical as canonical_dtype
 from eagle_deploy.contract.errors import first_line
-from eagle_deploy.contract.manifest import Dims, DraftEntry, GraphEntry, Manifest, SourceRecord, Sources
-from eagle_deploy.contract.onnx_io import TOKENIZER_DIR
+from eagle_deploy.contract.manifest import Dims, DraftEntry, GraphEntry, Manifest, SharedWeights, SourceRecord, Sources
+from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED, TOKENIZER_DIR
 from eagle_deploy.contract.tree_config import DEFAULT_TREES, TreeConfig
 
-from .draft_head import HEAD_WEIGHT_FILES, TOKEN_COUNTS_FILE, load_head, random_head
+from .draft_head import HEAD_WEIGHT_FILES, load_head, random_head
+from .draft_vocab import default_size as default_draft_vocab
+from .draft_vocab import draft_vocab_ids
 from .models import Checkpoint, publish_folder, resolve_draft, resolve_model, sha256_file
 from .steps import TORCH_DTYPES, DraftOnnxFromHead, TargetOnnxFromHF, TokenizerFromHF
 from .target import UnsupportedModelError, dims_of, supported_families
@@ -33,7 +35,7 @@ class ExportOptions:
     dtype: str = "float32"
     max_length: int | None = None
     graph_top_k: int = 10
-    draft_vocab: int | None = None  # None: the alias default; 0: full vocabulary; N: the N most frequent tokens
+    draft_vocab: int | None = None  # None: the alias's, else draft_vocab.default_size; 0: full vocabulary; N: N tokens
     tree: TreeConfig | None = None  # None: DEFAULT_TREES[quant]
     external_data: str = "auto"
     quant: str | None = None
@@ -41,6 +43,24 @@ class ExportOptions:
     name: str | None = None
     force: bool = False
     seed: int = 0
+    graph: str = "auto"  # GRAPH_KINDS: "fused" (onnxruntime contrib ops), "standard" (plain ONNX, TensorRT)
+
+
+# "fused": attention/RoPE/residual norms as onnxruntime contrib operators, KV layout "shared"
+# (exporter/fused.py); "standard": plain ONNX operators, KV layout "seq_major" (what TensorRT
+# and any other runtime can run); "auto": fused for fp32 graphs, standard otherwise
+GRAPH_KINDS = ("auto", "fused", "standard")
+
+
+def kv_layout_for(graph: str, dtype: str) -> str:
+    """The contract KV layout of the graphs `graph` (GRAPH_KINDS) makes at `dtype`; ValueError
+    for fused bfloat16 / float16 (only the fp32 fused graph is tested; onnxruntime's CPU
+    GroupQueryAttention has no bfloat16 kernel)."""
+    if graph not in GRAPH_KINDS:
+        raise ValueError(f"--graph {graph} is not one of {', '.join(GRAPH_KINDS)}")
+    if graph == "fused" and dtype != "float32":
+        raise ValueError(f"--graph fused is fp32 only (found --dtype {dtype}); use --graph standard")
+    return KV_SHARED if graph == "fused" or (graph == "auto" and dtype == "float32") else KV_SEQ_MAJOR
 
 
 def _say(progress, msg: str) -> None:
@@ -87,33 +107,13 @@ def _eos_ids(hf_dir: Path, config, tokenizer) -> list[int]:
     return ids
 
 
-def draft_vocab_ids(head_dir: Path | None, size: int, vocab: int, eos_ids: list[int]):
-    """The `size` most frequent response tokens (from the head's `token_counts.npy`, written
-    by eagle-train), EOS ids always included, sorted by id; None for the full vocabulary.
-    A reduced draft vocabulary only limits what the head can propose (as FR-Spec and EAGLE-3's
-    d2t do); verification stays over the full vocabulary, so output stays lossless."""
-    import numpy as np
-    import torch
-
-    if not size or size >= vocab:
-        return None
-    counts_path = head_dir / TOKEN_COUNTS_FILE if head_dir else None
-    if counts_path is None or not counts_path.exists():
-        raise ValueError(f"--draft-vocab needs token frequencies: {TOKEN_COUNTS_FILE} beside the head (eagle-train writes it)")
-    counts = np.load(counts_path).astype(np.float64)
-    if counts.shape != (vocab,):
-        raise ValueError(f"{counts_path} has shape {counts.shape}, expected ({vocab},)")
-    counts[[e for e in eos_ids if e < vocab]] = np.inf
-    ids = np.sort(np.argsort(-counts, kind="stable")[:size])
-    return torch.from_numpy(ids.astype(np.int64))
-
-
 def load_target(checkpoint: Checkpoint):
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(checkpoint.hf_dir), dtype=torch.float32, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoint.hf_dir), dtype=torch.float32,
+                                                     trust_remote_code=False)
     except Exception as err:  # missing, truncated or corrupt weights: one clear message
         raise UnsupportedModelError(
             f"cannot load the checkpoint in {checkpoint.hf_dir} ({type(err).__name__}: {first_line(err)}); "
@@ -124,8 +124,10 @@ def load_target(checkpoint: Checkpoint):
 
 def check_export_name(name: str) -> str:
     """The export folder name: a plain folder name inside --out (ValueError otherwise)."""
-    if not name or name in (".", "..") or name.startswith(".") or "/" in name or "\\" in name or Path(name).is_absolute():
-        raise ValueError(f"--name must be a plain folder name inside --out (no path separators, not starting with '.'), got {name!r}")
+    if (not name or name in (".", "..") or name.startswith(".") or "/" in name or "\\" in name
+            or Path(name).is_absolute()):
+        raise ValueError("--name must be a plain folder name inside --out (no path separators, "
+                         f"not starting with '.'), got {name!r}")
     return name
 
 
@@ -153,6 +155,7 @@ class LoadedModels:
     dims: Dims
     max_length: int
     vocab_ids: object  # torch int64 ids of a reduced draft vocabulary, or None
+    vocab_source: str | None = None  # how they were ranked (manifest DRAFT_VOCAB_SOURCES)
 
 
 def check_options(options: ExportOptions) -> tuple[str, TreeConfig]:
@@ -164,6 +167,7 @@ def check_options(options: ExportOptions) -> tuple[str, TreeConfig]:
     tree = (options.tree or DEFAULT_TREES[options.quant]).validate(options.graph_top_k)
     if options.quant and dtype != "float32":
         raise ValueError(f"--quant {options.quant} quantises an fp32 graph; drop --dtype {options.dtype}")
+    kv_layout_for(options.graph, dtype)
     return dtype, tree
 
 
@@ -215,31 +219,35 @@ def load_models(plan: ExportPlan, options: ExportOptions, progress=None) -> Load
         requested = min(requested, head.dims.max_position_embeddings)
     max_length = check_max_length(requested, dims, head.dims)
     draft_vocab = checkpoint.draft_vocab if options.draft_vocab is None else options.draft_vocab
+    if draft_vocab is None:  # every head gets a reduced draft vocabulary unless asked otherwise
+        draft_vocab = min(default_draft_vocab(dims.vocab), dims.vocab)
     if draft_vocab and not options.graph_top_k <= draft_vocab <= dims.vocab:
-        raise ValueError(f"--draft-vocab {draft_vocab} must be 0 (full vocabulary) or in "
+        raise ValueError(f"--draft-vocab {draft_vocab} must be 'full' (or 0) or in "
                          f"[--graph-top-k {options.graph_top_k}, vocabulary size {dims.vocab}]")
     eos = _eos_ids(checkpoint.hf_dir, hf.config, None)
-    vocab_ids = draft_vocab_ids(head_dir, draft_vocab if head_dir else 0, dims.vocab, eos)
+    vocab_ids, vocab_source = draft_vocab_ids(head_dir, draft_vocab, dims.vocab, eos, tokenizer_dir=checkpoint.hf_dir)
     if plan.dtype != "float32":
         hf.to(TORCH_DTYPES[plan.dtype])
         head.to(TORCH_DTYPES[plan.dtype])
-    return LoadedModels(hf, head, dims, int(max_length), vocab_ids)
+    return LoadedModels(hf, head, dims, int(max_length), vocab_ids, vocab_source)
 
 
 def build_graphs(plan: ExportPlan, models: LoadedModels, options: ExportOptions, tmp: Path, progress=None):
     """target.onnx, draft.onnx (+ the draft vocabulary ids) and tokenizer/ into `tmp`; returns
     (target GraphEntry, DraftEntry, tokenizer or None)."""
-    _say(progress, f"exporting target graph ({plan.dtype})")
-    target_entry = TargetOnnxFromHF(plan.dtype, options.external_data)(models.hf, tmp)
+    layout = kv_layout_for(options.graph, plan.dtype)
+    kind = "fused onnxruntime operators" if layout == KV_SHARED else "standard ONNX operators"
+    _say(progress, f"exporting target graph ({plan.dtype}, {kind})")
+    target_entry = TargetOnnxFromHF(plan.dtype, options.external_data, layout)(models.hf, tmp)
     _say(progress, "exporting draft graph")
-    draft_step = DraftOnnxFromHead(plan.dtype, options.graph_top_k, models.vocab_ids, options.external_data)
+    draft_step = DraftOnnxFromHead(plan.dtype, options.graph_top_k, models.vocab_ids, options.external_data, layout)
     draft_entry = draft_step(models.head, tmp)
     draft_entry = replace(draft_entry, trained=plan.head_dir is not None)
     if models.vocab_ids is not None:  # the ids baked into the draft graph, for references and tools
         import numpy as np
 
         np.save(tmp / DRAFT_VOCAB_FILE, models.vocab_ids.numpy())
-        draft_entry = replace(draft_entry, draft_vocab_file=DRAFT_VOCAB_FILE)
+        draft_entry = replace(draft_entry, draft_vocab_file=DRAFT_VOCAB_FILE, draft_vocab_source=models.vocab_source)
     tokenizer = TokenizerFromHF()(plan.checkpoint.hf_dir, tmp)
     return target_entry, draft_entry, tokenizer
 
@@ -265,10 +273,23 @@ def quantise_graphs(target_entry: GraphEntry, draft_entry: DraftEntry, options: 
     return target_entry, draft_entry, notes
 
 
+def share_graph_weights(target_entry: GraphEntry, draft_entry: DraftEntry, dims: Dims, options: ExportOptions,
+                        tmp: Path, progress=None) -> SharedWeights | None:
+    """Store the weights the draft graph takes from the target (its token embedding; with a
+    full draft vocabulary its LM head too) once, in `shared.data`, referenced by both graphs
+    (exporter/share.py); returns the manifest record (None: nothing shared)."""
+    from .share import share_weights
+
+    _say(progress, "sharing the target's embedding with the draft graph")
+    return share_weights(tmp, target_entry, draft_entry, dims.vocab, options.external_data)
+
+
 def write_manifest(plan: ExportPlan, models: LoadedModels, target_entry: GraphEntry, draft_entry: DraftEntry,
-                   tokenizer, notes: list[str], tmp: Path, progress=None) -> Manifest:
+                   tokenizer, notes: list[str], tmp: Path, progress=None,
+                   shared: SharedWeights | None = None) -> Manifest:
     """Hash the sources and graphs, write `tmp/manifest.json` and read it back (the runtime's
-    own validation), so a manifest the runtime would refuse is never published."""
+    own validation), so a manifest the runtime would refuse is never published. `shared`: the
+    weights both graphs take from the shared file (share_graph_weights)."""
     _say(progress, "hashing sources and writing manifest")
     checkpoint, head_dir = plan.checkpoint, plan.head_dir
     sources = Sources(
@@ -286,7 +307,7 @@ def write_manifest(plan: ExportPlan, models: LoadedModels, target_entry: GraphEn
         tree=plan.tree, eos_token_ids=tuple(_eos_ids(checkpoint.hf_dir, models.hf.config, tokenizer)),
         tokenizer=TOKENIZER_DIR if tokenizer is not None else None,
         chat_template=bool(getattr(tokenizer, "chat_template", None)), sources=sources,
-        tools=_tool_versions(), notes=tuple(notes))
+        tools=_tool_versions(), notes=tuple(notes), shared_weights=shared)
     manifest.save(tmp)
     Manifest.load(tmp)
     return manifest
@@ -297,9 +318,9 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
     "random", or None for the alias default) into `out_root/<name>`; returns that folder.
 
     Steps: resolve_inputs (options checked, nothing loaded) -> load_models (sizes checked,
-    nothing written) -> build_graphs -> quantise_graphs -> write_manifest, all in a private
-    temporary folder under `out_root` -> publish_folder (renamed into place). A failure at any
-    step leaves no partial folder.
+    nothing written) -> build_graphs -> quantise_graphs -> share_graph_weights -> write_manifest,
+    all in a private temporary folder under `out_root` -> publish_folder (renamed into place).
+    A failure at any step leaves no partial folder.
 
     Raises ModelNotAvailableError, UnsupportedModelError, HeadCheckpointError, ValueError,
     FileExistsError (folder exists and not options.force)."""
@@ -310,7 +331,8 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
     try:
         target_entry, draft_entry, tokenizer = build_graphs(plan, models, options, tmp, progress)
         target_entry, draft_entry, notes = quantise_graphs(target_entry, draft_entry, options, tmp, progress)
-        write_manifest(plan, models, target_entry, draft_entry, tokenizer, notes, tmp, progress)
+        shared = share_graph_weights(target_entry, draft_entry, models.dims, options, tmp, progress)
+        write_manifest(plan, models, target_entry, draft_entry, tokenizer, notes, tmp, progress, shared)
         publish_folder(tmp, plan.out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

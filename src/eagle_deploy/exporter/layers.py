@@ -21,7 +21,7 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with the square-mean-rsqrt chain in fp32 whatever the activation dtype (a
-    fp16 sum of squares overflows above 65504; case T1). x: [..., H] -> [..., H], x.dtype."""
+    fp16 sum of squares overflows above 65504). x: [..., H] -> [..., H], x.dtype."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -29,8 +29,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class Rotary(nn.Module):
     """Rotary embedding computed from positions inside the graph (no cos/sin table sized to
-    the trace length; case E1). Uses the checkpoint's own inverse frequencies and attention
-    scaling as transformers computes them (default, linear, llama3 and yarn rope types)."""
+    the trace length, which would freeze the rotary table there). Uses the checkpoint's own
+    inverse frequencies and attention scaling as transformers computes them (default, linear,
+    llama3 and yarn rope types)."""
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float):
         super().__init__()

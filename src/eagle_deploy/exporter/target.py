@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from eagle_deploy.contract.manifest import Dims
-from eagle_deploy.contract.onnx_io import kv_names
+from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED, kv_names
 
+from .fused import FusedDecoderLayer, fused_inputs, skip_rms_norm
 from .layers import STATIC_ROPE_TYPES, Attention, GatedMLP, Rotary, gather_positions, mask_bias, rms_norm
 
 
@@ -48,7 +49,8 @@ def check_family(config) -> Family:
     archs = getattr(config, "architectures", None) or []
     arch = next((a for a in archs if a in FAMILIES), None)
     if arch is None and not archs:  # e.g. a GGUF-converted config names only its model_type
-        arch = next((f.architecture for f in FAMILIES.values() if f.model_type == getattr(config, "model_type", None)), None)
+        arch = next((f.architecture for f in FAMILIES.values() if f.model_type == getattr(config, "model_type", None)),
+                    None)
     if arch is None:
         raise UnsupportedModelError(
             f"architecture {archs or getattr(config, 'model_type', '?')} is not supported; "
@@ -114,16 +116,22 @@ class ExportableTarget(nn.Module):
     forward(input_ids [B,S] int64, position_ids [B,S] int64, attention_mask [B,S,P+S] bool,
     logits_indices [B,N] int64, *past (2 per layer, [P,B,kvh,hd])) ->
     (logits [B,N,V] float32, features [B,S,H], *present (2 per layer, [S,B,kvh,hd])).
+
+    kv_layout "shared" (contract KV_SHARED): the fused graph (exporter/fused.py); past and
+    present are then [B,kvh,C,hd] buffers of any capacity C >= P+S, present = past with rows
+    [P, P+S) written (a copy when run eagerly, in place in onnxruntime).
     """
 
-    def __init__(self, hf_model: nn.Module):
+    def __init__(self, hf_model: nn.Module, kv_layout: str = KV_SEQ_MAJOR):
         super().__init__()
         check_family(hf_model.config)
         self.dims = dims_of(hf_model.config)
+        self.kv_layout = kv_layout
         base = hf_model.model
         self.embed = base.embed_tokens
         self.rotary = rotary_of(hf_model)
-        self.layers = nn.ModuleList(DecoderLayer(layer, self.dims) for layer in base.layers)
+        layer_kind = FusedDecoderLayer if kv_layout == KV_SHARED else DecoderLayer
+        self.layers = nn.ModuleList(layer_kind(layer, self.dims) for layer in base.layers)
         self.norm = base.norm.weight
         self.lm_head = hf_model.lm_head
 
@@ -132,6 +140,8 @@ class ExportableTarget(nn.Module):
         return kv_names(self.dims.num_layers)
 
     def forward(self, input_ids, position_ids, attention_mask, logits_indices, *past):
+        if self.kv_layout == KV_SHARED:
+            return self._forward_fused(input_ids, position_ids, attention_mask, logits_indices, *past)
         x = self.embed(input_ids)  # (B, S, H)
         cos, sin = self.rotary(position_ids, x.dtype)
         bias = mask_bias(attention_mask, self.dims.num_heads // self.dims.num_kv_heads)  # shared by all layers
@@ -140,5 +150,18 @@ class ExportableTarget(nn.Module):
             x, k, v = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
             presents += [k, v]
         features = rms_norm(x, self.norm, self.dims.rms_norm_eps)
+        logits = self.lm_head(gather_positions(features, logits_indices)).float()
+        return (logits, features, *presents)
+
+    def _forward_fused(self, input_ids, position_ids, attention_mask, logits_indices, *past):
+        """The same forward on fused operators (the residual addition of each layer fused into
+        the next norm, the last one into the final norm)."""
+        x = self.embed(input_ids)  # (B, S, H)
+        f = fused_inputs(position_ids, attention_mask, self.rotary, x.dtype)  # shared by all layers
+        pending, presents = None, []
+        for i, layer in enumerate(self.layers):
+            pending, x, k, v = layer(pending, x, f, past[2 * i], past[2 * i + 1])
+            presents += [k, v]
+        features, _ = skip_rms_norm(pending, x, self.norm, self.dims.rms_norm_eps)
         logits = self.lm_head(gather_positions(features, logits_indices)).float()
         return (logits, features, *presents)

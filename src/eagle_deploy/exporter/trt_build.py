@@ -30,6 +30,7 @@ from types import SimpleNamespace
 
 from eagle_deploy.contract.errors import import_tensorrt
 from eagle_deploy.contract.manifest import Dims, GraphEntry, Manifest, TrtRecord
+from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR
 from eagle_deploy.contract.profiles import ProfileSpec  # noqa: F401  (re-exported: profiles live in the contract)
 
 from .external_data import graph_tensors
@@ -174,12 +175,13 @@ def compute_profiles(manifest: Manifest, which: str, options: TrtBuildOptions | 
 
 
 # ---------------------------------------------------------------------------------------------
-# External data (T4)
+# External data (paths of the external data files)
 
 
 def check_external_data(onnx_path: Path) -> list[Path]:
-    """Return the external data files `onnx_path` needs; raise ExternalDataError naming a
-    missing or truncated one (a graph moved without its `.data` file)."""
+    """Return the external data files `onnx_path` needs; raise ExternalDataError naming every
+    missing one (a graph moved without its `.data` file or the export's shared.data) or a
+    truncated one."""
     import onnx
     from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
@@ -193,12 +195,15 @@ def check_external_data(onnx_path: Path) -> list[Path]:
             info = ExternalDataInfo(tensor)
             end = int(info.offset or 0) + int(info.length or 0)
             need[info.location] = max(need.get(info.location, 0), end)
+    missing = [location for location in need if not (onnx_path.parent / location).is_file()]
+    if missing:
+        names = ", ".join(repr(m) for m in missing)
+        paths = ", ".join(str(onnx_path.parent / m) for m in missing)
+        raise ExternalDataError(f"{onnx_path.name} keeps its weights in external data file(s) {names}, missing: "
+                                f"expected {paths}. Move or copy the .onnx together with its data files.")
     files = []
     for location, end in need.items():
         path = onnx_path.parent / location
-        if not path.is_file():
-            raise ExternalDataError(f"{onnx_path.name} keeps its weights in external data file {location!r}, which is "
-                                    f"missing: expected {path}. Move or copy the .onnx together with its data file.")
         if path.stat().st_size < end:
             raise ExternalDataError(f"external data file {path} is truncated: {path.stat().st_size} bytes, "
                                     f"{onnx_path.name} needs at least {end}")
@@ -250,7 +255,8 @@ def build_engine(pg: SimpleNamespace, onnx_path: Path, engine_path: Path, profil
             pg.SaveBytes(engine_bytes, path=str(tmp))()
     except Exception as err:  # PolygraphyException, TensorRT errors: the log above says why
         tmp.unlink(missing_ok=True)
-        raise EngineBuildError(f"TensorRT could not build {onnx_path.name}: {err} (see the TensorRT log above)") from err
+        raise EngineBuildError(f"TensorRT could not build {onnx_path.name}: {err} "
+                               "(see the TensorRT log above)") from err
     tmp.replace(engine_path)
     return engine_path
 
@@ -265,12 +271,17 @@ def build_engines(export_folder, progress=None, options: TrtBuildOptions | None 
     manifest (`engines.trt`); returns that record. Works from any working directory
     (all paths are made absolute). Raises ExternalDataError / FileNotFoundError before any
     TensorRT import when a graph or its external data is missing, ImportError without
-    TensorRT, ValueError on profile settings the export's tree does not fit, EngineBuildError
+    TensorRT, ValueError on profile settings the export's tree does not fit or on a fused
+    (onnxruntime contrib operator) export, EngineBuildError
     when TensorRT fails to parse or build a graph."""
     options = options or TrtBuildOptions()
     folder = Path(export_folder).expanduser().resolve()
     manifest = Manifest.load(folder)
     graphs = {which: getattr(manifest, which) for which in options.graphs}
+    fused = [g.path for g in graphs.values() if g.kv_layout != KV_SEQ_MAJOR]
+    if fused:
+        raise ValueError(f"{', '.join(fused)} in {folder} use onnxruntime's fused contrib operators, which TensorRT "
+                         "cannot run: re-export with --backend trt (or --graph standard)")
     for which, graph in graphs.items():
         check_external_data(folder / graph.path)
     profiles = {which: compute_profiles(manifest, which, options) for which in graphs}
@@ -317,7 +328,8 @@ def _device_name() -> str | None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eagle_deploy.exporter.trt_build", description=__doc__.split("\n")[0])
     p.add_argument("engines", type=Path, help="an export folder written by eagle-export")
-    p.add_argument("--max-tree-tokens", type=int, default=None, help=f"verification profile max (default max(tree, {DEFAULT_MAX_TREE_TOKENS}))")
+    p.add_argument("--max-tree-tokens", type=int, default=None,
+                   help=f"verification profile max (default max(tree, {DEFAULT_MAX_TREE_TOKENS}))")
     p.add_argument("--max-prompt", type=int, default=None, help="prefill profile max (default max_length - 1)")
     p.add_argument("--no-decode-profile", action="store_true", help="skip the seq-1 decode profile")
     p.add_argument("--workspace-gib", type=float, default=None)
@@ -327,7 +339,8 @@ def main(argv=None) -> int:
                               workspace_bytes=int(args.workspace_gib * 2**30) if args.workspace_gib else None)
     t0 = time.perf_counter()
     try:
-        build_engines(args.engines, progress=lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", file=sys.stderr),
+        build_engines(args.engines,
+                      progress=lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", file=sys.stderr),
                       options=options)
     except (FileNotFoundError, ValueError, EngineBuildError) as err:
         print(f"trt_build: error: {err}", file=sys.stderr)

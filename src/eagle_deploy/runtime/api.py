@@ -89,15 +89,17 @@ class EagleRuntime:
         self.decoder = Decoder(target, drafter, manifest.max_length, acceptance, threshold, round_observers)
         self.eos_ids = list(manifest.eos_token_ids)
         self._requests = 0  # requests started on this instance (see _stream)
+        self._open_draft: Callable[[], Backend] | None = None  # set by load(with_draft=False)
 
     @classmethod
     def load(cls, folder, backend: str = "ort", tree: TreeConfig | None = None, threads: int | None = None,
              acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None,
              wrap_backend: Callable[[Backend], Backend] | None = None,
-             round_observers: Sequence[RoundObserver] = ()) -> "EagleRuntime":
+             round_observers: Sequence[RoundObserver] = (), with_draft: bool = True) -> "EagleRuntime":
         """Load `folder` (an eagle-export output). backend: "ort" (CPU), "ort-cuda", "trt".
         wrap_backend: applied to each loaded backend (target, draft) before use, e.g. a timing
-        wrapper; round_observers: see Decoder.
+        wrapper; round_observers: see Decoder. with_draft=False: open the target graph only
+        (vanilla decoding, e.g. to measure its memory alone) until `load_draft()`.
         Raises ManifestError, TreeConfigError, FileNotFoundError."""
         folder = Path(folder)
         manifest = Manifest.load(folder)
@@ -105,8 +107,12 @@ class EagleRuntime:
         wrap = wrap_backend or (lambda b: b)
         target = wrap(load_backend(backend, folder, manifest, "target", threads, tree=tree))
         draft = None
-        if drafter is None:
-            draft = wrap(load_backend(backend, folder, manifest, "draft", threads, tree=tree))
+
+        def open_draft() -> Backend:
+            return wrap(load_backend(backend, folder, manifest, "draft", threads, tree=tree))
+
+        if drafter is None and with_draft:
+            draft = open_draft()
         tokenizer = None
         if manifest.tokenizer:
             from transformers import AutoTokenizer
@@ -115,15 +121,32 @@ class EagleRuntime:
             try:
                 tokenizer = AutoTokenizer.from_pretrained(str(tok_dir)) if tok_dir.is_dir() else None
             except Exception as err:  # unreadable tokenizer files
-                raise ManifestError(f"cannot load the tokenizer in {tok_dir} ({type(err).__name__}); re-export") from None
+                raise ManifestError(f"cannot load the tokenizer in {tok_dir} ({type(err).__name__}); "
+                                    "re-export") from None
             if tokenizer is None:
                 raise ManifestError(f"the tokenizer folder {tok_dir} named by the manifest is missing; re-export")
-        return cls(folder, manifest, target, draft, tokenizer, tree, acceptance, threshold, drafter, round_observers)
+        rt = cls(folder, manifest, target, draft, tokenizer, tree, acceptance, threshold, drafter, round_observers)
+        if drafter is None and not with_draft:
+            rt._open_draft = open_draft
+        return rt
+
+    def load_draft(self) -> None:
+        """Open the draft graph of a runtime loaded with with_draft=False (no-op otherwise).
+        Raises as load does."""
+        if self._open_draft is None:
+            return
+        backend = self._open_draft()
+        self._open_draft = None
+        self.decoder.drafter = EagleDrafter(backend, self.tree, self.manifest.max_length,
+                                            self.manifest.draft.graph_top_k)
 
     def set_tree(self, tree: TreeConfig) -> None:
         """Use another draft tree from the next request on (a new drafter over the same draft
         backend; its KV buffer is sized for the new tree). Raises TreeConfigError."""
         drafter = self.decoder.drafter
+        if self._open_draft is not None:  # the draft graph is not open yet: load_draft uses the tree
+            self.tree = tree.validate(self.manifest.draft.graph_top_k)
+            return
         if not isinstance(drafter, EagleDrafter):
             raise TypeError("set_tree needs the EAGLE drafter (this runtime uses a custom drafter)")
         tree = tree.validate(self.manifest.draft.graph_top_k)
@@ -171,6 +194,9 @@ class EagleRuntime:
         per target forward). Raises ValueError on bad settings when called (before any
         forward), not at the first `next()`."""
         params, stop = check_request(max_new_tokens, temperature, top_p, top_k, seed, stop, mode)
+        if mode == "eagle" and self._open_draft is not None:
+            raise ValueError("this runtime was loaded without its draft graph (with_draft=False): call load_draft() "
+                             "before EAGLE decoding")
         ids = self.prompt_ids(prompt, chat)
         if self.tokenizer is None and stop:
             raise ValueError("stop strings need a tokenizer")
@@ -181,7 +207,9 @@ class EagleRuntime:
         """`encode`, then check the prompt leaves room for output. Raises ValueError."""
         ids = self.encode(prompt, chat)
         if len(ids) >= self.manifest.max_length:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this export holds at most {self.manifest.max_length - 1} prompt tokens (max_length {self.manifest.max_length} = KV rows)")
+            raise ValueError(f"the prompt has {len(ids)} tokens; this export holds at most "
+                             f"{self.manifest.max_length - 1} prompt tokens "
+                             f"(max_length {self.manifest.max_length} = KV rows)")
         return ids
 
     def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, text: TextStream | None,
@@ -193,7 +221,8 @@ class EagleRuntime:
         # started on this instance would decode from overwritten KV, so it fails instead
         self._requests += 1
         me = self._requests
-        for chunk in self.decoder.decode(ids, max_new_tokens, params, stopper, vanilla=(mode == "vanilla"), stats=stats):
+        for chunk in self.decoder.decode(ids, max_new_tokens, params, stopper, vanilla=(mode == "vanilla"),
+                                         stats=stats):
             tokens += chunk
             if text is not None:
                 delta = text.take()

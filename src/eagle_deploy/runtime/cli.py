@@ -18,20 +18,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus truncation of the target distribution, in (0, 1] (1 = off)")
-    p.add_argument("--top-k", dest="top_k", type=int, default=0, help="top-k truncation of the target distribution (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus truncation of the target distribution, in (0, 1] (1 = off)")
+    p.add_argument("--top-k", dest="top_k", type=int, default=0,
+                   help="top-k truncation of the target distribution (0 = off)")
     p.add_argument("--seed", type=int, default=None, help="makes sampled runs reproducible")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text ends before it. Taken literally: in bash, $'\\n' is a newline")
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop string (repeatable); the text ends before it. "
+                        "Taken literally: in bash, $'\\n' is a newline")
     p.add_argument("--stream", action="store_true", help="print text as tokens are committed")
     p.add_argument("--vanilla", action="store_true", help="plain one-token-per-forward decoding on the same engine")
-    p.add_argument("--compare-vanilla", action="store_true", help="also run vanilla decoding and print the speed-up and whether outputs are identical")
+    p.add_argument("--compare-vanilla", action="store_true",
+                   help="also run vanilla decoding and print the speed-up and whether outputs are identical")
     p.add_argument("--backend", default="ort", choices=["ort", "ort-cuda", "trt"],
-                   help="ort = onnxruntime CPU (default); ort-cuda and trt need a CUDA GPU (trt: engines from eagle-export --backend trt)")
+                   help="ort = onnxruntime CPU (default); ort-cuda and trt need a CUDA GPU "
+                        "(trt: engines from eagle-export --backend trt)")
     p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads per session")
     p.add_argument("--acceptance", default="lossless", choices=["lossless", "threshold"],
-                   help=f"'threshold' accepts a draft token when the target's probability of it is >= --threshold: {LOSSY}, output no longer follows the target distribution")
-    p.add_argument("--threshold", type=float, default=0.3, help=f"probability threshold for --acceptance threshold ({LOSSY})")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+                   help=f"'threshold' accepts a draft token when the target's probability of it is >= --threshold: "
+                        f"{LOSSY}, output no longer follows the target distribution")
+    p.add_argument("--threshold", type=float, default=0.3,
+                   help=f"probability threshold for --acceptance threshold ({LOSSY})")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of text; its 'memory' holds resident memory by stage and peak "
+                        "(vanilla's measured before the draft graph is opened), GPU memory on device backends, and "
+                        "the export folder's size by file")
     add_tree_args(p, "the export's manifest")
     return p
 
@@ -43,6 +54,7 @@ def main(argv=None) -> int:
 
     from .api import EagleRuntime, check_request
     from .decode import check_acceptance
+    from .memory import export_sizes, rss_mb, snapshot
     from .tree import TreeConfigError
 
     try:
@@ -55,8 +67,12 @@ def main(argv=None) -> int:
         check_acceptance(args.acceptance, args.threshold)
         manifest = Manifest.load(args.engines)
         tree = tree_from_args(args, manifest.tree)
+        memory = {"rss_before_load_mb": rss_mb()}  # --json: resident memory by stage (runtime/memory.py)
+        # the target graph first: vanilla decoding runs before the draft graph is opened, so the
+        # process peak after it is vanilla's own (and --vanilla never opens the draft graph)
         rt = EagleRuntime.load(args.engines, backend=args.backend, tree=tree, threads=args.threads,
-                               acceptance=args.acceptance, threshold=args.threshold)
+                               acceptance=args.acceptance, threshold=args.threshold, with_draft=False)
+        memory["rss_target_loaded_mb"] = rss_mb()
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, stop=args.stop, chat=False if args.raw else None)
         mode = "vanilla" if args.vanilla else "eagle"
@@ -64,15 +80,27 @@ def main(argv=None) -> int:
         for note in manifest.notes:
             print(f"note: {note}", file=sys.stderr)
         if args.acceptance != "lossless":
-            print(f"note: --acceptance {args.acceptance} is {LOSSY}: output does not follow the target distribution", file=sys.stderr)
-        result = _run(rt, args, kw, mode)
-        comparison = {}  # --compare-vanilla: vanilla_tokens_per_s, speedup, identical_to_vanilla
+            print(f"note: --acceptance {args.acceptance} is {LOSSY}: output does not follow the target distribution",
+                  file=sys.stderr)
+        device = args.backend != "ort"
+        vanilla = None
         if args.compare_vanilla and not args.vanilla:
             rt.generate(args.prompt, **{**kw, "max_new_tokens": 4}, mode="vanilla")  # warm-up
             vanilla = rt.generate(args.prompt, **kw, mode="vanilla")
+            memory["vanilla"] = snapshot(device)
+        if mode == "eagle":
+            rt.load_draft()
+            memory["rss_draft_loaded_mb"] = rss_mb()
+        result = _run(rt, args, kw, mode)
+        memory[mode] = snapshot(device)
+        comparison = {}  # --compare-vanilla: vanilla_tokens_per_s, speedup, identical_to_vanilla
+        if vanilla is not None:
             speed = result.stats.tokens_per_s / max(vanilla.stats.tokens_per_s, 1e-9)
             comparison = {"vanilla_tokens_per_s": round(vanilla.stats.tokens_per_s, 2), "speedup": round(speed, 3),
                           "identical_to_vanilla": vanilla.token_ids == result.token_ids}
+            memory["eagle_vs_vanilla_peak_rss"] = round(memory["eagle"]["peak_rss_mb"]
+                                                        / max(memory["vanilla"]["peak_rss_mb"], 1e-9), 3)
+        memory["export"] = export_sizes(args.engines)
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
         print("eagle-run: error: " + " ".join(str(err).split()), file=sys.stderr)  # one line, no traceback
         return 2
@@ -81,7 +109,8 @@ def main(argv=None) -> int:
         return 3
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-                          "stats": {**result.stats.to_json(), **comparison}, "notes": manifest.notes}))
+                          "stats": {**result.stats.to_json(), **comparison}, "memory": memory,
+                          "notes": manifest.notes}))
     else:
         if not args.stream:
             print(result.text)
@@ -112,7 +141,8 @@ def _summary(result, comparison: dict, manifest) -> str:
     if not s.lossless:
         line += f" [{LOSSY}: threshold acceptance]"
     if comparison:
-        line += (f"\n[vanilla] {comparison['vanilla_tokens_per_s']:.1f} tokens/s; speed-up {comparison['speedup']:.2f}x; "
+        line += (f"\n[vanilla] {comparison['vanilla_tokens_per_s']:.1f} tokens/s; "
+                 f"speed-up {comparison['speedup']:.2f}x; "
                  f"identical to vanilla: {comparison['identical_to_vanilla']}")
     if not manifest.draft.trained:
         line += "\nnote: this export uses a RANDOMLY INITIALISED draft head, so acceptance is near 1 token per round"

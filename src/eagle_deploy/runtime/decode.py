@@ -95,7 +95,8 @@ class Stats:
             "ttft_ms": round(self.t_prefill * 1e3, 2),
             "time_ms": {"prefill": round(self.t_prefill * 1e3, 2), "draft": round(self.t_draft * 1e3, 2),
                         "verify": round(self.t_verify * 1e3, 2), "commit": round(self.t_commit * 1e3, 2),
-                        "other": round((self.t_total - self.t_prefill - self.t_draft - self.t_verify - self.t_commit) * 1e3, 2),
+                        "other": round((self.t_total - self.t_prefill - self.t_draft - self.t_verify
+                                        - self.t_commit) * 1e3, 2),
                         "total": round(self.t_total * 1e3, 2)},
             "accepted_per_round": self.accepted_per_round, "tree_depth_per_round": self.tree_depth_per_round,
             "mode": self.mode, "acceptance": self.acceptance, "lossless": self.lossless,
@@ -166,7 +167,8 @@ class Decoder:
                 observe(tree, logits, verification)
             chunk = self.commit(state, verification, features, max_new_tokens, stopper)
             t4 = time.perf_counter()
-            stats.t_draft, stats.t_verify, stats.t_commit = stats.t_draft + t2 - t1, stats.t_verify + t3 - t2, stats.t_commit + t4 - t3
+            stats.t_draft, stats.t_verify, stats.t_commit = (stats.t_draft + t2 - t1, stats.t_verify + t3 - t2,
+                                                             stats.t_commit + t4 - t3)
             stats.rounds += 1
             stats.round_tokens += len(chunk)
             stats.accepted_per_round.append(len(chunk))
@@ -182,7 +184,8 @@ class Decoder:
         if n == 0:
             raise ValueError("the prompt is empty")
         if n >= self.max_length:
-            raise ValueError(f"the prompt has {n} tokens; this export holds at most {self.max_length - 1} prompt tokens")
+            raise ValueError(f"the prompt has {n} tokens; "
+                             f"this export holds at most {self.max_length - 1} prompt tokens")
         stats.prompt_tokens = n
         out = self.target.run(StepInputs(np.asarray(prompt, np.int64)[None], np.arange(n)[None],
                                          causal_mask(0, n), np.array([[n - 1]])), self.kv, 0)

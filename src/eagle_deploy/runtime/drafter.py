@@ -169,7 +169,8 @@ class EagleDrafter:
         F = len(frontier)
         mask = expansion_mask(self.length, past, [growth.scratch_ancestors(node, rows) for node in frontier])
         feats_in = np.stack([feats[growth.parents[n]] for n in frontier])
-        out = self._run(feats_in, [growth.tokens[n] for n in frontier], np.full(F, root_position + d - 1), mask, np.arange(F))
+        out = self._run(feats_in, [growth.tokens[n] for n in frontier], np.full(F, root_position + d - 1), mask,
+                        np.arange(F))
         for j, node in enumerate(frontier):
             rows[node] = past + j
         return out.next_features[0].copy(), out.topk_ids[0].copy(), out.topk_logprobs[0].copy()

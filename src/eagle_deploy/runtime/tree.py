@@ -46,7 +46,8 @@ class DraftTree:
         if n < 1 or len(parents) != n or len(scores) != n:
             raise ValueError("DraftTree needs equal-length tokens, parents and scores with a root")
         if parents[0] != -1 or np.any(parents[1:] < 0) or np.any(parents[1:] >= np.arange(1, n)):
-            raise ValueError(f"DraftTree parents must satisfy parents[0] = -1 and 0 <= parents[i] < i: {parents.tolist()}")
+            raise ValueError("DraftTree parents must satisfy parents[0] = -1 and 0 <= parents[i] < i: "
+                             f"{parents.tolist()}")
         depths = np.zeros(n, dtype=np.int64)
         mask = np.zeros((n, n), dtype=bool)
         mask[0, 0] = True
@@ -59,7 +60,8 @@ class DraftTree:
             depths[i] = depths[parents[i]] + 1
             mask[i] = mask[parents[i]]
             mask[i, i] = True
-        for name, value in (("tokens", tokens), ("parents", parents), ("scores", scores), ("depths", depths), ("tree_mask", mask)):
+        for name, value in (("tokens", tokens), ("parents", parents), ("scores", scores), ("depths", depths),
+                            ("tree_mask", mask)):
             object.__setattr__(self, name, value)
 
     @classmethod

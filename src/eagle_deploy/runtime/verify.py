@@ -43,7 +43,8 @@ def _finish(tree: DraftTree, path: list[int], bonus: int) -> Verification:
     return Verification(path, [int(tree.tokens[i]) for i in path[1:]] + [int(bonus)])
 
 
-def verify_greedy(tree: DraftTree, logits: np.ndarray | None = None, *, argmax: np.ndarray | None = None) -> Verification:
+def verify_greedy(tree: DraftTree, logits: np.ndarray | None = None, *,
+                  argmax: np.ndarray | None = None) -> Verification:
     """logits [n, V] float32 (row i: target logits after node i), or instead argmax [n] int
     (the target's greedy token after each node, e.g. recorded earlier) -> the longest path
     whose tokens equal the target's argmax, plus the argmax after it as the bonus token.
@@ -60,7 +61,8 @@ def verify_greedy(tree: DraftTree, logits: np.ndarray | None = None, *, argmax: 
         path.append(node)
 
 
-def _rejection_step(tree: DraftTree, node: int, p: np.ndarray, rng: np.random.Generator) -> tuple[int | None, np.ndarray]:
+def _rejection_step(tree: DraftTree, node: int, p: np.ndarray,
+                    rng: np.random.Generator) -> tuple[int | None, np.ndarray]:
     """Try `node`'s children best-first against [V] probabilities p (modified in place into
     the residual). Returns (accepted child or None, residual p)."""
     for child in tree.children(node):
@@ -75,7 +77,8 @@ def _rejection_step(tree: DraftTree, node: int, p: np.ndarray, rng: np.random.Ge
     return None, p
 
 
-def verify_sampling(tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> Verification:
+def verify_sampling(tree: DraftTree, logits: np.ndarray, params: SamplingParams,
+                    rng: np.random.Generator) -> Verification:
     """Recursive rejection sampling over each node's children (lossless; see module doc).
     logits [n, V] float32; greedy params reduce to `verify_greedy`."""
     if params.greedy:

@@ -32,25 +32,32 @@ PRESETS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="eagle-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="eagle-train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="target: alias, Hugging Face folder or .gguf file (as eagle-export)")
     p.add_argument("--out", type=Path, required=True, help="folder for the trained head (published EAGLE layout)")
-    p.add_argument("--work", type=Path, default=None, help="cache folder for the stages (default: OUT/../<out name>.work)")
+    p.add_argument("--work", type=Path, default=None,
+                   help="cache folder for the stages (default: OUT/../<out name>.work)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-quick",
                    help="settings bundle: cpu-quick (~30 min on 2 CPU cores, 900 prompts) or gpu (all prompts, sampled "
                         "answers too, 3-step unrolling); any flag below overrides one value (default: cpu-quick)")
     p.add_argument("--prompts", default="train", help="'train' (data/prompts/train_prompts.jsonl) or a JSONL file")
-    p.add_argument("--data", type=Path, nargs="*", default=None, help="existing token-data .npz files to train on (skips generation)")
+    p.add_argument("--data", type=Path, nargs="*", default=None,
+                   help="existing token-data .npz files to train on (skips generation)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--seed", type=int, default=0,
                    help="seed for sampled data, head initialisation, noise and batch order (default: 0)")
     for name, default in PRESETS["cpu-quick"].items():
-        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=None, help=f"preset value (cpu-quick: {default})")
-    p.add_argument("--init-from-layer", type=int, default=None, help="initialise the head's layer from this target layer")
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=None,
+                       help=f"preset value (cpu-quick: {default})")
+    p.add_argument("--init-from-layer", type=int, default=None,
+                   help="initialise the head's layer from this target layer")
     p.add_argument("--torch-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="target precision for data generation and features (bf16: large targets on a GPU; needs CUDA)")
-    p.add_argument("--no-cache-features", action="store_true", help="keep features in memory only (large data on a GPU)")
-    p.add_argument("--gen-time-budget-min", type=float, default=0.0, help="stop generating new data chunks after this many minutes (0: no limit)")
+    p.add_argument("--no-cache-features", action="store_true",
+                   help="keep features in memory only (large data on a GPU)")
+    p.add_argument("--gen-time-budget-min", type=float, default=0.0,
+                   help="stop generating new data chunks after this many minutes (0: no limit)")
     return p
 
 
@@ -239,7 +246,8 @@ def _generate(args, s, hf, tokenizer, eos, device, work: Path, log):
     from .data import TokenData, generate_data, prompt_set
 
     prompts = prompt_set(args.prompts)
-    prompts = [prompts[i] for i in np.random.default_rng(args.seed).permutation(len(prompts))]  # mix categories across chunks
+    # mix categories across chunks
+    prompts = [prompts[i] for i in np.random.default_rng(args.seed).permutation(len(prompts))]
     if s["limit"]:
         prompts = prompts[: s["limit"]]
     modes = [float(m) for m in str(s["modes"]).split(",")]
@@ -256,7 +264,8 @@ def _generate(args, s, hf, tokenizer, eos, device, work: Path, log):
             break
         if not path.exists():
             part = generate_data(hf, tokenizer, prompts[c0:c0 + chunk], modes, s["max_new_tokens"], s["gen_batch"],
-                                 device, eos, seed=args.seed + c0, progress=bar.update, dtype=next(hf.parameters()).dtype)
+                                 device, eos, seed=args.seed + c0, progress=bar.update,
+                                 dtype=next(hf.parameters()).dtype)
             part.header = {"recipe": s, "prompts": args.prompts}
             part.save(path)
         else:

@@ -64,7 +64,8 @@ def prompt_set(name: str) -> list[dict]:
                              "missing): run from a clone, or pass --prompts FILE.jsonl")
         return read_jsonl(TRAIN_PROMPTS)
     if not Path(name).is_file():
-        raise ValueError(f"unknown prompt set {name!r}: expected humaneval, chat, train or a JSONL file ({{\"prompt\": ...}} per line)")
+        raise ValueError(f"unknown prompt set {name!r}: expected humaneval, chat, train or a JSONL file "
+                         "({\"prompt\": ...} per line)")
     return read_jsonl(Path(name))
 
 
@@ -153,7 +154,8 @@ class BatchedGenerator:
             ids[b, L - len(p):] = torch.tensor(p, device=dev)
         pad = (L - lens)[:, None]  # (B, 1)
         valid = torch.arange(cap, device=dev)[None] >= pad  # (B, cap) columns holding real tokens
-        kv = [torch.zeros(cap, B, *self.kv_shape, device=dev, dtype=self.dtype) for _ in range(2 * self.target.dims.num_layers)]
+        kv = [torch.zeros(cap, B, *self.kv_shape, device=dev, dtype=self.dtype)
+              for _ in range(2 * self.target.dims.num_layers)]
         gen = torch.Generator(device=dev).manual_seed(seed)
         pos = (torch.arange(L, device=dev)[None] - pad).clamp(min=0)
         mask = torch.tril(torch.ones(L, L, dtype=torch.bool, device=dev))[None] & valid[:, None, :L]
@@ -172,8 +174,8 @@ class BatchedGenerator:
                 break
             P = L + step
             step_mask = valid[:, None, :P + 1]
-            out = self.target(nxt[:, None], (lens + step)[:, None], step_mask, torch.zeros(B, 1, dtype=torch.long, device=dev),
-                              *[k[:P] for k in kv])
+            out = self.target(nxt[:, None], (lens + step)[:, None], step_mask,
+                              torch.zeros(B, 1, dtype=torch.long, device=dev), *[k[:P] for k in kv])
             self._store(kv, out[2:], P)
         return [self._trim(row) for row in tokens[:, :n].tolist()]
 
@@ -239,7 +241,8 @@ def compute_features(hf_model, data: TokenData, device: str, batch_tokens: int =
         ids = ids.to(device)
         pos = torch.arange(L, device=device)[None].expand(len(idx), L)
         mask = torch.tril(torch.ones(L, L, dtype=torch.bool, device=device))[None].expand(len(idx), L, L)
-        past = [torch.zeros(0, len(idx), dims.num_kv_heads, dims.head_dim, device=device, dtype=dtype)] * (2 * dims.num_layers)
+        past = ([torch.zeros(0, len(idx), dims.num_kv_heads, dims.head_dim, device=device, dtype=dtype)]
+                * (2 * dims.num_layers))
         f = target(ids, pos, mask, torch.zeros(len(idx), 1, dtype=torch.long, device=device), *past)[1]
         for b, s in enumerate(idx):
             feats[int(s)] = f[b, : int(lengths[s])].to(out_dtype).clone()

@@ -34,7 +34,8 @@ def evaluate(runtime, prompts: list[dict], max_new_tokens: int, progress=None) -
         if progress:
             progress(1)
     # rates up to the deepest tree seen (None at depths no round reached)
-    max_depth = max([runtime.tree.depth] + [d for many in per_cat.values() for s in many for d in s.tree_depth_per_round])
+    max_depth = max([runtime.tree.depth]
+                    + [d for many in per_cat.values() for s in many for d in s.tree_depth_per_round])
     summary = {k: {"tau": round(pooled_tau(many) or 0.0, 3), "rounds": sum(s.rounds for s in many),
                    "depth_acceptance": pooled_depth_rates(many, max_depth)}
                for k, many in sorted(per_cat.items())}
@@ -44,9 +45,11 @@ def evaluate(runtime, prompts: list[dict], max_new_tokens: int, progress=None) -
 def build_parser() -> argparse.ArgumentParser:
     from eagle_deploy.contract.cli_args import add_tree_args
 
-    p = argparse.ArgumentParser(prog="eagle-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="eagle-eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=Path, required=True, help="export folder")
-    p.add_argument("--prompts", nargs="+", default=["humaneval", "chat"], help="humaneval | chat | FILE.jsonl (several allowed, space- or comma-separated)")
+    p.add_argument("--prompts", nargs="+", default=["humaneval", "chat"],
+                   help="humaneval | chat | FILE.jsonl (several allowed, space- or comma-separated)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts of each set (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens generated per prompt (default: 128)")
     p.add_argument("--threads", type=int, default=None,

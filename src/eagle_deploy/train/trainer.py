@@ -77,7 +77,8 @@ def unrolled_forward(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor,
         out, k, v = head(inputs, tokens, pos, m, past_k, past_v)
         outs.append(out)
         past_k, past_v = torch.cat((past_k, k)), torch.cat((past_v, v))
-        inputs = torch.cat((torch.zeros_like(out[:, :1]), out[:, :-1]), dim=1)  # index i gets step s's prediction at i-1
+        # index i gets step s's prediction at i-1
+        inputs = torch.cat((torch.zeros_like(out[:, :1]), out[:, :-1]), dim=1)
     return outs
 
 
@@ -165,7 +166,8 @@ def split(data: TokenData, val_fraction: float, seed: int) -> tuple[np.ndarray, 
     """Train/validation split by prompt id (all samples of one prompt on one side)."""
     ids = sorted({m["id"] for m in data.meta})
     rng = np.random.default_rng(seed)
-    val_ids = set(rng.choice(ids, size=max(1, int(len(ids) * val_fraction)), replace=False).tolist()) if val_fraction > 0 else set()
+    val_ids = (set(rng.choice(ids, size=max(1, int(len(ids) * val_fraction)), replace=False).tolist())
+               if val_fraction > 0 else set())
     is_val = np.array([m["id"] in val_ids for m in data.meta])
     return np.flatnonzero(~is_val), np.flatnonzero(is_val)
 
@@ -183,7 +185,8 @@ def evaluate(head: EagleHead, data, features, order, cfg: TrainConfig, device) -
                 acc[k] += m[k] * m["n"]
             acc["n"] += m["n"]
     head.train()
-    return [{"step": s, **{k: v[k] / max(v["n"], 1) for k in ("reg", "ce", "acc")}, "n": v["n"]} for s, v in sorted(sums.items())]
+    return [{"step": s, **{k: v[k] / max(v["n"], 1) for k in ("reg", "ce", "acc")}, "n": v["n"]}
+            for s, v in sorted(sums.items())]
 
 
 def train_head(head: EagleHead, data: TokenData, features: list[torch.Tensor], cfg: TrainConfig, device: str,
@@ -202,7 +205,8 @@ def train_head(head: EagleHead, data: TokenData, features: list[torch.Tensor], c
     history = {"config": cfg.to_json(), "train_sequences": int(len(train_idx)), "val_sequences": int(len(val_idx)),
                "steps": total_steps, "epochs": [], "val": []}
     t0, step = time.perf_counter(), 0
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if str(device).startswith("cuda") else torch.autocast("cpu", enabled=False)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if str(device).startswith("cuda")
+                else torch.autocast("cpu", enabled=False))
     while step < total_steps:
         running = []
         for idx in _batches(data, train_idx, cfg.batch_tokens, cfg.max_seq_len, rng):

@@ -63,7 +63,8 @@ class Policy:
 
     def describe(self) -> str:
         if self.kind == "elementwise":
-            return f"elementwise atol {self.atol:g} / rtol {self.rtol:g}, identical argmax (ties <= {self.tie:g} excepted)"
+            return (f"elementwise atol {self.atol:g} / rtol {self.rtol:g}, "
+                    f"identical argmax (ties <= {self.tie:g} excepted)")
         if self.kind == "relative":
             return f"max|err|/max|ref| <= {self.rel:g}, identical argmax (ties <= {self.tie:g} excepted)"
         kl = f", mean KL <= {self.max_kl:g}" if self.max_kl is not None else ""
@@ -136,7 +137,8 @@ def compare_output(name: str, ref: np.ndarray, out: np.ndarray, policy: Policy, 
             return (float((~same).sum()), 0.0, float(same[:, 0].mean()), top1 >= policy.min_top1,
                     f"quantised: top-1 {top1:.1%} off near-ties")
         ok = bool(np.all(same | excused))
-        return float((~same).sum()), 0.0, float(same[:, 0].mean()), ok, "" if same.all() else "ids differ only at near-ties" if ok else "ids differ"
+        note = "" if same.all() else "ids differ only at near-ties" if ok else "ids differ"
+        return float((~same).sum()), 0.0, float(same[:, 0].mean()), ok, note
     ref64, out64 = ref.astype(np.float64), out.astype(np.float64)
     err = np.abs(out64 - ref64)
     max_abs = float(err.max()) if err.size else 0.0
@@ -157,7 +159,8 @@ def compare_output(name: str, ref: np.ndarray, out: np.ndarray, policy: Policy, 
         return max_abs, max_rel, agree, True, "quantised: reported only"
     if policy.kind == "elementwise":
         bad = (err > policy.atol) & (err > policy.rtol * np.abs(ref64))
-        return max_abs, max_rel, agree, bool(not bad.any() and argmax_ok), f"{int(bad.sum())} elements out of tolerance" if bad.any() else ""
+        note = f"{int(bad.sum())} elements out of tolerance" if bad.any() else ""
+        return max_abs, max_rel, agree, bool(not bad.any() and argmax_ok), note
     return max_abs, max_rel, agree, bool(max_rel <= policy.rel and argmax_ok), ""
 
 
@@ -177,7 +180,8 @@ class EagleCompareFunc:
         verdicts = OrderedDict()
         for name, r in ref.items():
             if name not in run_iter:
-                self.rows.append(Row(self.graph, run_iter.runner_name, label, name, float("nan"), float("nan"), None, False, "missing"))
+                self.rows.append(Row(self.graph, run_iter.runner_name, label, name, float("nan"), float("nan"), None,
+                                     False, "missing"))
                 verdicts[name] = False
                 continue
             max_abs, max_rel, agree, ok, note = compare_output(name, r, _np(run_iter[name]), self.policy, ref)
@@ -214,7 +218,15 @@ def torch_runner(backend, graph, name: str = REFERENCE):
 
         def infer_impl(self, feed_dict):
             t0 = time.perf_counter()
-            outs, presents = self.forward({k: _np(v) for k, v in feed_dict.items()})
+            feeds = {k: _np(v) for k, v in feed_dict.items()}
+            shared = graph.kv_layout == c.KV_SHARED  # past [1, kvh, P, hd] in, present [1, kvh, P + S, hd] out
+            past = {p: feeds[p] for p, _ in backend.kv_names}
+            if shared:
+                feeds.update({p: a.transpose(2, 0, 1, 3) for p, a in past.items()})
+            outs, presents = self.forward(feeds)
+            if shared:
+                presents = [np.concatenate([past[p], new.transpose(1, 2, 0, 3)], axis=2)
+                            for (p, _), new in zip(backend.kv_names, presents)]
             result = OrderedDict(outs)
             result.update(zip([q for _, q in backend.kv_names], presents))
             self.inference_time = time.perf_counter() - t0  # Comparator.run sums it (must be set)
@@ -270,7 +282,8 @@ def _trt_runner(engine_path: Path, profiles: Sequence[ProfileSpec]):
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
     def fits(shapes: dict, feed: dict) -> bool:
-        return all(all(lo <= d <= hi for lo, d, hi in zip(mom[0], feed[n].shape, mom[2])) for n, mom in shapes.items() if n in feed)
+        return all(all(lo <= d <= hi for lo, d, hi in zip(mom[0], feed[n].shape, mom[2]))
+                   for n, mom in shapes.items() if n in feed)
 
     class ProfileTrtRunner(TrtRunner):
         def infer_impl(self, feed_dict, *args, **kwargs):
@@ -281,14 +294,18 @@ def _trt_runner(engine_path: Path, profiles: Sequence[ProfileSpec]):
     return ProfileTrtRunner(EngineFromBytes(BytesFromPath(str(engine_path))), name="trt")
 
 
-def validate_graph(folder: Path, manifest, which: str, reference, feeds, work: Path) -> tuple[list[Row], list[str], str]:
+def validate_graph(folder: Path, manifest, which: str, reference, feeds,
+                   work: Path) -> tuple[list[Row], list[str], str]:
     """Run the reference and the graph's runners on `feeds`; returns (rows, notes, the
     equivalent polygraphy command line). Saves inputs and reference outputs under `work`."""
     from polygraphy.comparator import Comparator, RunResults
     from polygraphy.json import save_json
 
+    from eagle_deploy.bench.feeds import in_kv_layout
+
     graph = getattr(manifest, which)
     policy = policy_for(graph)
+    feeds = in_kv_layout(feeds, graph.kv_layout)  # the past as this graph takes it
     runners, notes = graph_runners(folder, manifest, which, work)
     inputs_path, ref_path = work / f"{which}_inputs.json", work / f"{which}_reference_outputs.json"
     save_json([f.inputs for f in feeds], str(inputs_path))
@@ -327,15 +344,17 @@ def collapse(rows: list[Row]) -> list[Row]:
             result.append(item)
             continue
         group = kv[item]
-        result.append(Row(*item, f"present.* ({len(group)})", max(g.max_abs for g in group), max(g.max_rel for g in group),
-                          None, all(g.passed for g in group), "; ".join(sorted({g.note for g in group if g.note}))))
+        result.append(Row(*item, f"present.* ({len(group)})", max(g.max_abs for g in group),
+                          max(g.max_rel for g in group), None, all(g.passed for g in group),
+                          "; ".join(sorted({g.note for g in group if g.note}))))
     return result
 
 
 def format_table(rows: list[Row]) -> str:
     head = ("graph", "runner", "feed", "output", "max abs err", "max rel err", "argmax agree", "result")
     body = [(r.graph, r.runner, r.feed, r.output, f"{r.max_abs:.3g}", f"{r.max_rel:.3g}",
-             "-" if r.argmax is None else f"{r.argmax:.1%}", ("pass" if r.passed else "FAIL") + (f" ({r.note})" if r.note else ""))
+             "-" if r.argmax is None else f"{r.argmax:.1%}",
+             ("pass" if r.passed else "FAIL") + (f" ({r.note})" if r.note else ""))
             for r in rows]
     widths = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head))]
     line = lambda cells: "  ".join(str(v).ljust(w) for v, w in zip(cells, widths)).rstrip()  # noqa: E731
@@ -398,7 +417,8 @@ def run_validation(folder: Path, work: Path | None = None, graphs=("target", "dr
         raise ValueError("bfloat16 exports cannot be fed from numpy; validate them with --backend trt tooling")
     target_feeds, state = fd.target_feeds(fd.reference_forward(refs["target"]), prompt, manifest.dims, dtype)
     feeds = {"target": target_feeds,
-             "draft": fd.draft_feeds(fd.reference_forward(refs["draft"]), prompt, state, np.dtype(manifest.draft.dtype))}
+             "draft": fd.draft_feeds(fd.reference_forward(refs["draft"]), prompt, state,
+                                     np.dtype(manifest.draft.dtype))}
     report = {"engines": str(folder), "passed": True, "rows": [], "notes": [head_note], "commands": {}, "policies": {}}
     for which in graphs:
         t1 = time.perf_counter()
@@ -411,15 +431,18 @@ def run_validation(folder: Path, work: Path | None = None, graphs=("target", "dr
         if getattr(manifest, which).quant:
             report["policies"][which] += f"; {FP32_ACTIVATIONS}: {FP32_POLICY.describe()}"
         report["passed"] &= all(r.passed for r in rows)
-        log(f"{which}: {len(feeds[which])} feeds compared in {time.perf_counter() - t1:.1f}s ({report['policies'][which]})")
+        log(f"{which}: {len(feeds[which])} feeds compared in {time.perf_counter() - t1:.1f}s "
+            f"({report['policies'][which]})")
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="eagle-validate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="eagle-validate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=Path, required=True, help="export folder written by eagle-export")
-    p.add_argument("--work", type=Path, default=None, help="where feeds and reference outputs are saved (default ENGINES/validate)")
+    p.add_argument("--work", type=Path, default=None,
+                   help="where feeds and reference outputs are saved (default ENGINES/validate)")
     p.add_argument("--graphs", default="target,draft", help="comma-separated: target, draft")
     p.add_argument("--all-outputs", action="store_true", help="one table row per KV output instead of one per feed")
     p.add_argument("--json", type=Path, default=None, help="also write the full report here")
@@ -460,8 +483,8 @@ def main(argv=None) -> int:
     for which, command in report["commands"].items():
         print(f"  {command}")
     failed = [r for r in rows if not r.passed]
-    print(f"{'PASSED' if report['passed'] else 'FAILED'}: {len(rows) - len(failed)}/{len(rows)} outputs within tolerance "
-          f"({report['seconds']}s)")
+    print(f"{'PASSED' if report['passed'] else 'FAILED'}: {len(rows) - len(failed)}/{len(rows)} outputs "
+          f"within tolerance ({report['seconds']}s)")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=float) + "\n")
     return 0 if report["passed"] else 1

@@ -110,7 +110,10 @@ def with_quantised_weights(module, weights, bound: float = 1.01) -> list[str]:
     i.e. lies within `bound` quantisation steps of W everywhere (round-to-nearest puts the
     source weight within half a step, a clamped extreme within one; another weight of the
     same shape is many steps away). The parameter is replaced, not written into, so a tied
-    embedding keeps its fp32 values. Returns the nodes no parameter matched."""
+    embedding keeps its fp32 values. A W that no single parameter matches may be several
+    parameters packed along N (the fused graph's [W_q; W_k; W_v]): its rows are matched, in
+    order, to parameters with the same K, each replaced by its slice. Returns the nodes no
+    parameter (or packing of parameters) matched."""
     import numpy as np
     import torch
 
@@ -126,18 +129,36 @@ def with_quantised_weights(module, weights, bound: float = 1.01) -> list[str]:
         p = getattr(mod, pname).detach().cpu().numpy()
         return float((np.abs(p[:, cols] - w[:, cols]) / np.maximum(step[:, cols], 1e-30)).max())
 
-    unmatched = []
-    for node, w, step in weights:
-        found = None
+    def match(w, step):
         for mod, pname in slots.get(w.shape, []):
             # the first columns rule out other weights cheaply; then every element is checked
             if steps_off(mod, pname, w, step, slice(0, 32)) <= bound and steps_off(mod, pname, w, step) <= bound:
-                found = (mod, pname)
-                break
-        if found is None:
+                return mod, pname
+        return None
+
+    def match_packed(w, step):
+        """[(slot, row slice)] covering the rows of w with parameters of its K, or None."""
+        parts, row = [], 0
+        heights = sorted({n for (n, k) in slots if k == w.shape[1] and n < w.shape[0]}, reverse=True)
+        while row < w.shape[0]:
+            found = next(((slot, slice(row, row + n)) for n in heights if row + n <= w.shape[0]
+                          for slot in [match(w[row:row + n], step[row:row + n])] if slot is not None), None)
+            if found is None:
+                return None
+            parts.append(found)
+            row = found[1].stop
+        return parts
+
+    unmatched = []
+    for node, w, step in weights:
+        found = match(w, step)
+        parts = [(found, slice(None))] if found is not None else match_packed(w, step)
+        if parts is None:
             unmatched.append(node)
             continue
-        old = getattr(*found)
-        new = torch.nn.Parameter(torch.from_numpy(w).to(old.device, old.dtype), requires_grad=False)
-        setattr(found[0], found[1], new)
+        for (mod, pname), rows in parts:
+            old = getattr(mod, pname)
+            new = torch.nn.Parameter(torch.from_numpy(np.ascontiguousarray(w[rows])).to(old.device, old.dtype),
+                                     requires_grad=False)
+            setattr(mod, pname, new)
     return unmatched

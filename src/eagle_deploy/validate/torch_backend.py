@@ -42,7 +42,8 @@ class TorchBackend:
     def allocate_kv(self, capacity: int) -> KVBuffer:
         return KVBuffer.allocate(self.kv_names, capacity, 1, self.dims.num_kv_heads, self.dims.head_dim, self.dtype)
 
-    def forward(self, feeds: dict[str, np.ndarray], past: list[np.ndarray]) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+    def forward(self, feeds: dict[str, np.ndarray],
+                past: list[np.ndarray]) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
         """Stateless forward: contract feeds + past arrays -> (outputs by name, present arrays)."""
         t = lambda a: self.torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
         args = ([t(feeds[c.FEATURES])] if self.is_draft else []) + [

@@ -11,12 +11,17 @@ BACKENDS = ("ort", "ort-cuda", "trt")
 def load_backend(kind: str, folder: Path, manifest, which: str, threads: int | None = None, tree=None) -> Backend:
     """Open graph `which` ("target" or "draft") of an export with backend `kind`. `tree`
     (a TreeConfig; default the manifest's) lets TensorRT reject a tree too large for its
-    optimization profiles at start-up."""
+    optimization profiles at start-up. Graphs that take weights from the export's shared file
+    (manifest.shared_weights) fail with ManifestError when it is missing; the CPU backend maps
+    it once for both graphs. TensorRT engines hold their own weights and do not read it."""
     graph = getattr(manifest, which)
+    shared = getattr(manifest, "shared_weights", None)
     if kind == "ort":
         from .ort import OrtBackend
 
-        return OrtBackend(folder, graph, manifest.dims, threads=threads)
+        return OrtBackend(folder, graph, manifest.dims, threads=threads, shared=shared)
+    if kind == "ort-cuda" and shared is not None:
+        shared.check(folder, which)
     if kind == "ort-cuda":
         from .ort_cuda import OrtCudaBackend
 

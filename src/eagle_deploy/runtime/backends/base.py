@@ -47,11 +47,23 @@ class StepInputs:
         """Raise ValueError on shapes that disagree with each other or with `past`."""
         S = self.input_ids.shape[1]
         if self.input_ids.shape[0] != 1 or self.position_ids.shape != self.input_ids.shape:
-            raise ValueError(f"input_ids {self.input_ids.shape} / position_ids {self.position_ids.shape} must both be [1, S]")
+            raise ValueError(f"input_ids {self.input_ids.shape} / position_ids {self.position_ids.shape} "
+                             "must both be [1, S]")
         if self.attention_mask.shape != (1, S, past + S):
             raise ValueError(f"attention_mask is {self.attention_mask.shape}, expected (1, {S}, {past + S})")
         if self.logits_indices.ndim != 2 or np.any(self.logits_indices >= S) or np.any(self.logits_indices < 0):
             raise ValueError(f"logits_indices must be [1, N] with values in [0, {S})")
+
+    def check_causal(self, past: int) -> None:
+        """Raise ValueError when a new token may attend to a later new token. Graphs with the
+        "shared" KV layout (fused GroupQueryAttention) apply a causal mask over the new tokens on
+        top of `attention_mask`, so such a mask would be silently cut; trees in tree order
+        (ancestors first) never need it."""
+        new = self.attention_mask[0, :, past:]
+        if np.triu(new, k=1).any():
+            i, j = np.argwhere(np.triu(new, k=1))[0]
+            raise ValueError(f"attention_mask lets new token {i} attend to the later new token {j}: this graph's "
+                             "fused attention is causal over the new tokens (list tree nodes after their ancestors)")
 
 
 @dataclass(frozen=True)

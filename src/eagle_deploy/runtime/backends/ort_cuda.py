@@ -34,7 +34,7 @@ def torch_dtype(name: str):
 
 
 def coerce_host_array(name: str, arr, want) -> np.ndarray:
-    """A C-contiguous host array of dtype `want` for binding `name` (case T3).
+    """A C-contiguous host array of dtype `want` for binding `name`.
 
     Same dtype: as is. Integer -> integer (e.g. int64 ids into an int32 binding): cast after
     checking every value fits. Float -> float: cast. Anything else (bool <-> int, int <->
@@ -57,16 +57,18 @@ def coerce_host_array(name: str, arr, want) -> np.ndarray:
 
 def check_device_kv(kv: KVBuffer, device, dtypes: dict[str, object], tail: tuple[int, int, int]) -> None:
     """Raise TypeError unless every KV array is a contiguous torch tensor on `device` with
-    the binding's dtype (`dtypes[past name]`) and shape [capacity, *tail]."""
+    the binding's dtype (`dtypes[past name]`) and shape [capacity, *tail] viewed
+    sequence-major (`KVBuffer.rows`: [batch, kv_heads, capacity, head_dim] in the shared layout)."""
     import torch
 
-    for (past, _), t in zip(kv.names, kv.arrays):
+    for i, ((past, _), t) in enumerate(zip(kv.names, kv.arrays)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"KV buffer {past!r} is a {type(t).__name__}, not a torch tensor on {device}: "
                             f"allocate it with this backend's allocate_kv()")
         if t.device != torch.device(device) or t.dtype != dtypes[past]:
-            raise TypeError(f"KV buffer {past!r} is {t.dtype} on {t.device}; the binding needs {dtypes[past]} on {device}")
-        if tuple(t.shape[1:]) != tuple(tail) or not t.is_contiguous():
+            raise TypeError(f"KV buffer {past!r} is {t.dtype} on {t.device}; "
+                            f"the binding needs {dtypes[past]} on {device}")
+        if tuple(kv.rows(i).shape[1:]) != tuple(tail) or not t.is_contiguous():
             raise TypeError(f"KV buffer {past!r} has shape {tuple(t.shape)} (contiguous={t.is_contiguous()}); "
                             f"expected a contiguous [capacity, {', '.join(map(str, tail))}]")
 
@@ -159,8 +161,10 @@ class OrtCudaBackend:
 
     def allocate_kv(self, capacity: int) -> KVBuffer:
         dtype = torch_dtype(self._in_dtypes[self.kv_names[0][0]])
-        shape = (capacity, 1, self.dims.num_kv_heads, self.dims.head_dim)
-        return KVBuffer(self.kv_names, [self.torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.kv_names])
+        shape = KVBuffer.shape(self.graph.kv_layout, capacity, 1, self.dims.num_kv_heads, self.dims.head_dim)
+        return KVBuffer(self.kv_names,
+                        [self.torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.kv_names],
+                        self.graph.kv_layout)
 
     def _bind_in(self, name: str, t, shape) -> None:
         self._binding.bind_input(name, self._bind_device, self.device_id, self._element_type(self._in_dtypes[name]),
@@ -171,6 +175,12 @@ class OrtCudaBackend:
         inputs.check(past)
         kv.check(past, S)
         kvh, hd = self.dims.num_kv_heads, self.dims.head_dim
+        shared = self.graph.kv_layout == c.KV_SHARED
+        if kv.layout != self.graph.kv_layout:
+            raise ValueError(f"KV buffer layout {kv.layout!r} differs from the graph's {self.graph.kv_layout!r}: "
+                             "allocate it with this backend's allocate_kv()")
+        if shared:
+            inputs.check_causal(past)
         check_device_kv(kv, self.device, {p: torch_dtype(self._in_dtypes[p]) for p, _ in self.kv_names}, (1, kvh, hd))
         b = self._binding
         b.clear_binding_inputs()
@@ -180,9 +190,15 @@ class OrtCudaBackend:
             host = coerce_host_array(name, arr, dtypes.host_dtype(dtype))
             self._bind_in(name, self._buffers.upload(name, host, torch_dtype(dtype)), host.shape)
         for (past_name, present_name), t in zip(self.kv_names, kv.arrays):
+            if shared:  # one buffer in and out: the fused attention writes rows [past, past + S) in place
+                self._bind_in(past_name, t, tuple(t.shape))
+                b.bind_output(present_name, self._bind_device, self.device_id,
+                              self._element_type(self._in_dtypes[past_name]), tuple(t.shape), t.data_ptr())
+                continue
             self._bind_in(past_name, t, (past, 1, kvh, hd))
-            b.bind_output(present_name, self._bind_device, self.device_id, self._element_type(self._in_dtypes[past_name]),
-                          (S, 1, kvh, hd), t[past].data_ptr())  # new rows land at row `past`
+            # new rows land at row `past`
+            b.bind_output(present_name, self._bind_device, self.device_id,
+                          self._element_type(self._in_dtypes[past_name]), (S, 1, kvh, hd), t[past].data_ptr())
         sizes = {"batch": 1, "seq": S, "num_logits": N, "vocab": self.dims.vocab, "hidden": self.dims.hidden}
         outs = {}
         for spec in self._outputs:

@@ -9,10 +9,10 @@ layer), token / mask tensors go host -> device through reused staging buffers, a
 features and top-k come back to host numpy.
 
 Before any enqueue each call is checked against the engine's optimization profiles: a shape
-outside every profile raises `ProfileShapeError` naming the input, its size and the bounds
-(case T2), and a tree too large for the profiles fails at start-up (`check_tree_fits`).
+outside every profile raises `ProfileShapeError` naming the input, its size and the bounds,
+and a tree too large for the profiles fails at start-up (`check_tree_fits`).
 Every host array is checked against its binding's dtype and cast only where that is exact
-(int64 ids into an int32 binding: range-checked cast; case T3).
+(int64 ids handed to an int32 binding: range-checked cast).
 
 One execution context per optimization profile, created on first use; no CUDA graphs
 (capture is not done: shapes change every round with the tree size).
@@ -87,6 +87,9 @@ class TrtBackend:
                  align: int = ADDRESS_ALIGNMENT):
         import torch
 
+        if graph.kv_layout != c.KV_SEQ_MAJOR:  # engines are built from standard-op graphs only (trt_build)
+            raise ValueError(f"{label}: graph {graph.path} has KV layout {graph.kv_layout!r} (onnxruntime's fused "
+                             "operators), which no TensorRT engine is built from; re-export with --backend trt")
         self.torch, self.trt = torch, trt_module or import_tensorrt()
         self.engine, self.graph, self.dims, self.label = engine, graph, dims, label
         self.device = torch.device(device)
@@ -158,7 +161,8 @@ class TrtBackend:
             name = self.engine.get_tensor_name(i)
             dt = self.engine.get_tensor_dtype(name)
             if dt not in table:
-                raise TypeError(f"{self.label}: tensor {name!r} has TensorRT type {dt}, which this runtime does not bind")
+                raise TypeError(f"{self.label}: tensor {name!r} has TensorRT type {dt}, "
+                                "which this runtime does not bind")
             io[name] = Binding(name, self.engine.get_tensor_mode(name) == self.trt.TensorIOMode.INPUT, table[dt])
         return io
 
@@ -234,12 +238,14 @@ class TrtBackend:
         kvh, hd = self.dims.num_kv_heads, self.dims.head_dim
         shapes = {name: tuple(arr.shape) for name, arr in feeds.items()}
         shapes.update({p: (past, 1, kvh, hd) for p, _ in self.kv_names})
-        p = select_profile(shapes, self.profiles, self._order, self.label)  # T2: before any enqueue
+        # a shape outside the optimization profiles raises here, before any enqueue
+        p = select_profile(shapes, self.profiles, self._order, self.label)
         kv.check(past, S)
         check_device_kv(kv, self.device, {n: self._torch_dtype(n) for n, _ in self.kv_names}, (1, kvh, hd))
         if self.device.type == "cuda" and any(t.data_ptr() % self.align for t in kv.arrays):
-            raise TypeError(f"{self.label}: KV buffers must start {self.align}-byte aligned; allocate them with allocate_kv()")
-        hosts = {name: coerce_host_array(name, arr, dtypes.host_dtype(self.io[name].dtype))  # T3
+            raise TypeError(f"{self.label}: KV buffers must start {self.align}-byte aligned; "
+                            "allocate them with allocate_kv()")
+        hosts = {name: coerce_host_array(name, arr, dtypes.host_dtype(self.io[name].dtype))  # int64 ids -> int32
                  for name, arr in feeds.items()}
         ctx = self._context(p)
         stream = self._stream

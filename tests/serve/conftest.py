@@ -1,0 +1,174 @@
+"""Session fixtures for the eagle-serve tests: the tiny export (tests/tools/tiny_export.py)
+copied with a chat template, a reference `EagleRuntime` over it, and one server on a loopback
+port (uvicorn in a thread) whose runtime drafts with `OracleDrafter`: registered prompts get
+their reference continuation proposed K tokens deep (so each round commits K + 1 tokens and
+chunk boundaries are known), any other prompt gets the export's own EAGLE head."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from eagle_deploy.runtime.tree import DraftTree
+from tests.tools.tiny_export import copy_export, tiny_export
+
+THREADS = 1
+ORACLE_DEPTH = 3  # draft tokens per oracle round: a full round commits 4 tokens
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+ORACLE_PROMPTS = ["def add(a, b):", "Hello there, how are you?", "for i in range(10): print(i)", "The quick brown fox",
+                  "import numpy as np", "Once upon a time", "SELECT * FROM users", "x = [1, 2, 3]"]
+REF_TOKENS = 64
+
+
+class OracleDrafter:
+    """Registered prompt ids -> one path of the next ORACLE_DEPTH reference tokens per round;
+    other requests are drafted by `inner` (an EagleDrafter), decided at the request's first
+    round."""
+
+    def __init__(self, inner, depth: int = ORACLE_DEPTH):
+        self.inner, self.depth = inner, depth
+        self.refs: dict[tuple, list[int]] = {}
+        self._use = None
+
+    @property
+    def forwards(self) -> int:
+        return self.inner.forwards
+
+    def reset(self) -> None:
+        self._use = None
+        self.inner.reset()
+
+    def propose(self, request):
+        committed = [int(t) for t in request.committed]
+        if self._use is None:
+            hits = [(p, r) for p, r in self.refs.items() if tuple(committed[:len(p)]) == p]
+            self._use = max(hits, key=lambda h: len(h[0])) if hits else False
+        if not self._use:
+            return self.inner.propose(request)
+        prompt, ref = self._use
+        pos = len(committed) - len(prompt)
+        path = ref[pos:pos + self.depth] if committed[len(prompt):] == ref[:pos] else []
+        path = path[: min(request.max_depth, request.max_nodes - 1)]
+        return DraftTree.from_paths(committed[-1], [path]) if path else DraftTree.root_only(committed[-1])
+
+
+class Faults:
+    """The server's round hook: users "fail-*" raise at their first round; users "slow-*"
+    sleep 5 ms per round; per-job rounds and rounds seen after cancellation are recorded."""
+
+    def __init__(self):
+        self.rounds = defaultdict(int)
+        self.after_cancel = defaultdict(int)
+        self.users = {}
+
+    def __call__(self, job) -> None:
+        user = job.work.user or ""
+        self.rounds[job.seq] += 1
+        self.users[job.seq] = user
+        if job.cancelled:
+            self.after_cancel[job.seq] += 1
+        if user.startswith("fail-"):
+            raise RuntimeError("injected fault")
+        if user.startswith("slow-"):
+            time.sleep(0.005)
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.app = app
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
+
+
+@pytest.fixture(scope="session")
+def serve_export(tmp_path_factory) -> Path:
+    """A copy of the tiny export whose tokenizer has a (toy) chat template."""
+    from transformers import AutoTokenizer
+
+    folder = copy_export(tiny_export(tmp_path_factory), tmp_path_factory.mktemp("serve") / "tiny")
+    tok_dir = folder / "tokenizer"
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(tok_dir))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["chat_template"] = True
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def reference(serve_export):
+    """A separate EagleRuntime over the export (the export's own head): what the server must match."""
+    from eagle_deploy.runtime.api import EagleRuntime
+
+    return EagleRuntime.load(serve_export, threads=THREADS)
+
+
+@pytest.fixture(scope="session")
+def oracle_refs(reference) -> dict[str, list[int]]:
+    """Oracle prompt -> its reference greedy continuation (vanilla decoding, up to EOS)."""
+    return {p: reference.generate(p, REF_TOKENS, chat=False, mode="vanilla").token_ids for p in ORACLE_PROMPTS}
+
+
+@pytest.fixture(scope="session")
+def faults() -> Faults:
+    return Faults()
+
+
+def make_server(folder: Path, faults=None, oracle_refs=None, reference=None, **runtime_kw):
+    """A started ServerThread over `folder` (SerialScheduler + create_app)."""
+    from eagle_deploy.contract.manifest import Manifest
+    from eagle_deploy.runtime.backends import load_backend
+    from eagle_deploy.runtime.drafter import EagleDrafter
+    from eagle_deploy.serve.app import create_app
+    from eagle_deploy.serve.engine import SerialScheduler
+
+    kw = dict(threads=THREADS, **runtime_kw)
+    if oracle_refs is not None:
+        m = Manifest.load(folder)
+        inner = EagleDrafter(load_backend("ort", folder, m, "draft", THREADS, tree=m.tree), m.tree, m.max_length,
+                             m.draft.graph_top_k)
+        oracle = OracleDrafter(inner)
+        for prompt, ref in oracle_refs.items():
+            oracle.refs[tuple(reference.encode(prompt, chat=False))] = ref
+        kw["drafter"] = oracle
+    scheduler = SerialScheduler.load(folder, max_queue=32, round_hook=faults, **kw)
+    return ServerThread(create_app(scheduler, poll_s=0.02)).start()
+
+
+@pytest.fixture(scope="session")
+def server(serve_export, faults, oracle_refs, reference):
+    srv = make_server(serve_export, faults, oracle_refs, reference)
+    yield srv
+    srv.stop()

@@ -1,0 +1,53 @@
+"""The load client (`python -m eagle_deploy.serve.load`) against the test server: the shape
+of its table and JSON (one cell per mode x concurrency), never its timings."""
+from __future__ import annotations
+
+import json
+import socket
+
+from eagle_deploy.serve import load
+from tests.tools.tiny_export import PROMPTS, prompt_file
+
+CELL_KEYS = {"mode", "concurrency", "requests", "ok", "errors", "completion_tokens", "wall_s", "tokens_per_s",
+             "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "latency_ms_p50", "tau"}
+
+
+def test_run_load_cells(server, tmp_path):
+    cfg = load.LoadConfig(server.url, prompts=load.load_prompts([str(prompt_file(tmp_path))]), concurrency=[1, 2],
+                          modes=["eagle", "vanilla"], max_tokens=8, endpoint="completions", timeout=60)
+    result = load.run_load(cfg)
+    assert result["schema"] == load.SCHEMA and result["model"] == "tiny"
+    assert [(c["mode"], c["concurrency"]) for c in result["cells"]] == [("eagle", 1), ("eagle", 2), ("vanilla", 1),
+                                                                       ("vanilla", 2)]
+    for cell in result["cells"]:
+        assert set(cell) == CELL_KEYS
+        assert cell["requests"] == cell["ok"] == len(PROMPTS) and cell["errors"] == []
+        assert 0 < cell["completion_tokens"] <= 8 * len(PROMPTS) and cell["tokens_per_s"] > 0
+        assert cell["ttft_ms_p50"] <= cell["ttft_ms_p99"] and cell["tau"] >= 1.0
+    assert all(c["tau"] == 1.0 for c in result["cells"] if c["mode"] == "vanilla")
+    samples = result["samples"]["eagle/2"]
+    assert len(samples) == len(PROMPTS) and all(s["ok"] and s["completion_tokens"] >= 1 for s in samples)
+    # greedy: the same text at every concurrency and in both modes
+    texts = {key: [s["text"] for s in rows] for key, rows in result["samples"].items()}
+    assert len({tuple(t) for t in texts.values()}) == 1
+
+
+def test_cli_table_and_json(server, tmp_path, capsys):
+    out = tmp_path / "load.json"
+    rc = load.main(["--url", server.url + "/v1", "--sets", "chat", "--limit", "2", "--concurrency", "2",
+                    "--modes", "eagle", "--max-tokens", "6", "--json", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["mode", "conc", "ok"] and table[1].split()[:3] == ["eagle", "2", "2"]
+    result = json.loads(out.read_text())
+    assert result["config"]["prompt_ids"] == ["writing-01", "writing-02"] and len(result["cells"]) == 1
+
+
+def test_cli_errors(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket is closed
+    assert load.main(["--url", f"http://127.0.0.1:{port}", "--sets", "chat", "--limit", "1"]) == 2
+    assert "cannot reach" in capsys.readouterr().err
+    assert load.main(["--url", "http://127.0.0.1:1", "--modes", "turbo"]) == 2
+    assert load.main(["--url", "http://127.0.0.1:1", "--sets", "nonexistent"]) == 2
