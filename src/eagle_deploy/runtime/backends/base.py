@@ -66,6 +66,20 @@ class StepInputs:
                              "fused attention is causal over the new tokens (list tree nodes after their ancestors)")
 
 
+def check_step(inputs: StepInputs, kv: KVBuffer, past: int, kv_layout: str) -> None:
+    """The checks every backend makes before a forward: input shapes against `past`, the rows
+    [past, past + S) fit `kv`, the buffer has the graph's KV layout, and for the "shared" layout
+    (fused attention, causal over the new tokens) no new token looks at a later one.
+    Raises CapacityError or ValueError naming the problem."""
+    inputs.check(past)
+    kv.check(past, inputs.input_ids.shape[1])
+    if kv.layout != kv_layout:
+        raise ValueError(f"KV buffer layout {kv.layout!r} differs from the graph's {kv_layout!r}: "
+                         "allocate it with this backend's allocate_kv()")
+    if kv_layout == c.KV_SHARED:
+        inputs.check_causal(past)
+
+
 @dataclass(frozen=True)
 class TargetOutputs:
     """Host outputs of one target-graph forward (batch B = 1, S new tokens, N = logits_indices).

@@ -14,7 +14,7 @@ from eagle_deploy.contract.manifest import Dims, DraftEntry, GraphEntry, Manifes
 from eagle_deploy.contract.onnx_io import TensorSpec
 
 from ..kv import KVBuffer
-from .base import StepInputs, StepOutputs, outputs_from_named, resolve_shape
+from .base import StepInputs, StepOutputs, check_step, outputs_from_named, resolve_shape
 
 
 def open_session(path: Path, options, providers):
@@ -173,14 +173,8 @@ class OrtBackend:
 
     def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
         S, N = inputs.input_ids.shape[1], inputs.logits_indices.shape[1]
-        kv.check(past, S)
-        inputs.check(past)
+        check_step(inputs, kv, past, self.graph.kv_layout)
         shared = self.graph.kv_layout == c.KV_SHARED
-        if kv.layout != self.graph.kv_layout:
-            raise ValueError(f"KV buffer layout {kv.layout!r} differs from the graph's {self.graph.kv_layout!r}: "
-                             "allocate it with this backend's allocate_kv()")
-        if shared:
-            inputs.check_causal(past)
         b = self._binding
         # shared layout: the KV bindings (whole buffers, in and out) do not change from call to call,
         # so they are bound once per buffer and only the other inputs/outputs are rebound (a

@@ -20,7 +20,7 @@ from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.contract.manifest import Dims, GraphEntry
 
 from ..kv import KVBuffer
-from .base import StepInputs, StepOutputs, outputs_from_named, resolve_shape
+from .base import StepInputs, StepOutputs, check_step, outputs_from_named, resolve_shape
 
 
 def torch_dtype(name: str):
@@ -172,15 +172,9 @@ class OrtCudaBackend:
 
     def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
         S, N = inputs.input_ids.shape[1], inputs.logits_indices.shape[1]
-        inputs.check(past)
-        kv.check(past, S)
+        check_step(inputs, kv, past, self.graph.kv_layout)
         kvh, hd = self.dims.num_kv_heads, self.dims.head_dim
         shared = self.graph.kv_layout == c.KV_SHARED
-        if kv.layout != self.graph.kv_layout:
-            raise ValueError(f"KV buffer layout {kv.layout!r} differs from the graph's {self.graph.kv_layout!r}: "
-                             "allocate it with this backend's allocate_kv()")
-        if shared:
-            inputs.check_causal(past)
         check_device_kv(kv, self.device, {p: torch_dtype(self._in_dtypes[p]) for p, _ in self.kv_names}, (1, kvh, hd))
         b = self._binding
         b.clear_binding_inputs()
