@@ -241,12 +241,19 @@ def test_nan_temperature_and_bad_utf8_over_grpc_get_errors(server):
 
 
 def http_stream_then_hang_up(server, model: str, **body) -> bytes:
-    """Open generate_stream on a raw socket, read the first chunk, close the connection."""
+    """Open generate_stream on a raw socket, read until the first SSE event has arrived (the
+    headers may come in a packet of their own), close the connection; returns what was read."""
     data = json.dumps(body).encode()
     with socket.create_connection(("127.0.0.1", server.http_port), timeout=60) as sock:
         sock.sendall(f"POST /v2/models/{model}/generate_stream HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
                      f"\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
-        return sock.recv(65536)
+        got = b""
+        while b"data: " not in got:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+        return got
 
 
 @pytest.mark.parametrize("client", ["grpc", "http"])
