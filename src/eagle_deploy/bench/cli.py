@@ -27,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import add_tree_args, interruptible, tree_from_args
+from eagle_deploy.contract.cli_args import add_tree_args, interruptible, number_list, tree_from_args
 
 from .systems import BASELINES
 
@@ -35,14 +35,7 @@ DEFAULT_BASELINES = ""  # none: the quick default is EAGLE vs vanilla on the exp
 DEFAULT_LIMIT = 10  # prompts per built-in set by default: 20 prompts, about 2 min at 128 tokens on 2 CPU cores
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not vals or any(v < 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"temperatures must be >= 0, got {text!r}")
-    return vals
+_floats = number_list(float, 0, "temperatures")
 
 
 def _names(allowed):

@@ -73,3 +73,19 @@ def tree_from_args(args, base: TreeConfig | None) -> TreeConfig | None:
     pick = lambda value, default: default if value is None else value  # noqa: E731
     return TreeConfig("dynamic", pick(args.total_tokens, start.total_tokens), pick(args.depth, start.depth),
                       pick(args.tree_top_k, start.top_k))
+
+
+def number_list(kind: type, minimum: float, what: str):
+    """An argparse `type=` for comma-separated numbers of `kind` (int or float), each >= `minimum`;
+    a bad value is reported as "expected comma-separated ..." or "<what> must be >= <minimum>"."""
+    def parse(text: str) -> list:
+        try:
+            vals = [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            noun = "integers" if kind is int else "numbers"
+            raise argparse.ArgumentTypeError(f"expected comma-separated {noun}, got {text!r}") from None
+        if not vals or any(v < minimum for v in vals):
+            raise argparse.ArgumentTypeError(f"{what} must be >= {minimum}, got {text!r}")
+        return vals
+    return parse
+

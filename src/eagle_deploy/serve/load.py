@@ -27,6 +27,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from eagle_deploy.contract.cli_args import number_list
+
 SCHEMA = "eagle-serve-load/1"
 
 
@@ -271,14 +273,7 @@ def format_table(result: dict) -> str:
     return "\n".join([HEADER, *(format_row(c) for c in result["cells"])])
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
-    return vals
+_ints = number_list(int, 1, "values")
 
 
 def build_parser() -> argparse.ArgumentParser:
