@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from pathlib import Path
 
 from .tree_config import DEFAULT_TREE, STATIC_TREES, TreeConfig, TreeConfigError
 
@@ -88,4 +89,24 @@ def number_list(kind: type, minimum: float, what: str):
             raise argparse.ArgumentTypeError(f"{what} must be >= {minimum}, got {text!r}")
         return vals
     return parse
+
+
+LOSSY = "NOT LOSSLESS"
+BACKEND_NAMES = ("ort", "ort-cuda", "trt")  # engine backends, as `runtime.backends.load_backend` knows them
+
+
+def add_engine_args(parser: argparse.ArgumentParser, threshold_effect: str) -> None:
+    """The flags of every command that decodes over an export (eagle-run, eagle-serve): --engines,
+    --backend, --threads, --acceptance, --threshold. `threshold_effect` ends the --acceptance help
+    (what the command says about lossy output)."""
+    parser.add_argument("--engines", type=Path, required=True, help="an export folder written by eagle-export")
+    parser.add_argument("--backend", default="ort", choices=BACKEND_NAMES,
+                        help="ort = onnxruntime CPU; ort-cuda and trt need a CUDA GPU "
+                             "(trt: engines from eagle-export --backend trt)")
+    parser.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads per session")
+    parser.add_argument("--acceptance", default="lossless", choices=["lossless", "threshold"],
+                        help="'threshold' accepts a draft token when the target's probability of it is >= "
+                             f"--threshold: {LOSSY}, {threshold_effect}")
+    parser.add_argument("--threshold", type=float, default=0.3,
+                        help=f"probability threshold for --acceptance threshold ({LOSSY})")
 

@@ -4,16 +4,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from eagle_deploy.contract.cli_args import HelpFormatter, add_tree_args, interruptible, tree_from_args
-
-LOSSY = "NOT LOSSLESS"
+from eagle_deploy.contract.cli_args import (
+    LOSSY,
+    HelpFormatter,
+    add_engine_args,
+    add_tree_args,
+    interruptible,
+    tree_from_args,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle-run", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--engines", type=Path, required=True, help="an export folder written by eagle-export")
+    add_engine_args(p, "output no longer follows the target distribution")
     p.add_argument("--prompt", required=True, help="user message (the chat template is applied when the model has one)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens")
@@ -30,15 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vanilla", action="store_true", help="plain one-token-per-forward decoding on the same engine")
     p.add_argument("--compare-vanilla", action="store_true",
                    help="also run vanilla decoding and print the speed-up and whether outputs are identical")
-    p.add_argument("--backend", default="ort", choices=["ort", "ort-cuda", "trt"],
-                   help="ort = onnxruntime CPU (default); ort-cuda and trt need a CUDA GPU "
-                        "(trt: engines from eagle-export --backend trt)")
-    p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads per session")
-    p.add_argument("--acceptance", default="lossless", choices=["lossless", "threshold"],
-                   help=f"'threshold' accepts a draft token when the target's probability of it is >= --threshold: "
-                        f"{LOSSY}, output no longer follows the target distribution")
-    p.add_argument("--threshold", type=float, default=0.3,
-                   help=f"probability threshold for --acceptance threshold ({LOSSY})")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of text; its 'memory' holds resident memory by stage and peak "
                         "(vanilla's measured before the draft graph is opened), GPU memory on device backends, and "

@@ -13,11 +13,15 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
-from eagle_deploy.contract.cli_args import HelpFormatter, add_tree_args, interruptible, tree_from_args
-
-LOSSY = "NOT LOSSLESS"
+from eagle_deploy.contract.cli_args import (
+    LOSSY,
+    HelpFormatter,
+    add_engine_args,
+    add_tree_args,
+    interruptible,
+    tree_from_args,
+)
 
 
 class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -26,18 +30,12 @@ class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle-serve", description=__doc__, formatter_class=_Formatter)
-    p.add_argument("--engines", type=Path, required=True, help="an export folder written by eagle-export")
+    add_engine_args(p, "responses say so in system_fingerprint and their eagle field")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the export's name)")
-    p.add_argument("--backend", default="ort", choices=["ort", "ort-cuda", "trt"], help="as for eagle-run")
-    p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads per session")
     p.add_argument("--vanilla", action="store_true",
                    help="decode without drafting by default (a request can still ask for \"mode\": \"eagle\")")
-    p.add_argument("--acceptance", default="lossless", choices=["lossless", "threshold"],
-                   help=f"'threshold' accepts a draft token when the target's probability of it is >= --threshold: "
-                        f"{LOSSY}; responses say so in system_fingerprint and their eagle field")
-    p.add_argument("--threshold", type=float, default=0.3, help=f"for --acceptance threshold ({LOSSY})")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for the engine at most; more get HTTP 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -16,7 +16,9 @@ import ctypes
 import importlib.util
 from dataclasses import dataclass
 
-BACKEND_CHOICES = ("auto", "ort", "ort-cuda", "trt")
+from eagle_deploy.contract.cli_args import BACKEND_NAMES
+
+BACKEND_CHOICES = ("auto", *BACKEND_NAMES)
 CUDA_PROVIDER = "CUDAExecutionProvider"
 
 

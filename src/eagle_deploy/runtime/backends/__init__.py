@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle_deploy.contract.cli_args import BACKEND_NAMES
+
 from .base import Backend, DraftOutputs, StepInputs, StepOutputs, TargetOutputs
 
-BACKENDS = ("ort", "ort-cuda", "trt")
+BACKENDS = BACKEND_NAMES
 
 
 def load_backend(kind: str, folder: Path, manifest, which: str, threads: int | None = None, tree=None) -> Backend:
