@@ -62,8 +62,9 @@ def _inputs(tokens, logits_at, features=None) -> StepInputs:
 
 def test_tau_and_depth_rates_have_one_definition():
     assert acceptance.tau([]) is None and acceptance.tau([1, 2, 3, 2]) == 2.0
-    a = Stats(accepted_per_round=[3, 1], tree_depth_per_round=[3, 3], rounds=2)
-    b = Stats(accepted_per_round=[4], tree_depth_per_round=[2], rounds=1)
+    a = Stats(accepted_per_round=[3, 1], tree_depth_per_round=[3, 3])
+    b = Stats(accepted_per_round=[4], tree_depth_per_round=[2])
+    assert (a.rounds, a.round_tokens, b.rounds, b.round_tokens) == (2, 4, 1, 4)  # derived from the rounds
     assert a.mean_accept_len == 2.0 and Stats().mean_accept_len == 0.0
     assert acceptance.pooled_tau([a, b]) == pytest.approx(8 / 3) and acceptance.pooled_tau([Stats()]) is None
     # accepted draft tokens per round: 2, 0, 3 with tree depths 3, 3, 2

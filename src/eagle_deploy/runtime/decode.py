@@ -46,9 +46,7 @@ class Stats:
     # which limit ended a "length" finish: "max_new_tokens", or "capacity" (the export's KV
     # capacity, max_length, was full first); None for "stop"
     limited_by: str | None = None
-    rounds: int = 0  # verification forwards (prefill excluded)
-    round_tokens: int = 0  # tokens committed by those rounds
-    accepted_per_round: list[int] = field(default_factory=list)  # tokens committed per round
+    accepted_per_round: list[int] = field(default_factory=list)  # tokens committed per verification round
     tree_depth_per_round: list[int] = field(default_factory=list)  # deepest draft node per round
     draft_forwards: int = 0
     t_prefill: float = 0.0
@@ -62,6 +60,16 @@ class Stats:
         """tau (see `acceptance.tau`): tokens committed per verification forward, bonus token
         included; 0.0 when no round ran."""
         return tau(self.accepted_per_round) or 0.0
+
+    @property
+    def rounds(self) -> int:
+        """Verification forwards (prefill excluded)."""
+        return len(self.accepted_per_round)
+
+    @property
+    def round_tokens(self) -> int:
+        """Tokens committed by the verification rounds."""
+        return sum(self.accepted_per_round)
 
     @property
     def target_forwards(self) -> int:
@@ -169,8 +177,6 @@ class Decoder:
             t4 = time.perf_counter()
             stats.t_draft, stats.t_verify, stats.t_commit = (stats.t_draft + t2 - t1, stats.t_verify + t3 - t2,
                                                              stats.t_commit + t4 - t3)
-            stats.rounds += 1
-            stats.round_tokens += len(chunk)
             stats.accepted_per_round.append(len(chunk))
             stats.tree_depth_per_round.append(int(tree.depths.max()))
             yield chunk
