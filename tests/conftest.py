@@ -65,7 +65,8 @@ class TinyModel:
         """A fresh onnxruntime backend for graph `which` of the export."""
         from eagle_deploy.runtime.backends.ort import OrtBackend
 
-        return OrtBackend(self.export_dir, getattr(self.manifest, which), self.manifest.dims, threads=THREADS)
+        return OrtBackend(self.export_dir, getattr(self.manifest, which), self.manifest.graph_dims(which),
+                          threads=THREADS)
 
     def runtime(self, folder: Path | None = None, **kw):
         """A freshly loaded EagleRuntime (ORT CPU) over this export (or `folder`)."""
@@ -115,9 +116,26 @@ def gqa(tiny_root) -> TinyModel:
     return build_tiny(tiny_root, "gqa", gqa=True, seed=10)
 
 
-@pytest.fixture(scope="session", params=["mha", "gqa"])
+EAGLE3_TAPS = (0, 1)  # the GQA target's two layers (the default 3 taps need L >= 7; deep random targets repeat one token)
+
+
+@pytest.fixture(scope="session")
+def eagle3(tiny_root, gqa) -> TinyModel:
+    """The GQA tiny target with a random EAGLE-3 head tapping the inputs of its layers 0 and 1
+    (tests/tiny.py: 96 wide against the target's 64, its own embedding, a reduced 128-token
+    draft vocabulary mapped by d2t)."""
+    from eagle_deploy.exporter.export import ExportOptions, export
+
+    head = tiny.build_tiny_eagle3_head(tiny_root / "eagle3-head", gqa.target_dir, seed=31, feature_layers=EAGLE3_TAPS)
+    out = export(str(gqa.target_dir), str(head), tiny_root / "exports",
+                 ExportOptions(max_length=MAX_LENGTH, name="eagle3"), progress=None)
+    return TinyModel("eagle3", gqa.target_dir, head, out)
+
+
+@pytest.fixture(scope="session", params=["mha", "gqa", "eagle3"])
 def model(request) -> TinyModel:
-    """Both tiny targets (parametrised)."""
+    """Both tiny targets with EAGLE-1/2 heads, and a tiny target with an EAGLE-3 head
+    (parametrised): every test on `model` runs for both head kinds."""
     return request.getfixturevalue(request.param)
 
 

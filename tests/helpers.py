@@ -28,11 +28,21 @@ def hf_logits(hf, ids: Sequence[int]) -> np.ndarray:
         return hf(torch.tensor([list(ids)], dtype=torch.int64)).logits[0].float().numpy()
 
 
-def hf_features(hf, ids: Sequence[int]) -> np.ndarray:
-    """transformers final-norm hidden states (the EAGLE feature) [len(ids), H]."""
+def hf_features(hf, ids: Sequence[int], layers: Sequence[int] | None = None) -> np.ndarray:
+    """transformers final-norm hidden states (the EAGLE feature) [len(ids), H]; with `layers`
+    (EAGLE-3 taps) the hidden states entering those layers, concatenated [len(ids), n*H]
+    (transformers' output_hidden_states[i] is the input of layer i)."""
     with torch.no_grad():
         out = hf(torch.tensor([list(ids)], dtype=torch.int64), output_hidden_states=True)
+    if layers:
+        return torch.cat([out.hidden_states[i][0] for i in layers], dim=-1).float().numpy()
     return out.hidden_states[-1][0].float().numpy()
+
+
+def hf_draft_features(model, ids: Sequence[int]) -> np.ndarray:
+    """What `model`'s draft head is fed for `ids` (a tests.conftest.TinyModel): the target's
+    final features, or an EAGLE-3 export's taps."""
+    return hf_features(model.hf, ids, model.manifest.target.feature_layers)
 
 
 def hf_greedy(hf, prompt: Sequence[int], n: int, eos_ids: Sequence[int] = ()) -> list[int]:
@@ -63,14 +73,27 @@ def until_eos(tokens: Sequence[int], eos_ids: Sequence[int], n: int) -> list[int
 # --------------------------------------------------------------------------- graph runners
 
 
-def run_step(backend, kv, tokens, positions, mask, past: int, logits_at=None, features=None) -> dict:
+def eagle3_widths(backend) -> tuple[int, int] | None:
+    """(head hidden, tapped width) when `backend` runs an EAGLE-3 draft graph, else None."""
+    graph = getattr(backend, "graph", None)
+    spec = next((s for s in getattr(graph, "inputs", ()) if s.name == c.TAPPED_FEATURES), None)
+    return None if spec is None else (backend.dims.hidden, spec.shape[2])
+
+
+def run_step(backend, kv, tokens, positions, mask, past: int, logits_at=None, features=None,
+             from_target: bool = True) -> dict:
     """One forward through `backend`; returns copies of the outputs by contract name (backends
-    reuse theirs)."""
+    reuse theirs). For an EAGLE-3 draft graph `features` go to `tapped_features` when
+    `from_target` (the target's taps), else to `features` (the head's own)."""
     tokens = np.asarray(tokens, np.int64)[None]
     logits_at = np.arange(tokens.shape[1]) if logits_at is None else logits_at
     feats = None if features is None else np.ascontiguousarray(np.asarray(features, np.float32)[None])
+    tapped, widths = None, eagle3_widths(backend)
+    if feats is not None and widths is not None:
+        empty = np.zeros((1, 0, widths[0] if from_target else widths[1]), np.float32)
+        feats, tapped = (empty, feats) if from_target else (feats, empty)
     inputs = StepInputs(tokens, np.asarray(positions, np.int64)[None], np.asarray(mask, bool),
-                        np.asarray(logits_at, np.int64)[None], feats)
+                        np.asarray(logits_at, np.int64)[None], feats, tapped)
     return {k: v.copy() for k, v in backend.run(inputs, kv, past).named().items()}
 
 
@@ -137,9 +160,11 @@ class RecordingBackend:
         S = inputs.input_ids.shape[1]
         if self.limit is not None:
             assert past + S <= self.limit, f"a call writes rows [{past}, {past + S}) past the limit {self.limit}"
+        fed = inputs.features  # the rows' features: an EAGLE-3 extension's are its tapped_features
+        if inputs.tapped_features is not None and inputs.tapped_features.shape[1]:
+            fed = inputs.tapped_features
         self.calls.append(Call(inputs.input_ids[0].copy(), inputs.position_ids[0].copy(),
-                               inputs.attention_mask[0].copy(),
-                               None if inputs.features is None else inputs.features[0].copy(), past))
+                               inputs.attention_mask[0].copy(), None if fed is None else fed[0].copy(), past))
         if self.poison:
             poison(kv, past)
         out = self.inner.run(inputs, kv, past)

@@ -92,3 +92,28 @@ def build_tiny_head(folder: Path, target_dir: Path, seed: int = 1, fc_bias: bool
                                                                    generator=torch.Generator().manual_seed(seed))
     save_head(head, folder)
     return Path(folder)
+
+
+EAGLE3_GEOMETRY = dict(hidden=96, num_heads=6, num_kv_heads=3, intermediate=128)  # wider than the tiny target
+
+
+def build_tiny_eagle3_head(folder: Path, target_dir: Path, seed: int = 1, layout: str = "eagle3",
+                           draft_vocab: int = 128, **geometry) -> Path:
+    """A random EAGLE-3 head for a tiny target in a published layout ("eagle3" or
+    "speculators"): by default 96 wide (the target is 64; its own embedding), GQA 6/3, head
+    dim 16 (onnxruntime's fused attention needs a multiple of 16), a reduced draft vocabulary
+    of `draft_vocab` random ids including EOS, norms 1 + normal(0, 0.1)."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle_deploy.exporter.eagle3 import random_eagle3_head, save_eagle3_head
+
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir))
+    gen = torch.Generator().manual_seed(seed)
+    vocab = target.config.vocab_size
+    ids = torch.randperm(vocab, generator=gen)[:draft_vocab - 1]
+    ids = torch.sort(torch.unique(torch.cat([ids, torch.tensor([EOS_ID])]))).values
+    ids = ids if len(ids) == draft_vocab else torch.sort(torch.cat([ids, torch.tensor([
+        next(i for i in range(vocab) if i not in set(ids.tolist()))])])).values
+    head = random_eagle3_head(target, seed=seed, draft_ids=ids, **{**EAGLE3_GEOMETRY, **geometry})
+    save_eagle3_head(head, folder, layout=layout)
+    return Path(folder)

@@ -20,7 +20,7 @@ from tests.helpers import (
     ReferenceScript,
     assert_kv_close,
     causal_mask,
-    hf_features,
+    hf_draft_features,
     kv_rows,
     run_step,
     wrong_token,
@@ -35,7 +35,7 @@ def _forced_runtime(model, paths, prompt, ref, tree: TreeConfig | None = None):
     m = model.manifest
     draft_be = RecordingBackend(model.backend("draft"))
     tree = tree or m.tree
-    inner = EagleDrafter(draft_be, tree, m.max_length, m.draft.graph_top_k)
+    inner = EagleDrafter.for_export(draft_be, tree, m)
     forcing = ForcingDrafter(inner, ReferenceScript(prompt, ref, paths))
     return model.runtime(drafter=forcing, tree=tree), forcing, draft_be
 
@@ -54,7 +54,7 @@ def test_token_shift(model):
     result = rt.generate(prompt, max_new_tokens=8)
     assert result.token_ids == ref[:8]
     assert result.stats.accepted_per_round[0] == 3
-    h = hf_features(model.hf, prompt + [t5, a1, a2])  # target features at positions 0..7
+    h = hf_draft_features(model, prompt + [t5, a1, a2])  # target features at positions 0..7
     first = draft_be.calls[forcing.call_marks[0]]
     assert first.input_ids.tolist() == prompt[1:] + [t5]
     assert first.position_ids.tolist() == [0, 1, 2, 3, 4] and first.past == 0
@@ -113,7 +113,7 @@ def _sequential_scores(model, committed, root_pos, tree):
     own chain of single-token draft calls (no tree mask): the committed pairs (target feature
     at p, token at p + 1), then the node's ancestors fed with the head's predicted features."""
     be = model.backend("draft")
-    h = hf_features(model.hf, committed[:-1])
+    h = hf_draft_features(model, committed[:-1])
     scores = np.zeros(tree.size)
     top_ids = {}
     for node in range(tree.size):
@@ -128,7 +128,7 @@ def _sequential_scores(model, committed, root_pos, tree):
             total += lp[int(tree.tokens[child])]  # KeyError: the child is not in its parent's top-k
             p = root_pos + depth
             out = run_step(be, kv, [int(tree.tokens[child])], [p], causal_mask(p, 1), p, logits_at=[0],
-                           features=feat[None])
+                           features=feat[None], from_target=False)
             feat = out["next_features"][0, -1]
         scores[node] = total
     return scores, top_ids
@@ -141,7 +141,7 @@ def test_draft_tree_scores_equal_a_sequential_reference(model, tree_name):
     their parent's distribution (static: at the ranks the choices name)."""
     m = model.manifest
     tree_cfg = TreeConfig("dynamic", 24, 4, 4) if tree_name == "dynamic" else TreeConfig.static("eagle1")
-    recorder = _TreeRecorder(EagleDrafter(model.backend("draft"), tree_cfg, m.max_length, m.draft.graph_top_k))
+    recorder = _TreeRecorder(EagleDrafter.for_export(model.backend("draft"), tree_cfg, m))
     prompt = PROMPTS[2]
     rt = model.runtime(drafter=recorder, tree=tree_cfg)
     assert rt.generate(prompt, max_new_tokens=16).token_ids == model.expected(prompt, 16)
@@ -197,7 +197,7 @@ def test_draft_kv_equals_fresh_draft_forward_every_round(model, kind):
     result = rt.generate(prompt, max_new_tokens=32)
     assert result.token_ids == model.expected(prompt, 32)
     committed = spy.rounds[-1].committed
-    feats = hf_features(model.hf, committed[:-1])
+    feats = hf_draft_features(model, committed[:-1])
     be = model.backend("draft")
     fresh = be.allocate_kv(model.manifest.max_length)
     n = max(r.draft_len for r in spy.rounds)

@@ -3,6 +3,8 @@
     eagle-bench --engines engines/smollm2-135m --limit 5 --max-new-tokens 64
     eagle-bench --engines engines/smollm2-135m --temperatures 0,0.7,1.0 --baselines hf,llamacpp
     eagle-bench --engines engines/smollm2-135m --backends ort,trt
+    eagle-bench --engines /tmp/eng/smollm2-135m --extra-engines /tmp/eng/smollm2-135m-int4 \
+        --baselines ort-genai,openvino --limit 3 --threads 2     # peer CPU runtimes, README
     eagle-bench --engines engines/smollm2-135m --tune       # pick the tree, write it to the manifest
 
 Per prompt and aggregated: tokens/s, tau (tokens per target forward), speed-up over vanilla
@@ -12,7 +14,11 @@ vanilla token for token (each divergence classified "numerics" or "bug"; see
 bench/divergence.py). Baselines, only with --baselines (greedy, same prompt token ids,
 same thread count): hf (transformers generate), hf-lookup (prompt_lookup_num_tokens=10),
 llamacpp and llamacpp-lookup (llama-cpp-python on the export's GGUF; skipped with a note
-when that package is absent). On a 2-core CPU with SmolLM2-135M at 128 new tokens, EAGLE +
+when that package is absent), and the peer runtimes ort-genai (= ort-genai-fp32,
+ort-genai-int4: onnxruntime-genai's model builder) and openvino (= openvino-fp32, -int8,
+-int4: optimum-cli export + OpenVINO GenAI LLMPipeline), converted from the export's HF
+checkpoint folder once and cached (bench/peers.py; skipped with a note naming the install
+command when a package is absent). On a 2-core CPU with SmolLM2-135M at 128 new tokens, EAGLE +
 vanilla take about 4 s per prompt, hf and hf-lookup about 5 s each more, llamacpp about 1 s
 and llamacpp-lookup 2 s (after a one-off ~6 min build of llama-cpp-python); by default 10
 prompts of each set are run, so the default run takes about 2 minutes.
@@ -29,7 +35,8 @@ from pathlib import Path
 
 from eagle_deploy.contract.cli_args import add_tree_args, interruptible, number_list, tree_from_args
 
-from .systems import BASELINES
+from .peers import expand
+from .systems import BASELINES, PEERS
 
 DEFAULT_BASELINES = ""  # none: the quick default is EAGLE vs vanilla on the export's engine; baselines are opt-in
 DEFAULT_LIMIT = 10  # prompts per built-in set by default: 20 prompts, about 2 min at 128 tokens on 2 CPU cores
@@ -48,6 +55,11 @@ def _names(allowed):
     return parse
 
 
+def _baselines(text: str) -> list[str]:
+    """--baselines: names from BASELINES, peer families (expanded to every precision), or "all"."""
+    return expand(_names(BASELINES + tuple(PEERS))(text if text.strip() != "all" else ",".join(BASELINES)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from eagle_deploy.runtime.backends import BACKENDS
 
@@ -63,11 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=_floats, default=[0.0], help="comma-separated, 0 = greedy (e.g. 0,0.7,1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampled runs use seed + prompt index")
-    p.add_argument("--baselines", type=_names(BASELINES), default=None,
-                   help=f"opt-in systems to compare with, comma-separated: {','.join(BASELINES)}, or 'all' "
+    p.add_argument("--baselines", type=_baselines, default=None,
+                   help=f"opt-in systems to compare with, comma-separated: {','.join(BASELINES)}, the peer families "
+                        f"{','.join(PEERS)} (every precision), or 'all' "
                         "(default: none, EAGLE vs vanilla only). On a 2-core CPU with SmolLM2-135M, each HF baseline "
                         "adds about as much time per prompt as EAGLE + vanilla together (README); llamacpp needs "
-                        "pip install '.[llamacpp]'")
+                        "pip install '.[llamacpp]', the peers pip install '.[peers]' (OpenVINO's converter: README)")
+    p.add_argument("--extra-engines", type=Path, action="append", default=[],
+                   help="another export of the same model (e.g. an int4 one), run interleaved on the first backend "
+                        "as eagle@<folder name> and vanilla@<folder name>; repeatable")
     p.add_argument("--no-baselines", action="store_true",
                    help="EAGLE and vanilla only (the default; overrides --baselines)")
     p.add_argument("--backends", type=_names(BACKENDS), default=["ort"],
@@ -107,7 +123,8 @@ def _bench(args, tree, say) -> int:
     sets = [str(p) for p in args.prompts] or [s.strip() for s in args.sets.split(",") if s.strip()]
     limit = args.limit if args.limit is not None else (0 if args.prompts else DEFAULT_LIMIT)
     cfg = BenchConfig(args.engines, sets, limit, args.max_new_tokens, args.temperatures, baselines, args.backends,
-                      args.threads, tree, args.seed, not args.no_warmup, memory=not args.no_memory)
+                      args.threads, tree, args.seed, not args.no_warmup, memory=not args.no_memory,
+                      extra_engines=list(args.extra_engines))
     result = run_bench(cfg, log=(lambda m: None) if args.quiet else say)
     out = args.out or _default_out(args.engines)
     report.write_json(result, out)

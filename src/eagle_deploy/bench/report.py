@@ -160,20 +160,23 @@ def memory_lines(modes: dict) -> list[str]:
 
 
 def format_summary(result: dict) -> str:
-    """The human-readable table of the aggregate (category "all")."""
+    """The human-readable table of the aggregate (category "all"); "x vanilla" = tokens/s over
+    our (first engine's) vanilla decoding in the same run. Then one line per peer runtime."""
     lines = []
     for t, cats in result["aggregate"].items():
         block = cats["all"]
         lines.append(f"== temperature {t} ({block['systems'][next(iter(block['systems']))]['prompts']} prompts)")
-        lines.append(f"{'system':<18}{'tokens/s':>10}{'tau':>7}{'TTFT ms':>9}{'load RSS MiB':>14}"
+        lines.append(f"{'system':<26}{'tokens/s':>10}{'x vanilla':>10}{'tau':>7}{'TTFT ms':>9}{'load RSS MiB':>14}"
                      "  time split (draft/verify/commit/other, ms/token)")
+        vanilla = block["systems"].get("vanilla", {}).get("tokens_per_s")
         for system, s in block["systems"].items():
             split = s.get("time_ms_per_token")
             split_txt = "/".join(f"{split[p]:.1f}" for p in ("draft", "verify", "commit", "other")) if split else "-"
             tau = "-" if s.get("tau") is None else f"{s['tau']:.2f}"
             ttft = "-" if s.get("ttft_ms") is None else f"{s['ttft_ms']:.0f}"
             rss = result["memory"].get(system, {}).get("load_rss_mb", "-")
-            lines.append(f"{system:<18}{s['tokens_per_s']:>10.1f}{tau:>7}{ttft:>9}{rss!s:>14}  {split_txt}")
+            ratio = f"{s['tokens_per_s'] / vanilla:.2f}x" if vanilla else "-"
+            lines.append(f"{system:<26}{s['tokens_per_s']:>10.1f}{ratio:>10}{tau:>7}{ttft:>9}{rss!s:>14}  {split_txt}")
         for key, sp in block["speedup"].items():
             lines.append(f"speed-up {key}: {sp['aggregate']:.2f}x"
                          + (f" (per-prompt mean {sp['mean_per_prompt']:.2f}x)" if "mean_per_prompt" in sp else ""))
@@ -193,6 +196,13 @@ def format_summary(result: dict) -> str:
     for name, b in result["baselines"].items():
         if b["status"] != "ok":
             lines.append(f"note: baseline {name}: {b['note']}")
+        elif "package" in b:
+            g = b.get("greedy_vs_vanilla") or {}
+            same = (f"; greedy tokens = our vanilla on {g['identical_tokens']}/{g['prompts']} prompts"
+                    + (f" (text {g['identical_text']}/{g['prompts']})" if g.get("identical_text") is not None else "")
+                    if g.get("prompts") else "")
+            lines.append(f"peer {name}: {b['package']} {b['version']}, {b['precision']}{same}; built with: "
+                         f"{b['command']}")
     for note in result.get("notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)

@@ -4,13 +4,16 @@ and a burst of load on a shared machine hits every system alike). Baselines run 
 prompts only. Then the greedy identity check and aggregation.
 
 Result JSON keys: schema, engines, manifest, date, machine, config, tree, numerics
-({backend: batched-vs-single max |logit diff|}), prompts (one record per prompt and
+({engine: batched-vs-single max |logit diff|}), prompts (one record per prompt and
 temperature: id, set, category, temperature, seed, prompt_ids, prompt_tokens, order, runs
-{system: run}, greedy {backend: {identical, divergence}}), aggregate ({temperature:
-{category: {systems, speedup}}}), greedy_identity ({backend: summary}), baselines ({name:
-{status, note}}), memory ({system: {load_rss_mb}, "process": {peak_rss_mb, rss_mb}, "modes": {backend:
+{system: run}, greedy {engine: {identical, divergence}}), aggregate ({temperature:
+{category: {systems, speedup}}}), greedy_identity ({engine: summary}), baselines ({name:
+{status, note, greedy_vs_vanilla: {reference, prompts, identical_tokens, identical_text}}, a
+peer's also {package, version, precision, model_dir, command, converter, runtime}: bench/peers.py}),
+memory ({system: {load_rss_mb}, "process": {peak_rss_mb, rss_mb}, "modes": {engine:
 EAGLE's and vanilla's peak memory each in a fresh process, and the export's size by file
-(bench/memory.py)}}), notes.
+(bench/memory.py)}}), notes. An "engine" key is a backend name ("ort", "trt") or, for an
+--extra-engines export (run on the first backend as eagle@<name>, vanilla@<name>), its folder name.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ class BenchConfig:
     seed: int = 0
     warmup: bool = True
     memory: bool = True  # also measure EAGLE's and vanilla's peak memory, each in a fresh process
-
+    extra_engines: list[Path] = field(default_factory=list)  # more exports (e.g. int4), on backends[0]
 
 
 def load_prompts(sets: list[str], limit: int = 0) -> list[dict]:
@@ -75,12 +78,24 @@ def system_name(mode: str, backend_index: int, backend: str) -> str:
     return mode if backend_index == 0 else f"{mode}@{backend}"
 
 
+@dataclass
+class Engine:
+    """One loaded export on one backend. key: the backend name, or the folder name of an extra export."""
+
+    key: str
+    folder: Path
+    backend: str
+    rt: object  # EagleRuntime
+    eagle: EagleSystem
+    vanilla: EagleSystem
+
+
 class _Loaded:
     """The systems of one run, in run order, with each one's RSS growth at load."""
 
     def __init__(self):
         self.systems: list = []
-        self.engines: list[tuple[str, object, EagleSystem, EagleSystem]] = []  # (backend, runtime, eagle, vanilla)
+        self.engines: list[Engine] = []
 
     def add(self, system, memory: dict, before: float) -> None:
         self.systems.append(system)
@@ -91,14 +106,19 @@ def load_systems(cfg: BenchConfig, manifest, result: dict, log: Callable) -> _Lo
     from eagle_deploy.runtime.api import EagleRuntime
 
     loaded = _Loaded()
-    for i, backend in enumerate(cfg.backends):
+    runs = [(backend, cfg.engines, backend, i) for i, backend in enumerate(cfg.backends)]
+    runs += [(Path(f).resolve().name, Path(f), cfg.backends[0], None) for f in cfg.extra_engines]
+    for key, folder, backend, i in runs:
         before = rss_mb()
-        rt = EagleRuntime.load(cfg.engines, backend=backend, tree=cfg.tree, threads=cfg.threads)
-        eagle, vanilla = (EagleSystem(rt, m, system_name(m, i, backend)) for m in ("eagle", "vanilla"))
+        rt = EagleRuntime.load(folder, backend=backend, tree=cfg.tree, threads=cfg.threads)
+        eagle, vanilla = (EagleSystem(rt, m, system_name(m, i, backend) if i is not None else f"{m}@{key}")
+                          for m in ("eagle", "vanilla"))
         loaded.add(eagle, result["memory"], before)
         loaded.add(vanilla, result["memory"], before)  # the same engine and buffers
-        loaded.engines.append((backend, rt, eagle, vanilla))
-    result["tree"] = loaded.engines[0][1].tree.to_json()
+        loaded.engines.append(Engine(key, Path(folder), backend, rt, eagle, vanilla))
+    if len({e.key for e in loaded.engines}) < len(loaded.engines):
+        raise ValueError(f"two engines share a name: {', '.join(e.key for e in loaded.engines)}")
+    result["tree"] = loaded.engines[0].rt.tree.to_json()
     hf_model = None
     for name in cfg.baselines:
         reason = baseline_unavailable(name, manifest)
@@ -114,21 +134,28 @@ def load_systems(cfg: BenchConfig, manifest, result: dict, log: Callable) -> _Lo
                 from eagle_deploy.validate.reference import load_reference_target
 
                 hf_model = load_reference_target(manifest)
-            loaded.add(make_baseline(name, manifest, cfg.threads, hf_model), result["memory"], before)
-            result["baselines"][name] = {"status": "ok", "note": ""}
+            system = make_baseline(name, manifest, cfg.threads, hf_model, log)
+            loaded.add(system, result["memory"], before)
+            result["baselines"][name] = {"status": "ok", "note": "", **getattr(system, "record", {})}
         except Exception as err:  # a baseline failing must not lose the EAGLE numbers
             result["baselines"][name] = {"status": "failed", "note": f"{type(err).__name__}: {err}"}
             log(f"note: baseline {name} failed to load: {err}")
     return loaded
 
 
-def _encode(records: list[dict], rt, cfg: BenchConfig, result: dict) -> list[dict]:
-    """Prompt token ids (the export's chat template) once for every system; drops prompts
-    that leave no room for max_new_tokens."""
+def _encode(records: list[dict], engines: list[Engine], cfg: BenchConfig, result: dict) -> list[dict]:
+    """Prompt token ids (the first export's chat template) once for every system; drops prompts
+    that leave no room for max_new_tokens. Raises ValueError when another export tokenizes a
+    prompt differently (its systems would not get the same prompt)."""
+    rt = engines[0].rt
     for r in records:
-        r["prompt_ids"] = rt.encode(r.pop("prompt"))
+        text = r.pop("prompt")
+        r["prompt_ids"] = rt.encode(text)
         r["prompt_tokens"] = len(r["prompt_ids"])
-    room = rt.manifest.max_length - cfg.max_new_tokens
+        for e in engines[1:]:
+            if e.rt is not rt and e.rt.encode(text) != r["prompt_ids"]:
+                raise ValueError(f"{e.folder} tokenizes prompt {r['id']} differently from {engines[0].folder}")
+    room = min(e.rt.manifest.max_length for e in engines) - cfg.max_new_tokens
     too_long = sorted({str(r["id"]) for r in records if r["prompt_tokens"] > room})
     if too_long:
         result["notes"].append(f"skipped {len(too_long)} prompt(s) longer than max_length - max_new_tokens = "
@@ -154,12 +181,13 @@ def _run_one(system, r: dict, cfg: BenchConfig, result: dict, loaded: _Loaded, l
 
 
 def _finish_record(r: dict, loaded: _Loaded, floors: dict, log: Callable) -> None:
-    for backend, rt, eagle, vanilla in loaded.engines:
-        e, v = r["runs"][eagle.name], r["runs"][vanilla.name]
+    for eng in loaded.engines:
+        e, v = r["runs"][eng.eagle.name], r["runs"][eng.vanilla.name]
         e["speedup_vs_vanilla"] = round(e["tokens_per_s"] / max(v["tokens_per_s"], 1e-9), 3)
         if r["temperature"] == 0:
-            d = dv.check_greedy(rt.decoder.target, r["prompt_ids"], e["token_ids"], v["token_ids"], floors[backend])
-            r.setdefault("greedy", {})[backend] = {"identical": d is None, "divergence": d.to_json() if d else None}
+            d = dv.check_greedy(eng.rt.decoder.target, r["prompt_ids"], e["token_ids"], v["token_ids"],
+                                floors[eng.key])
+            r.setdefault("greedy", {})[eng.key] = {"identical": d is None, "divergence": d.to_json() if d else None}
     vanilla = r["runs"].get("vanilla")
     for name, run in r["runs"].items():
         if vanilla and not name.startswith(("eagle", "vanilla")):
@@ -169,20 +197,35 @@ def _finish_record(r: dict, loaded: _Loaded, floors: dict, log: Callable) -> Non
 
 
 def measure_memory(cfg: BenchConfig, loaded: _Loaded, prompt_ids: list[int], log: Callable) -> dict:
-    """{backend: bench.memory.measure_modes(...)} on the first prompt, or {"error": ...} for a
-    backend whose probe failed (the speed results are kept)."""
+    """{engine: bench.memory.measure_modes(...)} on the first prompt, or {"error": ...} for an
+    engine whose probe failed (the speed results are kept)."""
     from .memory import measure_modes
 
     out = {}
-    for backend, rt, _, _ in loaded.engines:
-        log(f"measuring peak memory on {backend} (one fresh process per mode)")
+    for e in loaded.engines:
+        log(f"measuring peak memory on {e.key} (one fresh process per mode)")
         try:
-            out[backend] = measure_modes(cfg.engines, prompt_ids, cfg.max_new_tokens, backend, cfg.threads,
-                                         rt.tree.to_json())
+            out[e.key] = measure_modes(e.folder, prompt_ids, cfg.max_new_tokens, e.backend, cfg.threads,
+                                       e.rt.tree.to_json())
         except Exception as err:  # a failed probe must not lose the speed numbers
-            out[backend] = {"error": f"{type(err).__name__}: {err}"}
-            log(f"note: memory probe on {backend} failed: {err}")
+            out[e.key] = {"error": f"{type(err).__name__}: {err}"}
+            log(f"note: memory probe on {e.key} failed: {err}")
     return out
+
+
+def greedy_vs_vanilla(records: list[dict], name: str, tokenizer) -> dict:
+    """How many greedy prompts baseline `name` answered exactly as our (first engine's) vanilla
+    decoding: the same token ids, and the same text (decoded with the export's tokenizer,
+    special tokens skipped; None without a tokenizer)."""
+    pairs = [(r["runs"][name]["token_ids"], r["runs"]["vanilla"]["token_ids"]) for r in records
+             if r["temperature"] == 0 and name in r["runs"] and "vanilla" in r["runs"]]
+    text = None
+    if tokenizer is not None:
+        def dec(ids):
+            return tokenizer.decode(ids, skip_special_tokens=True)
+        text = sum(dec(a) == dec(b) for a, b in pairs)
+    return {"reference": "vanilla", "prompts": len(pairs), "identical_tokens": sum(a == b for a, b in pairs),
+            "identical_text": text}
 
 
 def run_bench(cfg: BenchConfig, log: Callable = print) -> dict:
@@ -198,18 +241,19 @@ def run_bench(cfg: BenchConfig, log: Callable = print) -> dict:
                for i, p in enumerate(prompts) for t in cfg.temperatures]
     result = {"schema": SCHEMA, "engines": str(cfg.engines), "manifest": manifest.name,
               "date": _dt.datetime.now().isoformat(timespec="seconds"), "machine": machine_info(cfg.threads),
-              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "tree"},
+              "config": {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if k == "extra_engines" else v)
+                         for k, v in asdict(cfg).items() if k != "tree"},
               "tree": None, "numerics": {}, "greedy_identity": {}, "baselines": {}, "memory": {},
               "notes": list(manifest.notes)}
     if not manifest.draft.trained:
         result["notes"].append("this export's draft head is untrained (random): expect tau near 1")
     loaded = load_systems(cfg, manifest, result, log)
-    records = _encode(records, loaded.engines[0][1], cfg, result)
+    records = _encode(records, loaded.engines, cfg, result)
     floors = {}
-    for backend, rt, _, _ in loaded.engines:
+    for e in loaded.engines:
         noise_ids = (list(records[0]["prompt_ids"]) * NOISE_PREFIX)[:NOISE_PREFIX]
-        floors[backend] = dv.batch_vs_single(rt.decoder.target, noise_ids)
-        result["numerics"][backend] = {"batch_vs_single_max_logit_diff": floors[backend], "prefix_tokens": NOISE_PREFIX}
+        floors[e.key] = dv.batch_vs_single(e.rt.decoder.target, noise_ids)
+        result["numerics"][e.key] = {"batch_vs_single_max_logit_diff": floors[e.key], "prefix_tokens": NOISE_PREFIX}
     if cfg.warmup:
         for system in list(loaded.systems):
             _run_one(system, {"prompt_ids": records[0]["prompt_ids"], "temperature": 0.0, "seed": 0, "runs": {}},
@@ -225,6 +269,8 @@ def run_bench(cfg: BenchConfig, log: Callable = print) -> dict:
         if b["status"] == "failed":
             for r in records:
                 r["runs"].pop(name, None)
+        elif b["status"] == "ok":
+            b["greedy_vs_vanilla"] = greedy_vs_vanilla(records, name, loaded.engines[0].rt.tokenizer)
     for backend in floors:
         result["greedy_identity"][backend] = dv.summarize([r["greedy"][backend] for r in records if "greedy" in r],
                                                           floors[backend])

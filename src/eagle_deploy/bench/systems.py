@@ -1,7 +1,8 @@
 """The systems eagle-bench times, one small class each behind `run(ids, max_new_tokens,
 temperature, seed) -> Run`: EAGLE and vanilla decoding on one EagleRuntime, transformers'
 `generate()` (plain greedy and prompt-lookup), llama.cpp through llama-cpp-python (plain and
-its `LlamaPromptLookupDecoding`). Every system gets the same prompt token ids (the export's
+its `LlamaPromptLookupDecoding`), and the peer runtimes of bench/peers.py (onnxruntime-genai,
+OpenVINO GenAI). Every system gets the same prompt token ids (the export's
 chat template applied once) and the same thread count.
 """
 from __future__ import annotations
@@ -14,7 +15,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BASELINES = ("hf", "hf-lookup", "llamacpp", "llamacpp-lookup")
+# peer runtimes (bench/peers.py): family -> precisions; "--baselines openvino" means every precision
+PEERS = {"ort-genai": ("fp32", "int4"), "openvino": ("fp32", "int8", "int4")}
+BASELINES = ("hf", "hf-lookup", "llamacpp", "llamacpp-lookup",
+             *(f"{family}-{p}" for family, precisions in PEERS.items() for p in precisions))
 LOOKUP_TOKENS = 10  # draft tokens per prompt-lookup step (HF prompt_lookup_num_tokens, llama.cpp num_pred_tokens)
 
 
@@ -156,17 +160,30 @@ def baseline_unavailable(name: str, manifest) -> str | None:
 
     if name.startswith("llamacpp"):
         if importlib.util.find_spec("llama_cpp") is None:
-            return ("llama-cpp-python is not installed (pip install '.[bench]' in the repository; "
+            return ("llama-cpp-python is not installed (pip install '.[llamacpp]' in the repository; "
                     "it compiles llama.cpp, ~6 min): skipped")
         src = target_source(manifest)
         if src is None or src.suffix != ".gguf" or not src.is_file():
             return f"the export's target ({src}) is not a GGUF file llama.cpp can load: skipped"
+    if name.startswith(tuple(PEERS)):
+        from eagle_deploy.validate.reference import ReferenceError, target_checkpoint_dir
+
+        from . import peers
+
+        reason = peers.unavailable(name)
+        if reason:
+            return reason
+        try:
+            return peers.unavailable(name, target_checkpoint_dir(manifest))
+        except ReferenceError as err:
+            return f"{err}: skipped"
     return None
 
 
-def make_baseline(name: str, manifest, threads: int, hf_model=None):
-    """A baseline system by name (see BASELINES). `hf_model` is loaded once and shared."""
-    from eagle_deploy.validate.reference import target_source
+def make_baseline(name: str, manifest, threads: int, hf_model=None, log=lambda m: None):
+    """A baseline system by name (see BASELINES). `hf_model` is loaded once and shared. A peer
+    (bench/peers.py) is converted on first use and carries its JSON record as `.record`."""
+    from eagle_deploy.validate.reference import target_checkpoint_dir, target_source
 
     eos = list(manifest.eos_token_ids)
     if name == "hf":
@@ -176,4 +193,8 @@ def make_baseline(name: str, manifest, threads: int, hf_model=None):
     if name in ("llamacpp", "llamacpp-lookup"):
         return LlamaCppSystem(target_source(manifest), eos, threads, manifest.max_length,
                               LOOKUP_TOKENS if name.endswith("lookup") else 0, name)
+    if name in BASELINES and name.startswith(tuple(PEERS)):
+        from .peers import make_peer
+
+        return make_peer(name, target_checkpoint_dir(manifest), eos, threads, log)
     raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")

@@ -20,7 +20,7 @@ quantisation record live under each graph's `"extra"` object; `engines` holds `"
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, NoReturn, Sequence
 
@@ -35,9 +35,11 @@ QUANT_KINDS = ("int4", "int8")  # weight quantisation of a graph (`eagle-export 
 GRAPHS = ("target", "draft")
 # how a reduced draft vocabulary was ranked: the head's token_counts.npy (response-token
 # frequencies from eagle-train), the tokenizer's merge rank (BPE merge order; no data needed),
-# or token id order (tokenizers without merges); see exporter/draft_vocab.py
-DRAFT_VOCAB_SOURCES = ("token_counts", "merge_rank", "token_id")
+# or token id order (tokenizers without merges), see exporter/draft_vocab.py; or an EAGLE-3
+# head's own draft vocabulary (its d2t table), see exporter/eagle3.py
+DRAFT_VOCAB_SOURCES = ("token_counts", "merge_rank", "token_id", "head_d2t")
 SHARED_ROLES = ("embedding", "lm_head")  # SharedTensor.role
+HEAD_KINDS = ("eagle", "eagle3")  # HeadRecord.kind: EAGLE-1/2 heads, EAGLE-3 heads
 
 
 class ManifestError(ValueError):
@@ -64,6 +66,40 @@ class Dims:
 
     def to_json(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class HeadRecord:
+    """What kind of draft head the draft graph runs (JSON: the draft's `extra.head`).
+
+    kind "eagle": an EAGLE-1/2 head (arXiv 2401.15077 / 2406.16858), fed the target's final
+    features, with the target's geometry (no sizes recorded). kind "eagle3" (arXiv
+    2503.01840): fed the hidden states entering the target's decoder layers `feature_layers`
+    (the target graph's `tapped_features`), with its own hidden width, heads and head dim
+    (which may differ from the target's), its own norm, LM head and draft vocabulary.
+    `layout`: the checkpoint layout it was read from (exporter/eagle3.py), for the record."""
+
+    kind: str
+    hidden: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    feature_layers: tuple[int, ...] = ()
+    layout: str | None = None
+
+    def to_json(self) -> dict:
+        if self.kind != "eagle3":
+            return {"kind": self.kind}
+        out = {"kind": self.kind, "hidden": self.hidden, "num_heads": self.num_heads,
+               "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "feature_layers": list(self.feature_layers)}
+        if self.layout is not None:
+            out["layout"] = self.layout
+        return out
+
+    def tapped_width(self, target_hidden: int) -> int | None:
+        """Width of the draft graph's `tapped_features` input (taps x target hidden); None for
+        EAGLE-1/2 heads."""
+        return len(self.feature_layers) * target_hidden if self.kind == "eagle3" else None
 
 
 @dataclass(frozen=True)
@@ -102,9 +138,13 @@ class GraphEntry:
     quant: str | None = None
     sha256: str | None = None
     quant_info: QuantRecord | None = None
+    feature_layers: tuple[int, ...] | None = None  # target of an EAGLE-3 export: the tapped layers
 
     def _extra(self) -> dict:
-        return {"quant": self.quant_info.to_json()} if self.quant_info else {}
+        out = {"quant": self.quant_info.to_json()} if self.quant_info else {}
+        if self.feature_layers is not None:
+            out["feature_layers"] = list(self.feature_layers)
+        return out
 
     def to_json(self) -> dict:
         return {"path": self.path, "dtype": self.dtype, "inputs": [s.to_json() for s in self.inputs],
@@ -138,9 +178,17 @@ class DraftEntry(GraphEntry):
     draft_vocab_file: str | None = None
     draft_vocab_source: str | None = None
     max_position_embeddings: int | None = None
+    head: HeadRecord | None = None  # None: an EAGLE-1/2 head with the target's geometry (older exports)
+
+    @property
+    def head_kind(self) -> str:
+        """"eagle" (EAGLE-1/2) or "eagle3" (HeadRecord.kind)."""
+        return self.head.kind if self.head is not None else "eagle"
 
     def _extra(self) -> dict:
         out = {"graph_top_k": self.graph_top_k, "draft_vocab_size": self.draft_vocab_size, "trained": self.trained}
+        if self.head is not None:
+            out["head"] = self.head.to_json()
         if self.draft_vocab_file is not None:
             out["draft_vocab_file"] = self.draft_vocab_file
         if self.draft_vocab_source is not None:
@@ -328,6 +376,16 @@ class Manifest:
                 "engines": self.engines.to_json(), "notes": list(self.notes), "format_version": self.format_version,
                 **({"shared_weights": self.shared_weights.to_json()} if self.shared_weights else {})}
 
+    def graph_dims(self, which: str) -> Dims:
+        """The dims graph `which` ("target" | "draft") runs with: the target's, except that an
+        EAGLE-3 head has its own hidden width, heads and head dim (its KV buffer and
+        `features` / `next_features` are sized by them)."""
+        head = self.draft.head if which == "draft" else None
+        if head is None or head.kind != "eagle3":
+            return self.dims
+        return replace(self.dims, hidden=head.hidden, num_heads=head.num_heads, num_kv_heads=head.num_kv_heads,
+                       head_dim=head.head_dim)
+
     def save(self, folder: Path) -> Path:
         path = Path(folder) / MANIFEST_FILE
         tmp = path.with_suffix(".json.tmp")
@@ -475,6 +533,11 @@ def _read_manifest(data, source: str) -> Manifest:
     target = _read_graph(top.obj("target", what="a graph entry (JSON object)"), dims, draft=False)
     trained = True if sources.draft.trained is None else sources.draft.trained  # exports without draft.extra.trained
     draft = _read_graph(top.obj("draft", what="a graph entry (JSON object)"), dims, draft=True, trained=trained)
+    taps = draft.head.feature_layers if draft.head is not None and draft.head.kind == "eagle3" else None
+    if target.feature_layers != taps:
+        top.fail("target.extra.feature_layers", f"{_shown(list(taps) if taps else None)} (the draft head's "
+                                                "draft.extra.head.feature_layers)",
+                 list(target.feature_layers) if target.feature_layers else None)
     if draft.max_position_embeddings is not None and max_length > draft.max_position_embeddings:
         top.fail("max_length", f"at most draft.extra.max_position_embeddings {draft.max_position_embeddings} "
                                "(the draft head's position limit)", max_length)
@@ -568,16 +631,18 @@ def _read_graph(o: _Obj, dims: Dims, draft: bool, trained: bool = True) -> Graph
     sha = o.string("sha256", default=None, optional=True)
     extra = o.obj("extra", default={})
     extra.only(["graph_top_k", "draft_vocab_size", "trained", "draft_vocab_file", "draft_vocab_source",
-                "max_position_embeddings", "quant"] if draft else ["quant"])
+                "max_position_embeddings", "quant", "head"] if draft else ["quant", "feature_layers"])
     quant_info = _read_quant(extra.obj("quant")) if "quant" in extra.data else None
     if quant_info is not None and quant_info.kind != quant:
         o.fail("quant", f"{quant_info.kind!r} (as {extra.name('quant')}.kind says)", quant)
     common = dict(path=path, dtype=dtype, inputs=inputs, outputs=outputs, quant=quant, sha256=sha,
                   quant_info=quant_info)
     if not draft:
-        entry = GraphEntry(**common)
+        layers = _read_layers(extra, dims.num_layers) if "feature_layers" in extra.data else None
+        entry = GraphEntry(**common, feature_layers=layers)
         _check_layers(o, entry, dims.num_layers)
-        _check_contract(o, entry, *c.target_io(dims.num_layers, dtype, entry.kv_layout))
+        _check_contract(o, entry, *c.target_io(dims.num_layers, dtype, entry.kv_layout,
+                                               len(layers) * dims.hidden if layers else None))
         return entry
     top_k = extra.integer("graph_top_k", minimum=1)
     vocab_size = extra.integer("draft_vocab_size", minimum=1, default=dims.vocab)
@@ -589,12 +654,38 @@ def _read_graph(o: _Obj, dims: Dims, draft: bool, trained: bool = True) -> Graph
                        draft_vocab_source=extra.string("draft_vocab_source", default=None,
                                                        choices=DRAFT_VOCAB_SOURCES + (None,)),
                        max_position_embeddings=extra.integer("max_position_embeddings", minimum=2, default=None,
-                                                             optional=True))
+                                                             optional=True),
+                       head=_read_head(extra.obj("head"), dims) if "head" in extra.data else None)
     found_k = next((s.shape[-1] for s in outputs if s.name == c.TOPK_IDS and s.shape), top_k)
     if isinstance(found_k, int) and found_k != top_k:
         extra.fail("graph_top_k", f"{found_k} (the last dimension of draft.outputs {c.TOPK_IDS!r})", top_k)
-    _check_contract(o, entry, *c.draft_io(dtype, top_k, entry.kv_layout))
+    tapped = entry.head.tapped_width(dims.hidden) if entry.head is not None else None
+    _check_contract(o, entry, *c.draft_io(dtype, top_k, entry.kv_layout, tapped))
     return entry
+
+
+def _read_layers(o: _Obj, num_layers: int) -> tuple[int, ...]:
+    """`feature_layers`: distinct layer ids in [0, num_layers), ascending."""
+    layers = o.array("feature_layers")
+    for i, v in enumerate(layers):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < num_layers:
+            o.fail(f"feature_layers[{i}]", f"a decoder layer id in [0, dims.num_layers {num_layers})", v)
+    if not layers or list(layers) != sorted(set(layers)):
+        o.fail("feature_layers", "distinct layer ids in ascending order", layers)
+    return tuple(layers)
+
+
+def _read_head(o: _Obj, dims: Dims) -> HeadRecord:
+    kind = o.string("kind", choices=HEAD_KINDS)
+    if kind == "eagle":  # the target's geometry: nothing else to record
+        o.only(["kind"])
+        return HeadRecord(kind)
+    o.only([f.name for f in fields(HeadRecord)])
+    sizes = {k: o.integer(k, minimum=1) for k in ("hidden", "num_heads", "num_kv_heads", "head_dim")}
+    if sizes["num_heads"] % sizes["num_kv_heads"]:
+        o.fail("num_kv_heads", f"a divisor of num_heads {sizes['num_heads']}", sizes["num_kv_heads"])
+    return HeadRecord(kind=kind, **sizes, feature_layers=_read_layers(o, dims.num_layers),
+                      layout=o.string("layout", default=None, optional=True))
 
 
 def _check_layers(o: _Obj, entry: GraphEntry, num_layers: int) -> None:

@@ -42,7 +42,37 @@ Draft graph (`draft.onnx`): the EAGLE-1/2 draft head (arXiv 2401.15077 §3): FC 
 | `topk_ids` (out) | int64 | [batch, num_logits, top_k] | token ids of those entries (full target vocabulary) |
 | `present.0.key` / `.value` (out) | T | [seq, batch, kv_heads, head_dim] | KV of the new rows |
 
-No full-vocabulary logits leave the draft graph. `top_k` is fixed at export
+No full-vocabulary logits leave the draft graph.
+
+EAGLE-3 exports (`Manifest.draft.head.kind == "eagle3"`, arXiv 2503.01840 §3). The target
+graph has one more output, after `features`:
+
+| name | dtype | shape | meaning |
+|---|---|---|---|
+| `tapped_features` (out) | T | [batch, seq, taps * hidden] | hidden states entering the tapped layers |
+
+The tapped layers are `target.extra.feature_layers` (low, middle, high; concatenated in that
+order).
+
+"The hidden state of layer i" is the residual stream *entering* decoder layer i (layer 0's is
+the token embedding): transformers' `output_hidden_states[i]`, which is the output of layer
+i - 1. EAGLE-1/2 exports have no such output and pay nothing for it.
+
+The EAGLE-3 draft graph takes the head's input rows from two inputs, concatenated along the
+sequence axis (seq = tapped_rows + own_rows; the rows of `input_ids`, `position_ids`,
+`attention_mask` follow that order):
+
+| name | dtype | shape | meaning |
+|---|---|---|---|
+| `tapped_features` | T | [batch, tapped_rows, taps * target hidden] | target taps at p, fused by `fc` |
+| `features` | T | [batch, own_rows, head hidden] | the head's own `next_features` fed back |
+
+then the rest of the draft table, with `hidden` the head's own width (`head.hidden`, which may
+differ from the target's; so may its KV heads and head dim). Either input may have 0 rows: the
+runtime sends the target's taps alone (extension) or the head's own features alone (tree
+expansion). The head applies its own final norm and LM head over its draft vocabulary, and
+`topk_ids` are mapped to target ids inside the graph (target id = draft index + d2t[draft
+index]), so the runtime only ever sees target token ids. `top_k` is fixed at export
 (`Manifest.draft.graph_top_k`); trees may use any `top_k` up to it.
 
 KV layouts (`KV_LAYOUTS`; each graph's is the shape of its KV specs in the manifest,
@@ -93,6 +123,7 @@ LOGITS = "logits"
 NEXT_FEATURES = "next_features"
 TOPK_LOGPROBS = "topk_logprobs"
 TOPK_IDS = "topk_ids"
+TAPPED_FEATURES = "tapped_features"  # EAGLE-3: the target's tapped hidden states
 
 # Additive attention bias for masked positions: finite in fp16 and fp32, so a fully masked
 # (padded) row gives a uniform softmax instead of NaN.
@@ -169,22 +200,32 @@ def _kv_specs(num_layers: int, dtype: str, kv_layout: str) -> tuple[list[TensorS
     return past, present
 
 
-def target_io(num_layers: int, dtype: str,
-              kv_layout: str = KV_SEQ_MAJOR) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """(inputs, outputs) of the target graph, in graph order."""
+def target_io(num_layers: int, dtype: str, kv_layout: str = KV_SEQ_MAJOR,
+              tapped_width: int | None = None) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of the target graph, in graph order. tapped_width: taps x hidden of
+    an EAGLE-3 export (adds the `tapped_features` output); None for EAGLE-1/2."""
     past, present = _kv_specs(num_layers, dtype, kv_layout)
     outputs = [
         TensorSpec(LOGITS, "float32", ("batch", "num_logits", "vocab")),
         TensorSpec(FEATURES, dtype, ("batch", "seq", "hidden")),
     ]
+    if tapped_width:
+        outputs.append(TensorSpec(TAPPED_FEATURES, dtype, ("batch", "seq", tapped_width)))
     return _common_inputs() + past, outputs + present
 
 
-def draft_io(dtype: str, top_k: int,
-             kv_layout: str = KV_SEQ_MAJOR) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """(inputs, outputs) of the draft graph, in graph order."""
+def draft_io(dtype: str, top_k: int, kv_layout: str = KV_SEQ_MAJOR,
+             tapped_width: int | None = None) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of the draft graph, in graph order. tapped_width: taps x target
+    hidden of an EAGLE-3 head (inputs `tapped_features` then `features`, rows concatenated);
+    None for EAGLE-1/2 (`features` only). `hidden` here is the head's own width."""
     past, present = _kv_specs(1, dtype, kv_layout)
-    inputs = [TensorSpec(FEATURES, dtype, ("batch", "seq", "hidden"))] + _common_inputs()
+    if tapped_width:
+        head = [TensorSpec(TAPPED_FEATURES, dtype, ("batch", "tapped_rows", tapped_width)),
+                TensorSpec(FEATURES, dtype, ("batch", "own_rows", "hidden"))]
+    else:
+        head = [TensorSpec(FEATURES, dtype, ("batch", "seq", "hidden"))]
+    inputs = head + _common_inputs()
     outputs = [
         TensorSpec(NEXT_FEATURES, dtype, ("batch", "seq", "hidden")),
         TensorSpec(TOPK_LOGPROBS, "float32", ("batch", "num_logits", top_k)),

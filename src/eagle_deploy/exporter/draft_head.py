@@ -238,19 +238,21 @@ def random_head(target: nn.Module, seed: int = 0, fc_bias: bool = True) -> Eagle
     return head
 
 
-def load_head(head_dir: Path, target: nn.Module) -> EagleHead:
-    """Load a published-format head for `target`; HeadCheckpointError names any bad tensor."""
+def load_head(head_dir: Path, target: nn.Module):
+    """Load a published-format head for `target`: an EagleHead (EAGLE-1/2) or, when its
+    config or tensor names say EAGLE-3, an `eagle3.Eagle3Head`. HeadCheckpointError names any
+    bad tensor or config value."""
+    from .eagle3 import detect_layout, load_eagle3_head, read_head_config
+
     head_dir = Path(head_dir)
+    head_config = read_head_config(head_dir)
     cfg_path = head_dir / "config.json"
-    if not cfg_path.exists():
-        raise HeadCheckpointError(f"draft head folder {head_dir} has no config.json")
-    try:
-        head_config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as err:
-        raise HeadCheckpointError(f"draft head config {cfg_path} is not valid JSON: {err}") from None
+    state = read_head_state(head_dir)
+    layout = detect_layout(head_config, state.keys())
+    if layout is not None:
+        return load_eagle3_head(head_dir, head_config, target, layout=layout, state=state)
     dims = dims_of(target.config)
     check_head_config(head_config, cfg_path, dims)
-    state = read_head_state(head_dir)
     intermediate = int(head_config.get("intermediate_size", target.config.intermediate_size))
     check_head_state(state, dims, intermediate)
     merged = {**head_config_for(target.config), **head_config}

@@ -19,6 +19,7 @@ from eagle_deploy.contract.tree_config import DEFAULT_TREES, TreeConfig
 from .draft_head import HEAD_WEIGHT_FILES, load_head, random_head
 from .draft_vocab import default_size as default_draft_vocab
 from .draft_vocab import draft_vocab_ids
+from .eagle3 import Eagle3Head
 from .models import Checkpoint, publish_folder, resolve_draft, resolve_model, sha256_file
 from .steps import TORCH_DTYPES, DraftOnnxFromHead, TargetOnnxFromHF, TokenizerFromHF
 from .target import UnsupportedModelError, dims_of, supported_families
@@ -218,6 +219,34 @@ def load_models(plan: ExportPlan, options: ExportOptions, progress=None) -> Load
     if not options.max_length and requested is not None:  # an alias default is capped like the computed one
         requested = min(requested, head.dims.max_position_embeddings)
     max_length = check_max_length(requested, dims, head.dims)
+    if isinstance(head, Eagle3Head):  # its own draft vocabulary, mapped in its graph by d2t
+        vocab_ids, vocab_source = eagle3_vocab(head, options)
+    else:
+        vocab_ids, vocab_source = _reduced_vocab(checkpoint, head_dir, hf, dims, options)
+    if plan.dtype != "float32":
+        hf.to(TORCH_DTYPES[plan.dtype])
+        head.to(TORCH_DTYPES[plan.dtype])
+    return LoadedModels(hf, head, dims, int(max_length), vocab_ids, vocab_source)
+
+
+def eagle3_vocab(head: Eagle3Head, options: ExportOptions):
+    """(draft -> target ids, "head_d2t") of an EAGLE-3 head with a reduced draft vocabulary,
+    (None, None) with a full one. ValueError for an explicit --draft-vocab (the head's
+    vocabulary is fixed by its LM head) or a --graph-top-k above its draft vocabulary."""
+    if options.draft_vocab is not None:
+        raise ValueError(f"--draft-vocab {options.draft_vocab or 'full'} does not apply to an EAGLE-3 head: it "
+                         f"brings its own draft vocabulary ({head.cfg.draft_vocab} tokens, its d2t table)")
+    if options.graph_top_k > head.cfg.draft_vocab:
+        raise ValueError(f"--graph-top-k {options.graph_top_k} exceeds the EAGLE-3 head's draft vocabulary "
+                         f"({head.cfg.draft_vocab} tokens)")
+    if head.cfg.draft_vocab == head.cfg.vocab:
+        return None, None
+    return head.draft_to_target.detach().cpu().clone(), "head_d2t"
+
+
+def _reduced_vocab(checkpoint: Checkpoint, head_dir, hf, dims: Dims, options: ExportOptions):
+    """(ids, source) of the reduced draft vocabulary an EAGLE-1/2 head's graph gets (see
+    draft_vocab.py), or (None, None)."""
     draft_vocab = checkpoint.draft_vocab if options.draft_vocab is None else options.draft_vocab
     if draft_vocab is None:  # every head gets a reduced draft vocabulary unless asked otherwise
         draft_vocab = min(default_draft_vocab(dims.vocab), dims.vocab)
@@ -225,11 +254,7 @@ def load_models(plan: ExportPlan, options: ExportOptions, progress=None) -> Load
         raise ValueError(f"--draft-vocab {draft_vocab} must be 'full' (or 0) or in "
                          f"[--graph-top-k {options.graph_top_k}, vocabulary size {dims.vocab}]")
     eos = _eos_ids(checkpoint.hf_dir, hf.config, None)
-    vocab_ids, vocab_source = draft_vocab_ids(head_dir, draft_vocab, dims.vocab, eos, tokenizer_dir=checkpoint.hf_dir)
-    if plan.dtype != "float32":
-        hf.to(TORCH_DTYPES[plan.dtype])
-        head.to(TORCH_DTYPES[plan.dtype])
-    return LoadedModels(hf, head, dims, int(max_length), vocab_ids, vocab_source)
+    return draft_vocab_ids(head_dir, draft_vocab, dims.vocab, eos, tokenizer_dir=checkpoint.hf_dir)
 
 
 def build_graphs(plan: ExportPlan, models: LoadedModels, options: ExportOptions, tmp: Path, progress=None):
@@ -238,9 +263,11 @@ def build_graphs(plan: ExportPlan, models: LoadedModels, options: ExportOptions,
     layout = kv_layout_for(options.graph, plan.dtype)
     kind = "fused onnxruntime operators" if layout == KV_SHARED else "standard ONNX operators"
     _say(progress, f"exporting target graph ({plan.dtype}, {kind})")
-    target_entry = TargetOnnxFromHF(plan.dtype, options.external_data, layout)(models.hf, tmp)
-    _say(progress, "exporting draft graph")
-    draft_step = DraftOnnxFromHead(plan.dtype, options.graph_top_k, models.vocab_ids, options.external_data, layout)
+    taps = models.head.cfg.feature_layers if isinstance(models.head, Eagle3Head) else None
+    target_entry = TargetOnnxFromHF(plan.dtype, options.external_data, layout, taps)(models.hf, tmp)
+    _say(progress, "exporting draft graph" + (" (EAGLE-3 head)" if taps else ""))
+    baked = None if taps else models.vocab_ids  # an EAGLE-3 graph maps its ids itself (d2t)
+    draft_step = DraftOnnxFromHead(plan.dtype, options.graph_top_k, baked, options.external_data, layout)
     draft_entry = draft_step(models.head, tmp)
     draft_entry = replace(draft_entry, trained=plan.head_dir is not None)
     if models.vocab_ids is not None:  # the ids baked into the draft graph, for references and tools

@@ -16,9 +16,10 @@ import torch
 
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.contract.dtypes import FLOAT_NAMES
-from eagle_deploy.contract.manifest import DraftEntry, GraphEntry
+from eagle_deploy.contract.manifest import DraftEntry, GraphEntry, HeadRecord
 
 from .draft_head import EagleHead, ExportableDraft
+from .eagle3 import Eagle3Head, ExportableDraft3
 from .external_data import use_external_data
 from .target import ExportableTarget
 
@@ -31,9 +32,10 @@ def _dynamic_axes(specs) -> dict[str, dict[int, str]]:
 
 
 def trace_inputs(dims, dtype: torch.dtype, layers: int, hidden_input: bool, seq: int = 3, past: int = 2,
-                 kv_layout: str = c.KV_SEQ_MAJOR) -> tuple:
+                 kv_layout: str = c.KV_SEQ_MAJOR, tapped_width: int | None = None) -> tuple:
     """Small dummy inputs for tracing (seq 3, past 2; a shared KV buffer has 2 spare rows); no
-    size is baked into the graph."""
+    size is baked into the graph. tapped_width (an EAGLE-3 draft): 2 rows of
+    `tapped_features` then 1 row of own `features`."""
     ids = torch.arange(seq, dtype=torch.int64)[None] % dims.vocab
     pos = torch.arange(past, past + seq, dtype=torch.int64)[None]
     mask = torch.ones(1, seq, past + seq, dtype=torch.bool)
@@ -43,6 +45,8 @@ def trace_inputs(dims, dtype: torch.dtype, layers: int, hidden_input: bool, seq:
              else (past, 1, dims.num_kv_heads, dims.head_dim))
     kv = [torch.zeros(shape, dtype=dtype) for _ in range(2 * layers)]
     head = (torch.zeros(1, seq, dims.hidden, dtype=dtype),) if hidden_input else ()
+    if tapped_width:
+        head = (torch.zeros(1, seq - 1, tapped_width, dtype=dtype), torch.zeros(1, 1, dims.hidden, dtype=dtype))
     return (*head, ids, pos, mask, idx, *kv)
 
 
@@ -85,20 +89,25 @@ class TargetOnnxFromHF:
     dtype: str = "float32"
     external_data: str = "auto"
     kv_layout: str = c.KV_SEQ_MAJOR
+    feature_layers: tuple[int, ...] | None = None  # an EAGLE-3 export: the layers whose input is tapped
 
     def __call__(self, hf_model: torch.nn.Module, folder: Path) -> GraphEntry:
-        module = ExportableTarget(hf_model, self.kv_layout).eval()
-        inputs, outputs = c.target_io(module.dims.num_layers, self.dtype, self.kv_layout)
+        module = ExportableTarget(hf_model, self.kv_layout, self.feature_layers).eval()
+        taps = len(self.feature_layers) * module.dims.hidden if self.feature_layers else None
+        inputs, outputs = c.target_io(module.dims.num_layers, self.dtype, self.kv_layout, taps)
         args = trace_inputs(module.dims, TORCH_DTYPES[self.dtype], module.dims.num_layers, hidden_input=False,
                             kv_layout=self.kv_layout)
         OnnxFromModule(self.external_data)(module, args, inputs, outputs, Path(folder) / c.TARGET_FILE)
-        return GraphEntry(c.TARGET_FILE, self.dtype, tuple(inputs), tuple(outputs))
+        return GraphEntry(c.TARGET_FILE, self.dtype, tuple(inputs), tuple(outputs),
+                          feature_layers=tuple(self.feature_layers) if self.feature_layers else None)
 
 
 @dataclass
 class DraftOnnxFromHead:
-    """EAGLE head bound to its target -> draft.onnx with in-graph top-k; returns its DraftEntry
-    (trained=True: the caller records a random head)."""
+    """EAGLE-1/2 head (EagleHead) or EAGLE-3 head (Eagle3Head) bound to its target ->
+    draft.onnx with in-graph top-k; returns its DraftEntry with the head's HeadRecord
+    (trained=True: the caller records a random head). An EAGLE-3 head brings its own draft
+    vocabulary (`draft_vocab` must be None)."""
 
     dtype: str = "float32"
     top_k: int = 10
@@ -106,14 +115,25 @@ class DraftOnnxFromHead:
     external_data: str = "auto"
     kv_layout: str = c.KV_SEQ_MAJOR
 
-    def __call__(self, head: EagleHead, folder: Path) -> DraftEntry:
-        module = ExportableDraft(head, self.top_k, self.draft_vocab, self.kv_layout).eval()
-        inputs, outputs = c.draft_io(self.dtype, self.top_k, self.kv_layout)
-        args = trace_inputs(head.dims, TORCH_DTYPES[self.dtype], 1, hidden_input=True, kv_layout=self.kv_layout)
+    def __call__(self, head: EagleHead | Eagle3Head, folder: Path) -> DraftEntry:
+        if isinstance(head, Eagle3Head):
+            if self.draft_vocab is not None:
+                raise ValueError("an EAGLE-3 head has its own draft vocabulary (d2t); no reduced vocabulary applies")
+            module = ExportableDraft3(head, self.top_k, self.kv_layout).eval()
+            record, vocab_size = head.record, head.cfg.draft_vocab
+            tapped = record.tapped_width(head.cfg.target_hidden)
+        else:
+            module = ExportableDraft(head, self.top_k, self.draft_vocab, self.kv_layout).eval()
+            record = HeadRecord("eagle")
+            vocab_size = int(len(self.draft_vocab)) if self.draft_vocab is not None else head.dims.vocab
+            tapped = None
+        inputs, outputs = c.draft_io(self.dtype, self.top_k, self.kv_layout, tapped)
+        args = trace_inputs(head.dims, TORCH_DTYPES[self.dtype], 1, hidden_input=True, kv_layout=self.kv_layout,
+                            tapped_width=tapped)
         OnnxFromModule(self.external_data)(module, args, inputs, outputs, Path(folder) / c.DRAFT_FILE)
-        vocab_size = int(len(self.draft_vocab)) if self.draft_vocab is not None else head.dims.vocab
         return DraftEntry(c.DRAFT_FILE, self.dtype, tuple(inputs), tuple(outputs), graph_top_k=self.top_k,
-                          draft_vocab_size=vocab_size, max_position_embeddings=head.dims.max_position_embeddings)
+                          draft_vocab_size=vocab_size, max_position_embeddings=head.dims.max_position_embeddings,
+                          head=record)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from eagle_deploy.contract.manifest import Dims
@@ -120,13 +121,21 @@ class ExportableTarget(nn.Module):
     kv_layout "shared" (contract KV_SHARED): the fused graph (exporter/fused.py); past and
     present are then [B,kvh,C,hd] buffers of any capacity C >= P+S, present = past with rows
     [P, P+S) written (a copy when run eagerly, in place in onnxruntime).
+
+    feature_layers (an EAGLE-3 export): also return `tapped_features` [B,S,n*H] after
+    `features`, the hidden states entering those decoder layers, concatenated in order
+    (contract "EAGLE-3 exports"); None: no such output.
     """
 
-    def __init__(self, hf_model: nn.Module, kv_layout: str = KV_SEQ_MAJOR):
+    def __init__(self, hf_model: nn.Module, kv_layout: str = KV_SEQ_MAJOR, feature_layers=None):
         super().__init__()
         check_family(hf_model.config)
         self.dims = dims_of(hf_model.config)
         self.kv_layout = kv_layout
+        self.feature_layers = tuple(feature_layers) if feature_layers else ()
+        if any(not 0 <= i < self.dims.num_layers for i in self.feature_layers):
+            raise ValueError(f"feature_layers {list(self.feature_layers)} outside the target's "
+                             f"{self.dims.num_layers} layers")
         base = hf_model.model
         self.embed = base.embed_tokens
         self.rotary = rotary_of(hf_model)
@@ -145,23 +154,31 @@ class ExportableTarget(nn.Module):
         x = self.embed(input_ids)  # (B, S, H)
         cos, sin = self.rotary(position_ids, x.dtype)
         bias = mask_bias(attention_mask, self.dims.num_heads // self.dims.num_kv_heads)  # shared by all layers
-        presents = []
+        presents, taps = [], []
         for i, layer in enumerate(self.layers):
+            if i in self.feature_layers:
+                taps.append(x)
             x, k, v = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
             presents += [k, v]
         features = rms_norm(x, self.norm, self.dims.rms_norm_eps)
         logits = self.lm_head(gather_positions(features, logits_indices)).float()
-        return (logits, features, *presents)
+        return (logits, features, *self._tapped(taps), *presents)
+
+    def _tapped(self, taps: list) -> tuple:
+        """() or (tapped_features [B, S, n*H],)."""
+        return (torch.cat(taps, dim=-1),) if taps else ()
 
     def _forward_fused(self, input_ids, position_ids, attention_mask, logits_indices, *past):
         """The same forward on fused operators (the residual addition of each layer fused into
         the next norm, the last one into the final norm)."""
         x = self.embed(input_ids)  # (B, S, H)
         f = fused_inputs(position_ids, attention_mask, self.rotary, x.dtype)  # shared by all layers
-        pending, presents = None, []
+        pending, presents, taps = None, [], []
         for i, layer in enumerate(self.layers):
+            if i in self.feature_layers:  # the stream entering layer i: residual + pending
+                taps.append(x if pending is None else x + pending)
             pending, x, k, v = layer(pending, x, f, past[2 * i], past[2 * i + 1])
             presents += [k, v]
         features, _ = skip_rms_norm(pending, x, self.norm, self.dims.rms_norm_eps)
         logits = self.lm_head(gather_positions(features, logits_indices)).float()
-        return (logits, features, *presents)
+        return (logits, features, *self._tapped(taps), *presents)

@@ -85,7 +85,7 @@ class EagleRuntime:
         Decoder. Raises ValueError on a bad acceptance setting."""
         self.folder, self.manifest, self.tokenizer, self.tree = Path(folder), manifest, tokenizer, tree
         if drafter is None and draft is not None:
-            drafter = EagleDrafter(draft, tree, manifest.max_length, manifest.draft.graph_top_k)
+            drafter = EagleDrafter.for_export(draft, tree, manifest)
         self.decoder = Decoder(target, drafter, manifest.max_length, acceptance, threshold, round_observers)
         self.eos_ids = list(manifest.eos_token_ids)
         self._requests = 0  # requests started on this instance (see _stream)
@@ -137,8 +137,7 @@ class EagleRuntime:
             return
         backend = self._open_draft()
         self._open_draft = None
-        self.decoder.drafter = EagleDrafter(backend, self.tree, self.manifest.max_length,
-                                            self.manifest.draft.graph_top_k)
+        self.decoder.drafter = EagleDrafter.for_export(backend, self.tree, self.manifest)
 
     def set_tree(self, tree: TreeConfig) -> None:
         """Use another draft tree from the next request on (a new drafter over the same draft
@@ -150,8 +149,7 @@ class EagleRuntime:
         if not isinstance(drafter, EagleDrafter):
             raise TypeError("set_tree needs the EAGLE drafter (this runtime uses a custom drafter)")
         tree = tree.validate(self.manifest.draft.graph_top_k)
-        self.decoder.drafter = EagleDrafter(drafter.backend, tree, self.manifest.max_length,
-                                            self.manifest.draft.graph_top_k)
+        self.decoder.drafter = EagleDrafter.for_export(drafter.backend, tree, self.manifest)
         self.tree = tree
 
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:

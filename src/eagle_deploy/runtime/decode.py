@@ -117,7 +117,7 @@ class _State:
 
     committed: list[int]
     target_len: int  # rows in the target KV
-    features: np.ndarray  # [k, H] target features not yet fed to the drafter
+    features: np.ndarray  # [k, F] target features (EAGLE-3: taps) not yet fed to the drafter
     generated: int = 0
     finish_reason: str | None = None
     limited_by: str | None = None  # with finish_reason "length": "max_new_tokens" | "capacity"
@@ -197,7 +197,7 @@ class Decoder:
                                          causal_mask(0, n), np.array([[n - 1]])), self.kv, 0)
         logits = out.logits[0, 0]
         token = greedy_token(logits) if params.greedy else sample(target_probs(logits, params), rng)
-        return _State(list(prompt) + [token], n, out.features[0].copy())
+        return _State(list(prompt) + [token], n, out.draft_features[0].copy())
 
     def expand_tree(self, state: _State, drafter: Drafter | None, max_new_tokens: int) -> DraftTree:
         root = state.committed[-1]
@@ -209,11 +209,12 @@ class Decoder:
         return drafter.propose(request)
 
     def verify_forward(self, tree: DraftTree, state: _State) -> tuple[np.ndarray, np.ndarray]:
-        """One target forward over the tree; returns (logits [n, V], features [n, H])."""
+        """One target forward over the tree; returns (logits [n, V], the draft head's features
+        [n, F]: TargetOutputs.draft_features)."""
         n, past = tree.size, state.target_len
         out = self.target.run(StepInputs(tree.tokens[None], tree.positions(past)[None], tree.attention_mask(past),
                                          np.arange(n)[None]), self.kv, past)
-        return out.logits[0], out.features[0]
+        return out.logits[0], out.draft_features[0]
 
     def accept(self, tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng) -> Verification:
         if self.acceptance == "threshold":

@@ -5,6 +5,11 @@ position p, token at p+1) that were committed since its last call (the *extensio
 rows of its KV are kept), then grows the tree from its own predicted features in scratch
 rows past the committed ones (discarded after the round, since they came from predicted
 rather than target features).
+
+Both head kinds run the same loop. An EAGLE-3 head (arXiv 2503.01840) is fed the target's
+tapped features in the extension (its graph fuses them with `fc`) and its own `next_features`
+in the expansions, through the draft graph's two feature inputs (contract "EAGLE-3 exports");
+an EAGLE-1/2 head gets both through `features`.
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ class DraftRequest:
     """What a drafter gets each round.
 
     committed: every committed token id (prompt + generated); committed[-1] is the root.
-    features: [k, H] target features at positions root_position - k .. root_position - 1;
+    features: [k, F] target features (EAGLE-3: tapped features) at positions
+      root_position - k .. root_position - 1;
       row i pairs with the shifted token committed[-k + i] (token shift, EAGLE §3).
     root_position: the root's position (= rows in the target KV).
     max_nodes: tree size cap, root included (KV rows left); max_depth: depth cap (tokens left,
@@ -114,15 +120,28 @@ class _Growth:
 
 class EagleDrafter:
     """EAGLE-2 dynamic trees (arXiv 2406.16858 §4) and EAGLE-1 static trees (2401.15077 §3.2)
-    over a draft-graph backend. Draft forwards per round: 1 extension + (depth - 1) expansions."""
+    over a draft-graph backend. Draft forwards per round: 1 extension + (depth - 1) expansions.
 
-    def __init__(self, backend: Backend, tree: TreeConfig, max_length: int, graph_top_k: int):
+    eagle3_widths: (head hidden, tapped width) of an EAGLE-3 draft graph, whose extension is fed
+    the target's features as `tapped_features` (None: EAGLE-1/2). `for_export` reads them from
+    a manifest."""
+
+    def __init__(self, backend: Backend, tree: TreeConfig, max_length: int, graph_top_k: int,
+                 eagle3_widths: tuple[int, int] | None = None):
         self.backend = backend
         self.tree = tree.validate(graph_top_k)
+        self.eagle3_widths = eagle3_widths
         self.kv = backend.allocate_kv(draft_kv_capacity(max_length, tree))
         self.length = 0  # committed rows (pairs fed with target features)
         self.forwards = 0
         self._static_children = self._index_choices() if tree.kind == "static" else None
+
+    @classmethod
+    def for_export(cls, backend: Backend, tree: TreeConfig, manifest) -> "EagleDrafter":
+        """The drafter for an export's draft graph (head kind and sizes from `manifest`)."""
+        head = manifest.draft.head
+        widths = (head.hidden, head.tapped_width(manifest.dims.hidden)) if manifest.draft.head_kind == "eagle3" else None
+        return cls(backend, tree, manifest.max_length, manifest.draft.graph_top_k, widths)
 
     def reset(self) -> None:
         self.length = 0
@@ -134,10 +153,17 @@ class EagleDrafter:
             kids.setdefault(tuple(path[:-1]), []).append(path[-1])
         return {k: sorted(v) for k, v in kids.items()}
 
-    def _run(self, features, tokens, positions, mask, logits_at) -> DraftOutputs:
+    def _run(self, features, tokens, positions, mask, logits_at, from_target: bool = False) -> DraftOutputs:
+        """One draft forward; `from_target`: `features` are the target's (else the head's own)."""
         past = mask.shape[2] - len(tokens)
+        features = np.ascontiguousarray(features)[None]
+        tapped = None
+        if self.eagle3_widths is not None:  # EAGLE-3: one of the two feature inputs is empty
+            own, taps = self.eagle3_widths
+            none_of = np.zeros((1, 0, own if from_target else taps), features.dtype)
+            features, tapped = (none_of, features) if from_target else (features, none_of)
         inputs = StepInputs(np.asarray(tokens, np.int64)[None], np.asarray(positions, np.int64)[None], mask,
-                            np.asarray(logits_at, np.int64)[None], np.ascontiguousarray(features)[None])
+                            np.asarray(logits_at, np.int64)[None], features, tapped)
         self.forwards += 1
         return self.backend.run(inputs, self.kv, past)
 
@@ -147,7 +173,8 @@ class EagleDrafter:
         if start != self.length:
             raise RuntimeError(f"drafter holds {self.length} committed rows but the request starts at {start}")
         tokens = list(request.committed[-k:])
-        out = self._run(request.features, tokens, np.arange(start, start + k), causal_mask(start, k), [k - 1])
+        out = self._run(request.features, tokens, np.arange(start, start + k), causal_mask(start, k), [k - 1],
+                        from_target=True)
         self.length += k
         root_feature = out.next_features[0, -1].copy()
         ids, logprobs = out.topk_ids[0, 0].copy(), out.topk_logprobs[0, 0].copy()

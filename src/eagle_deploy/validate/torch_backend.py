@@ -21,23 +21,28 @@ class TorchBackend:
         self.module = module.eval()
         self.name = name
         self.is_draft = num_layers == 1 and hasattr(module, "head")
+        self.is_eagle3 = self.is_draft and hasattr(module, "draft_ids")
         self.kv_names = c.kv_names(num_layers)
         self.dims = dims
         self.dtype = dtype
         self.device = next(module.parameters()).device
 
     @classmethod
-    def target(cls, hf_model) -> "TorchBackend":
+    def target(cls, hf_model, feature_layers=None) -> "TorchBackend":
+        """The target graph's forward (with `tapped_features` for an EAGLE-3 export's layers)."""
         from eagle_deploy.exporter.target import ExportableTarget
 
-        module = ExportableTarget(hf_model)
+        module = ExportableTarget(hf_model, feature_layers=feature_layers)
         return cls(module, module.dims.num_layers, module.dims, name="torch-target")
 
     @classmethod
     def draft(cls, head, top_k: int = 10) -> "TorchBackend":
+        """The draft graph's forward of an EagleHead or an Eagle3Head (exporter modules)."""
         from eagle_deploy.exporter.draft_head import ExportableDraft
+        from eagle_deploy.exporter.eagle3 import Eagle3Head, ExportableDraft3
 
-        return cls(ExportableDraft(head, top_k), 1, head.dims, name="torch-draft")
+        module = ExportableDraft3(head, top_k) if isinstance(head, Eagle3Head) else ExportableDraft(head, top_k)
+        return cls(module, 1, head.dims, name="torch-draft")
 
     def allocate_kv(self, capacity: int) -> KVBuffer:
         return KVBuffer.allocate(self.kv_names, capacity, 1, self.dims.num_kv_heads, self.dims.head_dim, self.dtype)
@@ -46,12 +51,15 @@ class TorchBackend:
                 past: list[np.ndarray]) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
         """Stateless forward: contract feeds + past arrays -> (outputs by name, present arrays)."""
         t = lambda a: self.torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
-        args = ([t(feeds[c.FEATURES])] if self.is_draft else []) + [
+        heads = [c.TAPPED_FEATURES, c.FEATURES] if self.is_eagle3 else [c.FEATURES] if self.is_draft else []
+        args = [t(feeds[n]) for n in heads] + [
             t(feeds[n]) for n in (c.INPUT_IDS, c.POSITION_IDS, c.ATTENTION_MASK, c.LOGITS_INDICES)]
         with self.torch.no_grad():
             outs = self.module(*args, *[t(p) for p in past])
         outs = [o.detach().cpu().numpy() for o in outs]
         names = [c.NEXT_FEATURES, c.TOPK_LOGPROBS, c.TOPK_IDS] if self.is_draft else [c.LOGITS, c.FEATURES]
+        if getattr(self.module, "feature_layers", ()):
+            names.append(c.TAPPED_FEATURES)
         return dict(zip(names, outs)), outs[len(names):]
 
     def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:

@@ -21,13 +21,13 @@ def load_backend(kind: str, folder: Path, manifest, which: str, threads: int | N
     if kind == "ort":
         from .ort import OrtBackend
 
-        return OrtBackend(folder, graph, manifest.dims, threads=threads, shared=shared)
+        return OrtBackend(folder, graph, manifest.graph_dims(which), threads=threads, shared=shared)
     if kind == "ort-cuda" and shared is not None:
         shared.check(folder, which)
     if kind == "ort-cuda":
         from .ort_cuda import OrtCudaBackend
 
-        return OrtCudaBackend(folder, graph, manifest.dims, threads=threads)
+        return OrtCudaBackend(folder, graph, manifest.graph_dims(which), threads=threads)
     if kind == "trt":
         from .trt import TrtBackend
 

@@ -27,6 +27,8 @@ class StepInputs:
 
     input_ids [1, S] int64; position_ids [1, S] int64; attention_mask [1, S, past + S] bool;
     logits_indices [1, N] int64; features [1, S, H] (draft graph only, the graph's dtype).
+    EAGLE-3 draft graph: tapped_features [1, T, n*H_target] for the first T rows and features
+    [1, S - T, H] for the rest (either may have 0 rows; contract "EAGLE-3 exports").
     """
 
     input_ids: np.ndarray
@@ -34,13 +36,16 @@ class StepInputs:
     attention_mask: np.ndarray
     logits_indices: np.ndarray
     features: np.ndarray | None = None
+    tapped_features: np.ndarray | None = None
 
     def feeds(self) -> dict[str, np.ndarray]:
-        """The inputs by contract name (features only when given)."""
+        """The inputs by contract name (features / tapped_features only when given)."""
         out = {c.INPUT_IDS: self.input_ids, c.POSITION_IDS: self.position_ids,
                c.ATTENTION_MASK: self.attention_mask, c.LOGITS_INDICES: self.logits_indices}
         if self.features is not None:
             out[c.FEATURES] = self.features
+        if self.tapped_features is not None:
+            out[c.TAPPED_FEATURES] = self.tapped_features
         return out
 
     def check(self, past: int) -> None:
@@ -53,6 +58,9 @@ class StepInputs:
             raise ValueError(f"attention_mask is {self.attention_mask.shape}, expected (1, {S}, {past + S})")
         if self.logits_indices.ndim != 2 or np.any(self.logits_indices >= S) or np.any(self.logits_indices < 0):
             raise ValueError(f"logits_indices must be [1, N] with values in [0, {S})")
+        rows = sum(a.shape[1] for a in (self.features, self.tapped_features) if a is not None)
+        if (self.features is not None or self.tapped_features is not None) and rows != S:
+            raise ValueError(f"features / tapped_features hold {rows} rows for {S} tokens")
 
     def check_causal(self, past: int) -> None:
         """Raise ValueError when a new token may attend to a later new token. Graphs with the
@@ -85,18 +93,29 @@ class TargetOutputs:
     """Host outputs of one target-graph forward (batch B = 1, S new tokens, N = logits_indices).
 
     logits [B, N, V] float32; features [B, S, H] in the graph dtype (float32 on the host for
-    bfloat16 graphs). Arrays may be the backend's reused buffers: copy what must outlive the
-    next call.
+    bfloat16 graphs); tapped_features [B, S, n*H] (EAGLE-3 exports only, else None). Arrays
+    may be the backend's reused buffers: copy what must outlive the next call.
     """
 
     logits: np.ndarray
     features: np.ndarray
+    tapped_features: np.ndarray | None = None
 
     NAMES: ClassVar[dict[str, str]] = {"logits": c.LOGITS, "features": c.FEATURES}  # field -> contract output name
+    OPTIONAL: ClassVar[dict[str, str]] = {"tapped_features": c.TAPPED_FEATURES}
+
+    @property
+    def draft_features(self) -> np.ndarray:
+        """What the draft head is fed from these rows: the tapped features of an EAGLE-3 export,
+        else the final features."""
+        return self.features if self.tapped_features is None else self.tapped_features
 
     def named(self) -> dict[str, np.ndarray]:
         """The outputs by contract name."""
-        return {name: getattr(self, field) for field, name in self.NAMES.items()}
+        out = {name: getattr(self, field) for field, name in self.NAMES.items()}
+        if self.tapped_features is not None:
+            out[c.TAPPED_FEATURES] = self.tapped_features
+        return out
 
 
 @dataclass(frozen=True)
@@ -114,6 +133,7 @@ class DraftOutputs:
 
     NAMES: ClassVar[dict[str, str]] = {"next_features": c.NEXT_FEATURES, "topk_logprobs": c.TOPK_LOGPROBS,
                                        "topk_ids": c.TOPK_IDS}
+    OPTIONAL: ClassVar[dict[str, str]] = {}
 
     def named(self) -> dict[str, np.ndarray]:
         """The outputs by contract name."""
@@ -131,7 +151,8 @@ def outputs_from_named(named: dict) -> StepOutputs:
     missing = [name for name in kind.NAMES.values() if name not in named]
     if missing:
         raise ValueError(f"graph outputs {sorted(named)} lack {', '.join(missing)} for {kind.__name__}")
-    return kind(**{field: named[name] for field, name in kind.NAMES.items()})
+    optional = {field: named[name] for field, name in kind.OPTIONAL.items() if name in named}
+    return kind(**{field: named[name] for field, name in kind.NAMES.items()}, **optional)
 
 
 @runtime_checkable

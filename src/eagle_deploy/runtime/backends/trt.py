@@ -148,7 +148,7 @@ class TrtBackend:
             raise RuntimeError(f"TensorRT could not deserialize {path} (built on {record.device} with "
                                f"TensorRT {built}); rebuild it on this machine")
         names = [p.name for p in record.profiles.get(which, ())]
-        return cls(engine, getattr(manifest, which), manifest.dims, label=f"{which} engine {path.name}",
+        return cls(engine, getattr(manifest, which), manifest.graph_dims(which), label=f"{which} engine {path.name}",
                    profile_names=names, tree=tree or manifest.tree,
                    max_length=manifest.max_length, device=device, trt_module=trt, keepalive=(runtime, logger))
 
