@@ -116,7 +116,8 @@ def gqa(tiny_root) -> TinyModel:
     return build_tiny(tiny_root, "gqa", gqa=True, seed=10)
 
 
-EAGLE3_TAPS = (0, 1)  # the GQA target's two layers (the default 3 taps need L >= 7; deep random targets repeat one token)
+# the GQA target's two layers (the default 3 taps need L >= 7, and deeper random targets repeat one token)
+EAGLE3_TAPS = (0, 1)
 
 
 @pytest.fixture(scope="session")

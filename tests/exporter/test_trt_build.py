@@ -423,3 +423,41 @@ def test_gpu_fp16_build(fp16_export, tmp_path):
     tb.build_engines(folder, options=tb.TrtBuildOptions(max_tree_tokens=16))
     assert (folder / "target.engine").is_file() and (folder / "draft.engine").is_file()
     np.testing.assert_equal(Manifest.load(folder).engines.trt.strongly_typed, True)
+
+
+def test_eagle3_draft_profiles_split_rows_between_taps_and_own_features(eagle3, tmp_path):
+    """An EAGLE-3 draft engine (standard graph): every profile is a valid network shape at min,
+    opt and max (tapped rows + own rows = seq), extensions at any past fit a profile that takes
+    taps, expansions one that takes the head's own features, and the KV / features are sized
+    by the head (96 wide, 3 KV heads of 16) rather than the target (64, 2 of 16)."""
+    from eagle_deploy.exporter.export import ExportOptions, export
+
+    folder = export(str(eagle3.target_dir), str(eagle3.head_dir), tmp_path,
+                    ExportOptions(max_length=MAX_LENGTH, name="e3", graph="standard"), progress=None)
+    m = Manifest.load(folder)
+    profiles = tb.draft_profiles(m)
+    assert [p.name for p in profiles] == ["prefill", "extend", "step"]
+    taps = 2 * m.dims.hidden
+    for p in profiles:
+        assert set(p.shapes) == {s.name for s in m.draft.inputs}
+        _consistent(p)
+        for i in range(3):
+            seq = p.shapes[c.INPUT_IDS][i][1]
+            tapped, own = p.shapes[c.TAPPED_FEATURES][i], p.shapes[c.FEATURES][i]
+            assert tapped[1] + own[1] == seq and tapped[2] == taps and own[2] == 96
+            assert p.shapes[c.past_name(0, "key")][i][2:] == (3, 16)
+    prefill, extend, step = profiles
+    assert prefill.shapes[c.FEATURES][2][1] == 0 and step.shapes[c.TAPPED_FEATURES][2][1] == 0
+    assert extend.shapes[c.past_name(0, "key")][2][0] == tb.draft_capacity(m) - 1
+    named = _named(profiles)
+    check_tree_fits(named, "draft", m.tree, MAX_LENGTH)  # dims (with the tapped width) read from the bounds
+    kv = c.kv_names(1)
+    from eagle_deploy.contract.profiles import KVDims
+
+    dims = KVDims(96, 3, 16, taps)
+    ext = step_shapes(3, MAX_LENGTH - 3, 1, dims, kv, draft=True, from_target=True)
+    assert select_profile(ext, named) == 1
+    exp = step_shapes(4, MAX_LENGTH, 4, dims, kv, draft=True, from_target=False)
+    assert select_profile(exp, named) == 2
+    with pytest.raises(ProfileShapeError):  # own features where only taps are taken
+        select_profile(step_shapes(300, 0, 1, dims, kv, draft=True, from_target=False), named)

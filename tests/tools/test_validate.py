@@ -240,3 +240,26 @@ def test_quantised_weight_that_matches_no_checkpoint_weight_fails(quant_export, 
     out = capsys.readouterr().out
     failing = [ln for ln in out.splitlines() if ln.startswith("draft") and "FAIL" in ln]
     assert any(node.name in ln and "matches no weight of the checkpoint" in ln for ln in failing), out
+
+
+def test_eagle3_export_passes_against_an_independent_reference(eagle3, tmp_path, capsys):
+    """An EAGLE-3 export (head 96 wide on a 64-wide target, reduced draft vocabulary): the target
+    graph with its tapped features and the draft graph (extension fed taps, expansions fed the
+    head's own features) match the reference written apart from the exporter's module."""
+    assert v.main(["--engines", str(eagle3.export_dir), "--work", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "PASSED" in out and "FAIL" not in out
+    assert "tapped_features" in out and "draft expand d2" in out
+    from polygraphy.json import load_json
+
+    draft = load_json(str(tmp_path / "draft_inputs.json"))
+    assert [f[c.TAPPED_FEATURES].shape for f in draft] == [(1, 24, 2 * 64), (1, 0, 2 * 64), (1, 0, 2 * 64)]
+    assert [f[c.FEATURES].shape for f in draft] == [(1, 0, 96), (1, 4, 96), (1, 4, 96)]
+
+
+def test_eagle3_draft_graph_with_a_perturbed_weight_fails(eagle3, tmp_path, capsys):
+    bad = copy_export(eagle3.export_dir, tmp_path / "bad")
+    name = _perturb_one_initializer(bad / "draft.onnx")
+    rc = v.main(["--engines", str(bad), "--work", str(tmp_path / "work"), "--graphs", "draft"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "FAIL" in out, (name, out[-2000:])

@@ -103,27 +103,47 @@ def target_feeds(forward: Forward, prompt: list[int], dims: Dims, dtype) -> tupl
                         past)
     feeds = [Feed(f"prefill (S={n}, past 0)", prefill), Feed(f"decode (S=1, past {n})", decode),
              Feed(f"tree verify (S={tree.size}, past {n}, depth {int(tree.depths.max())})", verify)]
-    return feeds, {"features": outs[c.FEATURES][0], "root": root, "present": present}
+    features = outs[c.TAPPED_FEATURES] if c.TAPPED_FEATURES in outs else outs[c.FEATURES]  # what the head is fed
+    return feeds, {"features": features[0], "root": root, "present": present}
 
 
-def draft_feeds(forward: Forward, prompt: list[int], state: dict, dtype, frontier: int = 4) -> list[Feed]:
+def _with_features(feed: dict, features: np.ndarray, from_target: bool, widths: tuple[int, int] | None) -> dict:
+    """`feed` plus its feature rows [1, S, F]: `features` for an EAGLE-1/2 draft graph; for an
+    EAGLE-3 one (`widths` = (head hidden, tapped width)) `tapped_features` when `from_target`,
+    else `features`, the other input with 0 rows (as the runtime's drafter sends them)."""
+    feed = dict(feed)
+    if widths is None:
+        feed[c.FEATURES] = features
+        return feed
+    empty = np.zeros((1, 0, widths[0] if from_target else widths[1]), features.dtype)
+    feed[c.TAPPED_FEATURES], feed[c.FEATURES] = (features, empty) if from_target else (empty, features)
+    return feed
+
+
+def draft_feeds(forward: Forward, prompt: list[int], state: dict, dtype, frontier: int = 4,
+                draft_dims: Dims | None = None, eagle3: bool = False) -> list[Feed]:
     """[extension, expansion at depth 1, expansion at depth 2 (tree mask)] feeds for the
-    draft graph, from the target's prefill `state` (see target_feeds)."""
+    draft graph, from the target's prefill `state` (see target_feeds). draft_dims: the draft
+    graph's (Manifest.graph_dims("draft")), needed when its KV geometry differs from the
+    target's; eagle3: an EAGLE-3 draft graph (tapped features in the extension)."""
     n = len(prompt)
     kv_pairs = c.kv_names(1)
-    H = state["features"].shape[-1]
-    kvh, hd = state["present"][0].shape[2:]
+    kvh, hd = ((draft_dims.num_kv_heads, draft_dims.head_dim) if draft_dims is not None
+               else state["present"][0].shape[2:])
     empty = [np.zeros((0, 1, kvh, hd), dtype) for _ in kv_pairs]
-    feats = state["features"].astype(dtype)[None]  # (1, n, H)
+    feats = state["features"].astype(dtype)[None]  # (1, n, F)
+    widths = (draft_dims.hidden, feats.shape[-1]) if eagle3 else None
     ext = _with_past(_step(list(prompt[1:]) + [state["root"]], np.arange(n), causal_mask(0, n), [n - 1]),
                      kv_pairs, empty)
-    ext[c.FEATURES] = feats
+    ext = _with_features(ext, feats, True, widths)
     outs, present = forward(ext)
+    H = outs[c.NEXT_FEATURES].shape[-1]
     K = min(frontier, outs[c.TOPK_IDS].shape[-1])
     root_feature = outs[c.NEXT_FEATURES][0, -1]
     d1 = _with_past(_step(outs[c.TOPK_IDS][0, 0, :K], np.full(K, n), expansion_mask(n, n, [[]] * K), np.arange(K)),
                     kv_pairs, _kv(present, dtype))
-    d1[c.FEATURES] = np.repeat(root_feature[None, None], K, axis=1).astype(dtype).reshape(1, K, H)
+    d1 = _with_features(d1, np.repeat(root_feature[None, None], K, axis=1).astype(dtype).reshape(1, K, H), False,
+                        widths)
     outs1, present1 = forward(d1)
     # depth-2 frontier: two children of scratch node 0, one each of nodes 1 and 2
     picks = [(0, 0), (0, 1), (1, 0), (2 % K, 0)]
@@ -131,6 +151,7 @@ def draft_feeds(forward: Forward, prompt: list[int], state: dict, dtype, frontie
     past2 = [np.concatenate([a, b]).astype(dtype) for a, b in zip(present, present1)]
     mask2 = expansion_mask(n, n + K, [[n + p] for p, _ in picks])  # each pick's parent: scratch row n + p
     d2 = _with_past(_step(ids, np.full(len(picks), n + 1), mask2, np.arange(len(picks))), kv_pairs, past2)
-    d2[c.FEATURES] = np.stack([outs1[c.NEXT_FEATURES][0, p] for p, _ in picks])[None].astype(dtype)
+    d2 = _with_features(d2, np.stack([outs1[c.NEXT_FEATURES][0, p] for p, _ in picks])[None].astype(dtype), False,
+                        widths)
     return [Feed(f"draft extend (S={n}, past 0)", ext), Feed(f"draft expand d1 (S={K}, past {n})", d1),
             Feed(f"draft expand d2 (S={len(picks)}, past {n + K}, tree mask)", d2)]

@@ -90,8 +90,8 @@ class HeadRecord:
     def to_json(self) -> dict:
         if self.kind != "eagle3":
             return {"kind": self.kind}
-        out = {"kind": self.kind, "hidden": self.hidden, "num_heads": self.num_heads,
-               "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "feature_layers": list(self.feature_layers)}
+        out = {"kind": self.kind, "hidden": self.hidden, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+               "head_dim": self.head_dim, "feature_layers": list(self.feature_layers)}
         if self.layout is not None:
             out["layout"] = self.layout
         return out

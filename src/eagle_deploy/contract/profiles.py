@@ -40,6 +40,7 @@ class KVDims:
     hidden: int
     num_kv_heads: int
     head_dim: int
+    tapped: int = 0  # an EAGLE-3 draft graph's `tapped_features` width (0: EAGLE-1/2)
 
 
 def draft_kv_capacity(max_length: int, tree: TreeConfig) -> int:
@@ -107,12 +108,18 @@ def select_profile(shapes: dict[str, Shape], profiles: NamedBounds, order: Seque
 
 
 def step_shapes(seq: int, past: int, num_logits: int, dims: KVDims, kv_names: Sequence[tuple[str, str]],
-                draft: bool) -> dict[str, Shape]:
+                draft: bool, from_target: bool = True) -> dict[str, Shape]:
     """Input shapes (batch 1) of one forward with `seq` new tokens over `past` cached rows.
-    `dims`: a manifest `Dims` or a `KVDims` (anything with hidden, num_kv_heads, head_dim)."""
+    `dims`: a manifest `Dims` or a `KVDims` (anything with hidden, num_kv_heads, head_dim; an
+    EAGLE-3 draft's `tapped` width, whose rows are all `tapped_features` when `from_target`
+    (an extension) and all own `features` otherwise (an expansion))."""
     shapes = {c.INPUT_IDS: (1, seq), c.POSITION_IDS: (1, seq), c.ATTENTION_MASK: (1, seq, past + seq),
               c.LOGITS_INDICES: (1, num_logits)}
-    if draft:
+    tapped = getattr(dims, "tapped", 0)
+    if draft and tapped:
+        shapes[c.TAPPED_FEATURES] = (1, seq if from_target else 0, tapped)
+        shapes[c.FEATURES] = (1, 0 if from_target else seq, dims.hidden)
+    elif draft:
         shapes[c.FEATURES] = (1, seq, dims.hidden)
     for p, _ in kv_names:
         shapes[p] = (past, 1, dims.num_kv_heads, dims.head_dim)
@@ -159,7 +166,8 @@ def check_tree_fits(profiles: NamedBounds, which: str, tree: TreeConfig, max_len
                             for n in profiles[0][1] if n.startswith("past_key_values.")]
     order = profile_order(profiles)
     for what, seq, past, n in tree_calls(which, tree, max_length, draft_capacity):
-        shapes = step_shapes(seq, past, n, dims, kv_names, draft=(which == "draft"))
+        shapes = step_shapes(seq, past, n, dims, kv_names, draft=(which == "draft"),
+                             from_target=not what.endswith("expansion"))
         try:
             select_profile(shapes, profiles, order, label)
         except ProfileShapeError as err:
@@ -172,4 +180,5 @@ def _dims_from_bounds(profiles: NamedBounds) -> KVDims:
     b = profiles[0][1]
     kv = next(v for n, v in b.items() if n.startswith("past_key_values."))[0]
     hidden = b[c.FEATURES][0][2] if c.FEATURES in b else 0
-    return KVDims(hidden=hidden, num_kv_heads=kv[2], head_dim=kv[3])
+    tapped = b[c.TAPPED_FEATURES][0][2] if c.TAPPED_FEATURES in b else 0
+    return KVDims(hidden=hidden, num_kv_heads=kv[2], head_dim=kv[3], tapped=tapped)

@@ -88,7 +88,9 @@ def _dim_range(dim, ranges: dict[str, Range], fixed: dict[str, int]) -> Range:
 
 def profile_shapes(graph: GraphEntry, ranges: dict[str, Range], dims: Dims) -> dict[str, tuple[Shape, Shape, Shape]]:
     """{input name: (min, opt, max)} for every input of `graph` from ranges of the symbolic
-    dims `seq`, `past_seq`, `num_logits` (`total_seq` derived; batch 1; model dims fixed)."""
+    dims `seq`, `past_seq`, `num_logits` (`total_seq` derived; batch 1; model dims fixed: the
+    graph's own, Manifest.graph_dims) and, for an EAGLE-3 draft, `tapped_rows` / `own_rows`
+    (each 0..seq: an extension sends only tapped rows, an expansion only own rows)."""
     for sym, (lo, opt, hi) in ranges.items():
         if not 0 <= lo <= opt <= hi:
             raise ValueError(f"profile range of {sym} must satisfy 0 <= min <= opt <= max, got {(lo, opt, hi)}")
@@ -148,7 +150,9 @@ def draft_capacity(manifest: Manifest, options: TrtBuildOptions | None = None) -
 def draft_profiles(manifest: Manifest, options: TrtBuildOptions | None = None) -> list[ProfileSpec]:
     """Profiles of the draft engine: "prefill" (the first extension feeds every prompt
     feature: seq 1..max_prompt at past 0) and "step" (extensions and tree expansions: seq
-    1..max(max_tree_tokens, graph_top_k), past up to the draft KV capacity - 1)."""
+    1..max(max_tree_tokens, graph_top_k), past up to the draft KV capacity - 1). An EAGLE-3
+    draft: "prefill" and "extend" (extensions: seq 1..S, any past) feed only target taps, "step"
+    (expansions) only the head's own features."""
     options = options or TrtBuildOptions()
     L = manifest.max_length
     Lp = _max_prompt(manifest, options)
@@ -159,9 +163,19 @@ def draft_profiles(manifest: Manifest, options: TrtBuildOptions | None = None) -
     s_opt = min(max(tree.top_k, 1), S)
     C = draft_capacity(manifest, options)
     p_opt = min(PREFILL_OPT_SEQ, Lp)
-    g, d = manifest.draft, manifest.dims
+    g, d = manifest.draft, manifest.graph_dims("draft")
     specs = [("prefill", {"seq": (1, p_opt, Lp), "past_seq": (0, 0, C - Lp), "num_logits": (1, 1, Lp)}),
              ("step", {"seq": (1, s_opt, S), "past_seq": (0, L // 2, C - 1), "num_logits": (1, s_opt, S)})]
+    if g.head_kind == "eagle3":
+        # each call's rows are all target taps (prefill, extension) or all the head's own
+        # features (expansion), and min / opt / max must each be a valid network shape
+        # (tapped_rows + own_rows = seq), so each profile ties one of them to seq, the other 0
+        none = (0, 0, 0)
+        specs[0][1].update(tapped_rows=specs[0][1]["seq"], own_rows=none)
+        specs[1][1].update(tapped_rows=none, own_rows=specs[1][1]["seq"])
+        extend = {"seq": (1, min(tree.depth + 1, S), S), "past_seq": (0, L // 2, C - 1),
+                  "num_logits": (1, 1, S)}
+        specs.insert(1, ("extend", {**extend, "tapped_rows": extend["seq"], "own_rows": none}))
     return [ProfileSpec(name, profile_shapes(g, ranges, d)) for name, ranges in specs]
 
 

@@ -140,7 +140,8 @@ class EagleDrafter:
     def for_export(cls, backend: Backend, tree: TreeConfig, manifest) -> "EagleDrafter":
         """The drafter for an export's draft graph (head kind and sizes from `manifest`)."""
         head = manifest.draft.head
-        widths = (head.hidden, head.tapped_width(manifest.dims.hidden)) if manifest.draft.head_kind == "eagle3" else None
+        eagle3 = manifest.draft.head_kind == "eagle3"
+        widths = (head.hidden, head.tapped_width(manifest.dims.hidden)) if eagle3 else None
         return cls(backend, tree, manifest.max_length, manifest.draft.graph_top_k, widths)
 
     def reset(self) -> None:

@@ -418,7 +418,8 @@ def run_validation(folder: Path, work: Path | None = None, graphs=("target", "dr
     target_feeds, state = fd.target_feeds(fd.reference_forward(refs["target"]), prompt, manifest.dims, dtype)
     feeds = {"target": target_feeds,
              "draft": fd.draft_feeds(fd.reference_forward(refs["draft"]), prompt, state,
-                                     np.dtype(manifest.draft.dtype))}
+                                     np.dtype(manifest.draft.dtype), draft_dims=manifest.graph_dims("draft"),
+                                     eagle3=manifest.draft.head_kind == "eagle3")}
     report = {"engines": str(folder), "passed": True, "rows": [], "notes": [head_note], "commands": {}, "policies": {}}
     for which in graphs:
         t1 = time.perf_counter()

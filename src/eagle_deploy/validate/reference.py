@@ -69,8 +69,8 @@ def head_dir_of(manifest) -> Path | None:
 
 
 def load_reference_head(manifest, hf):
-    """(EagleHead bound to `hf`, note). An untrained export's head is regenerated with
-    random_head(seed=0), as eagle-export made it."""
+    """(EagleHead or Eagle3Head bound to `hf`, note). An untrained export's head is
+    regenerated with random_head(seed=0), as eagle-export made it."""
     from eagle_deploy.exporter.draft_head import load_head, random_head
 
     head_dir = head_dir_of(manifest)
@@ -92,12 +92,19 @@ def draft_vocab_of(manifest, folder):
 
 
 def reference_backends(manifest, hf, head, folder):
-    """{"target": TorchBackend, "draft": TorchBackend} over the exporter's own torch modules."""
+    """{"target": TorchBackend, "draft": TorchBackend} over the exporter's own torch modules
+    (an EAGLE-3 export: the target with its taps; the draft is `Eagle3Reference`, written
+    independently of the exporter's EAGLE-3 module from the same weights)."""
     from eagle_deploy.exporter.draft_head import ExportableDraft
+    from eagle_deploy.exporter.eagle3 import Eagle3Head
+    from eagle_deploy.validate.eagle3_reference import Eagle3Reference
     from eagle_deploy.validate.torch_backend import TorchBackend
 
-    draft = ExportableDraft(head, manifest.draft.graph_top_k, draft_vocab_of(manifest, folder))
-    return {"target": TorchBackend.target(hf),
+    if isinstance(head, Eagle3Head):
+        draft = Eagle3Reference(head, manifest.draft.graph_top_k)
+    else:
+        draft = ExportableDraft(head, manifest.draft.graph_top_k, draft_vocab_of(manifest, folder))
+    return {"target": TorchBackend.target(hf, manifest.target.feature_layers),
             "draft": TorchBackend(draft, 1, head.dims, name="torch-draft")}
 
 

@@ -33,6 +33,7 @@ from eagle_deploy.contract.errors import import_tensorrt
 from eagle_deploy.contract.manifest import Dims, GraphEntry
 from eagle_deploy.contract.profiles import (  # noqa: F401  (re-exported for callers of the backend)
     Bounds,
+    KVDims,
     NamedBounds,
     ProfileShapeError,
     Shape,
@@ -98,6 +99,8 @@ class TrtBackend:
         self._keepalive = keepalive
         self.name = "trt"
         self.is_draft = any(s.name == c.FEATURES for s in graph.inputs)
+        tapped = next((s.shape[2] for s in graph.inputs if s.name == c.TAPPED_FEATURES), 0)
+        self.profile_dims = KVDims(dims.hidden, dims.num_kv_heads, dims.head_dim, tapped)  # an EAGLE-3 draft: taps
         self.kv_names = c.kv_names(graph.num_kv_layers())
         self.io = self._read_io()
         self._check_contract()
@@ -186,7 +189,7 @@ class TrtBackend:
     def check_tree(self, tree: TreeConfig, max_length: int) -> None:
         """Raise TreeProfileError unless every forward of a round with `tree` fits a profile."""
         cap = draft_kv_capacity(max_length, tree) if self.is_draft else max_length
-        check_tree_fits(self.profiles, "draft" if self.is_draft else "target", tree, max_length, self.dims,
+        check_tree_fits(self.profiles, "draft" if self.is_draft else "target", tree, max_length, self.profile_dims,
                         self.kv_names, draft_capacity=cap, label=self.label)
 
     def allocate_kv(self, capacity: int) -> KVBuffer:
