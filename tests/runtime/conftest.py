@@ -45,3 +45,23 @@ def v16_logits(v16):
         l1 = hf(torch.tensor([P + [a] for a in range(V)])).logits[:, -1].double().numpy()
         l2 = hf(torch.tensor([P + [a, b] for a in range(V) for b in range(V)])).logits[:, -1].double().numpy()
     return l0, l1, l2.reshape(V, V, V)
+
+
+@pytest.fixture(scope="session")
+def v16_eagle3(v16, tiny_root):
+    """The vocab-16 tiny target with a random EAGLE-3 head instead (32 wide, its own embedding,
+    taps of layers 0 and 1, a 12-token draft vocabulary mapped by d2t), no EOS id."""
+    from eagle_deploy.exporter.export import ExportOptions, export
+    from tests.conftest import MAX_LENGTH, TinyModel
+
+    head = tiny.build_tiny_eagle3_head(tiny_root / "v16-eagle3-head", v16.target_dir, seed=5, draft_vocab=12,
+                                       hidden=32, num_heads=2, num_kv_heads=2, intermediate=64, feature_layers=(0, 1))
+    out = export(str(v16.target_dir), str(head), tiny_root / "exports",
+                 ExportOptions(max_length=MAX_LENGTH, name="v16-eagle3", graph_top_k=8), progress=None)
+    path = out / c.MANIFEST_FILE
+    data = json.loads(path.read_text())
+    data["eos_token_ids"] = []
+    path.write_text(json.dumps(data))
+    model = TinyModel("v16-eagle3", v16.target_dir, head, out)
+    assert model.manifest.draft.head_kind == "eagle3" and model.eos_ids == []
+    return model
