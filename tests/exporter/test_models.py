@@ -61,6 +61,21 @@ def test_missing_hub_alias_names_both_downloads_and_flags(tmp_path, monkeypatch)
     assert "--model <model-dir> --draft <head-dir>" in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("alias, target, head", [
+    ("llama3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"),
+    ("llama3.1-8b-speculators", "meta-llama/Llama-3.1-8B-Instruct", "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3"),
+])
+def test_eagle3_aliases_fail_offline_with_the_same_message(alias, target, head, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotAvailableError) as err:
+        resolve_model(alias)
+    msg = str(err.value)
+    assert f"`hf download {target} --local-dir <model-dir>`" in msg
+    assert f"`hf download {head} --local-dir <head-dir>`" in msg
+    assert "--model <model-dir> --draft <head-dir>" in msg and "\n" not in msg
+
+
 def test_unknown_hub_draft_names_download_steps():
     with pytest.raises(ModelNotAvailableError, match=r"download no-such-org-eagle/head .*--draft <dir>"):
         resolve_draft("no-such-org-eagle/head")
