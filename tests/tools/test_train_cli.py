@@ -85,3 +85,30 @@ def test_training_prompts_are_disjoint_from_the_evaluation_sets():
         overlaps = [e[:60] for e in long_eval if any(e in t for t in train)]
         overlaps += [t[:60] for t in train if len(t) >= 40 and any(t in e for e in evaluation)]
         assert not overlaps, (name, overlaps[:3])
+
+
+def test_eagle3_arch_writes_a_loadable_eagle3_head(gqa, prompts, tmp_path, capsys):
+    """--arch eagle3: the taps are cached with the features, the head is written in the
+    yuhuili/SpecForge layout with its draft vocabulary (d2t/t2d), and loads back as EAGLE-3."""
+    from eagle_deploy.exporter.draft_head import load_head
+    from eagle_deploy.exporter.eagle3 import Eagle3Head
+
+    out, work = tmp_path / "head3", tmp_path / "work3"
+    _train(gqa, prompts, out, work, capsys, "--arch", "eagle3", "--feature-layers", "0,1", "--draft-vocab", "64",
+           "--unroll", "2")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 64
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1]
+    tensors = load_file(out / "model.safetensors")
+    assert {"d2t", "t2d", "fc.weight", "midlayer.hidden_norm.weight", "lm_head.weight"} <= set(tensors)
+    assert tensors["lm_head.weight"].shape == (64, 64) and int(tensors["t2d"].sum()) == 64
+    head = load_head(out, gqa.hf)
+    assert isinstance(head, Eagle3Head) and head.cfg.feature_layers == (0, 1)
+    log = _train(gqa, prompts, out, work, capsys, "--arch", "eagle3", "--feature-layers", "0,1", "--draft-vocab", "64",
+                 "--unroll", "2")
+    assert "features: cached" in log and "train: cached head" in log
+    with pytest.raises(SystemExit):
+        cli.main(["--model", str(gqa.target_dir), "--out", str(out), "--arch", "eagle3", "--feature-layers", "x"])
+    assert cli.main(["--model", str(gqa.target_dir), "--out", str(tmp_path / "bad"), "--work", str(work),
+                     "--prompts", str(prompts), *SMALL, "--arch", "eagle3", "--feature-layers", "1,0"]) == 2
+    assert "--feature-layers" in capsys.readouterr().err

@@ -1,10 +1,13 @@
-"""`eagle-train`: train an EAGLE-1/2 draft head for a target by self-distillation.
+"""`eagle-train`: train an EAGLE-1/2 (--arch eagle) or EAGLE-3 (--arch eagle3) draft head
+for a target by self-distillation.
 
 Stages, each cached in --work so an interrupted run resumes where it stopped:
   1. data:     prompts -> the target's own responses (token ids; `data/part-*.npz`)
-  2. features: token ids -> target features (`features.pt`, fp16)
+  2. features: token ids -> target features (`features.pt`, fp16; EAGLE-3: the three taps and
+               the final features)
   3. train:    head training (`head.pt` once trained, keyed by data, settings and seed)
-  4. export:   the head in the published EAGLE layout (`--out`: config.json + model.safetensors)
+  4. export:   the head in the published layout (`--out`: config.json + model.safetensors;
+               EAGLE-3: the yuhuili/SpecForge layout with d2t/t2d)
 Existing token data (e.g. the ids shipped in data/tokens/) can be reused with --data.
 """
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import interruptible
+from eagle_deploy.contract.cli_args import interruptible, number_list
 
 FEATURES_FILE = "features.pt"
 HEAD_FILE = "head.pt"
@@ -29,6 +32,7 @@ PRESETS = {
     "gpu": dict(limit=0, modes="0,0.7", max_new_tokens=256, gen_batch=512, epochs=6.0, batch_tokens=32768,
                 lr=1e-3, ce_topk=0, unroll=3, time_budget_min=0.0),
 }
+ARCHS = ("eagle", "eagle3")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="folder for the trained head (published EAGLE layout)")
     p.add_argument("--work", type=Path, default=None,
                    help="cache folder for the stages (default: OUT/../<out name>.work)")
+    p.add_argument("--arch", choices=ARCHS, default="eagle",
+                   help="eagle: EAGLE-1/2 head (features of the last layer, feature regression + CE); eagle3: "
+                        "EAGLE-3 head (three tapped layers fused by fc, CE over its own draft vocabulary, "
+                        "training-time test over --unroll steps) (default: eagle)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="eagle3: draft vocabulary size, the most frequent response tokens of the data plus the EOS "
+                        "ids (default: draft_vocab.default_size, 8192 for SmolLM2)")
+    p.add_argument("--feature-layers", type=number_list(int, 0, "--feature-layers"), default=None,
+                   help="eagle3: the target layers whose input hidden states are tapped (default: the reference's "
+                        "2, L/2, L-3)")
+    p.add_argument("--max-sequences", type=int, default=0,
+                   help="train on a random subset of this many sequences of the data (0: all; CPU recipes)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-quick",
                    help="settings bundle: cpu-quick (~30 min on 2 CPU cores, 900 prompts) or gpu (all prompts, sampled "
                         "answers too, 3-step unrolling); any flag below overrides one value (default: cpu-quick)")
@@ -160,8 +176,16 @@ def load_or_generate_data(session: Session, hf, tokenizer, eos):
         data = TokenData.concat(TokenData.load(p) for p in session.args.data)
         session.log(f"data: {len(data)} sequences, {data.response_tokens} response tokens "
                     f"from {len(session.args.data)} file(s)")
-        return data
-    return _generate(session.args, session.settings, hf, tokenizer, eos, session.device, session.work, session.log)
+    else:
+        data = _generate(session.args, session.settings, hf, tokenizer, eos, session.device, session.work, session.log)
+    n = session.args.max_sequences
+    if n and n < len(data):
+        import numpy as np
+
+        keep = np.sort(np.random.default_rng(session.args.seed).choice(len(data), n, replace=False))
+        data = data.subset(keep)
+        session.log(f"data: a random subset of {len(data)} sequences, {data.response_tokens} response tokens")
+    return data
 
 
 def data_key(data) -> dict:
@@ -169,21 +193,40 @@ def data_key(data) -> dict:
     return {"sequences": len(data), "tokens": int(data.tokens.size), "sum": int(data.tokens.sum())}
 
 
+def feature_layers(session: Session, hf):
+    """The target layers an EAGLE-3 head taps (exporter.eagle3.default_feature_layers); None for
+    --arch eagle."""
+    from eagle_deploy.exporter.eagle3 import default_feature_layers
+
+    if session.args.arch != "eagle3":
+        return None
+    layers = session.args.feature_layers
+    if layers is None:
+        return default_feature_layers(hf.config.num_hidden_layers)
+    if sorted(set(layers)) != list(layers) or layers[-1] >= hf.config.num_hidden_layers:
+        raise ValueError(f"--feature-layers {layers} must be distinct ascending layer ids below "
+                         f"{hf.config.num_hidden_layers}")
+    return tuple(layers)
+
+
 def features_from_data(session: Session, hf, data) -> list:
-    """Stage 2: the target's features for every sequence, cached in WORK/features.pt by data key."""
+    """Stage 2: the target's features for every sequence, cached in WORK/features.pt by data key
+    (EAGLE-3: [taps; final] per position)."""
     import torch
     from tqdm import tqdm
 
     from .data import compute_features
 
-    feat_path, key, device = session.work / FEATURES_FILE, data_key(data), session.device
+    layers = feature_layers(session, hf)
+    key = {**data_key(data), **({"feature_layers": list(layers)} if layers else {})}
+    feat_path, device = session.work / FEATURES_FILE, session.device
     cached = torch.load(feat_path, weights_only=True) if feat_path.exists() else None
     if cached is not None and cached.get("key") == key:
         session.log("features: cached")
         return [f.to(device) for f in cached["features"]]
     bar = tqdm(total=int(data.tokens.size), desc="features", unit="tok", file=sys.stderr)
     features = compute_features(hf, data, device, batch_tokens=65536 if device != "cpu" else 4096,
-                                dtype=next(hf.parameters()).dtype, progress=bar.update)
+                                dtype=next(hf.parameters()).dtype, progress=bar.update, feature_layers=layers)
     bar.close()
     if not session.args.no_cache_features:
         torch.save({"key": key, "features": [f.cpu() for f in features]}, feat_path)
@@ -201,7 +244,13 @@ def head_from_features(session: Session, hf, data, features):
 
     args, s = session.args, session.settings
     key = {"data": data_key(data), "settings": s, "seed": args.seed, "init_from_layer": args.init_from_layer}
-    head = random_head(hf, seed=args.seed)
+    target_lm = None
+    if args.arch == "eagle3":
+        key.update(arch="eagle3", draft_vocab=args.draft_vocab, feature_layers=args.feature_layers)
+        head = new_eagle3_head(hf, data, feature_layers(session, hf), args.draft_vocab, args.seed)
+        target_lm = hf.get_output_embeddings().weight.detach()[head.draft_to_target].float()
+    else:
+        head = random_head(hf, seed=args.seed)
     head_path = session.work / HEAD_FILE
     cached = torch.load(head_path, weights_only=False) if head_path.exists() else None
     if cached is not None and cached.get("key") == key:
@@ -212,7 +261,7 @@ def head_from_features(session: Session, hf, data, features):
         _init_from_layer(head, hf, args.init_from_layer)
     cfg = TrainConfig(epochs=s["epochs"], lr=s["lr"], batch_tokens=s["batch_tokens"], ce_topk=s["ce_topk"],
                       unroll=s["unroll"], seed=args.seed, time_budget_s=60.0 * s["time_budget_min"])
-    history = train_head(head, data, features, cfg, session.device, log=session.log)
+    history = train_head(head, data, features, cfg, session.device, log=session.log, target_lm=target_lm)
     torch.save({"key": key, "state": head.state_dict(), "history": history}, head_path)
     return head, history
 
@@ -222,12 +271,16 @@ def write_head(session: Session, checkpoint, hf, head, data, history, timings: d
     import torch
 
     from eagle_deploy.exporter.draft_head import head_config_for, save_head
+    from eagle_deploy.exporter.eagle3 import Eagle3Head, save_eagle3_head
     from eagle_deploy.exporter.models import sha256_file
 
     args = session.args
     head.to("cpu", torch.float32)
-    head.config = head_config_for(hf.config)
-    save_head(head, args.out)
+    if isinstance(head, Eagle3Head):
+        save_eagle3_head(head, args.out)
+    else:
+        head.config = head_config_for(hf.config)
+        save_head(head, args.out)
     _save_token_counts(data, hf.config.vocab_size, args.out)
     card = {"target": {"spec": args.model, "source": str(checkpoint.source),
                        "sha256": sha256_file(checkpoint.source) if checkpoint.source.is_file() else None},
@@ -288,6 +341,36 @@ def _save_token_counts(data, vocab: int, out: Path) -> None:
         seq = data.sequence(i)
         counts += np.bincount(seq[int(data.prompt_lens[i]):], minlength=vocab)[:vocab]
     np.save(out / TOKEN_COUNTS_FILE, counts)
+
+
+def new_eagle3_head(hf, data, layers, size: int | None, seed: int):
+    """An EAGLE-3 head for `hf` with the target's geometry, tapping `layers`, over a draft
+    vocabulary of the `size` most frequent response tokens of `data` (EOS ids included; default
+    draft_vocab.default_size), its LM head initialised from the target's rows of those tokens
+    and its final norm from the target's; the rest random (random_eagle3_head)."""
+    import numpy as np
+    import torch
+
+    from eagle_deploy.exporter.draft_vocab import default_size
+    from eagle_deploy.exporter.eagle3 import random_eagle3_head
+
+    vocab = hf.config.vocab_size
+    size = size or min(default_size(vocab), vocab)
+    if not 1 <= size <= vocab:
+        raise ValueError(f"--draft-vocab {size} must be in [1, {vocab}]")
+    counts = np.zeros(vocab, dtype=np.float64)
+    for i in range(len(data)):
+        counts += np.bincount(data.sequence(i)[int(data.prompt_lens[i]):], minlength=vocab)[:vocab]
+    eos = hf.config.eos_token_id
+    for e in eos if isinstance(eos, list) else [eos]:
+        if isinstance(e, int) and 0 <= e < vocab:
+            counts[e] = np.inf
+    ids = np.sort(np.argsort(-counts, kind="stable")[:size])
+    head = random_eagle3_head(hf, seed=seed, draft_ids=torch.from_numpy(ids), feature_layers=layers)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(hf.get_output_embeddings().weight[torch.from_numpy(ids)])
+        head.norm.weight.copy_(hf.model.norm.weight)
+    return head
 
 
 def _init_from_layer(head, hf, layer: int) -> None:

@@ -112,6 +112,12 @@ class TokenData:
         return cls.from_sequences(seqs, np.concatenate([p.prompt_lens for p in parts]),
                                   [m for p in parts for m in p.meta], parts[0].header if parts else {})
 
+    def subset(self, keep: Sequence[int]) -> "TokenData":
+        """The sequences at indices `keep`, in that order."""
+        keep = [int(i) for i in keep]
+        return TokenData.from_sequences([self.sequence(i) for i in keep], self.prompt_lens[keep],
+                                        [self.meta[i] for i in keep], self.header)
+
     def save(self, path: Path) -> None:
         dtype = np.uint16 if self.tokens.size == 0 or self.tokens.max() < 65536 else np.int32
         tmp = Path(str(path) + ".tmp.npz")
@@ -220,10 +226,12 @@ def generate_data(hf_model, tokenizer, prompts: list[dict], modes: Sequence[floa
 
 @torch.no_grad()
 def compute_features(hf_model, data: TokenData, device: str, batch_tokens: int = 8192, dtype=torch.float32,
-                     out_dtype=torch.float16, progress=None) -> list[torch.Tensor]:
+                     out_dtype=torch.float16, progress=None, feature_layers=None) -> list[torch.Tensor]:
     """Target features (final-norm hidden states) at every position of every sequence:
-    list of [n_i, H] tensors in `out_dtype` on `device`. Batched by similar length."""
-    target = ExportableTarget(hf_model).to(device=device, dtype=dtype).eval()
+    list of [n_i, H] tensors in `out_dtype` on `device`. Batched by similar length. With
+    `feature_layers` (EAGLE-3): [n_i, (taps + 1) * H], the taps (hidden states entering those
+    layers, as the target graph's `tapped_features`) then the final features."""
+    target = ExportableTarget(hf_model, feature_layers=feature_layers).to(device=device, dtype=dtype).eval()
     dims = target.dims
     lengths = np.diff(data.offsets)
     order = np.argsort(lengths, kind="stable")
@@ -243,7 +251,8 @@ def compute_features(hf_model, data: TokenData, device: str, batch_tokens: int =
         mask = torch.tril(torch.ones(L, L, dtype=torch.bool, device=device))[None].expand(len(idx), L, L)
         past = ([torch.zeros(0, len(idx), dims.num_kv_heads, dims.head_dim, device=device, dtype=dtype)]
                 * (2 * dims.num_layers))
-        f = target(ids, pos, mask, torch.zeros(len(idx), 1, dtype=torch.long, device=device), *past)[1]
+        out = target(ids, pos, mask, torch.zeros(len(idx), 1, dtype=torch.long, device=device), *past)
+        f = torch.cat((out[2], out[1]), dim=-1) if feature_layers else out[1]
         for b, s in enumerate(idx):
             feats[int(s)] = f[b, : int(lengths[s])].to(out_dtype).clone()
         i += len(idx)

@@ -1,4 +1,4 @@
-"""Training an EAGLE-1/2 head on self-distilled features.
+"""Training an EAGLE-1/2 or EAGLE-3 head on self-distilled features.
 
 Objective (EAGLE, arXiv 2401.15077 §4): Smooth-L1 between the predicted and the target's
 next feature, plus 0.1 x cross-entropy between the target's next-token distribution
@@ -10,6 +10,13 @@ Optional training-time unrolling (`unroll` > 1, as EAGLE-3's training-time test 
 do, arXiv 2503.01840 §3.2): step s feeds the head its own step-(s-1) predictions, attending
 to the real-feature keys of the context and to its own chain's earlier steps exactly as in
 tree drafting; step s is weighted decay**(s-1).
+
+EAGLE-3 heads (arXiv 2503.01840 §3): the first step is fed the target's taps (fused by the
+head's fc), later steps the head's own outputs (the same unrolling: "training-time test");
+the loss is the cross-entropy between the target's next-token distribution restricted to
+the draft vocabulary (the target's logits over those ids, softmaxed) and the head's own
+distribution over it; no feature regression. Features are then [taps; final] per position
+(data.compute_features with feature_layers).
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle_deploy.exporter.draft_head import EagleHead
+from eagle_deploy.exporter.eagle3 import Eagle3Head
 
 from .data import TokenData
 
@@ -64,17 +72,21 @@ def unroll_masks(n: int, steps: int, device) -> list[torch.Tensor]:
     return masks
 
 
-def unrolled_forward(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """feats [B, n, H] (target features f_0..f_{n-1}), tokens [B, n] (t_1..t_n) ->
-    predictions of each step, [B, n, H] each (step s at index i predicts f_{i+1})."""
+def unrolled_forward(head: EagleHead | Eagle3Head, feats: torch.Tensor, tokens: torch.Tensor,
+                     steps: int) -> list[torch.Tensor]:
+    """feats [B, n, F] (target features f_0..f_{n-1}; an EAGLE-3 head's taps), tokens [B, n]
+    (t_1..t_n) -> the head's outputs at each step, [B, n, H] each (step s at index i predicts
+    f_{i+1}, and the token t_{i+2})."""
     B, n, _ = feats.shape
     pos = torch.arange(n, device=feats.device)[None].expand(B, n)
     kvh, hd = head.dims.num_kv_heads, head.dims.head_dim
     past_k = past_v = torch.zeros(0, B, kvh, hd, device=feats.device, dtype=feats.dtype)
-    outs, inputs = [], feats
+    eagle3 = isinstance(head, Eagle3Head)
+    call = head.layer if eagle3 else head  # EAGLE-3: fc fuses the taps once, outside the layer
+    outs, inputs = [], head.fuse(feats) if eagle3 else feats
     for s, mask in enumerate(unroll_masks(n, steps, feats.device), start=1):
         m = mask[None].expand(B, n, s * n)
-        out, k, v = head(inputs, tokens, pos, m, past_k, past_v)
+        out, k, v = call(inputs, tokens, pos, m, past_k, past_v)
         outs.append(out)
         past_k, past_v = torch.cat((past_k, k)), torch.cat((past_v, v))
         # index i gets step s's prediction at i-1
@@ -110,20 +122,21 @@ def make_batch(data: TokenData, features: list[torch.Tensor], idx, device, max_l
     return Batch(feats[:, :-1], tokens[:, 1:].to(device), feats[:, 1:], start_ok.to(device), valid.to(device))
 
 
-def step_losses(head: EagleHead, batch: Batch, cfg: TrainConfig, train: bool) -> tuple[torch.Tensor, list[dict]]:
-    """Weighted loss over unrolled steps and per-step metrics (loss parts, top-1 accuracy)."""
+def step_losses(head: EagleHead | Eagle3Head, batch: Batch, cfg: TrainConfig, train: bool,
+                target_lm: torch.Tensor | None = None) -> tuple[torch.Tensor, list[dict]]:
+    """Weighted loss over unrolled steps and per-step metrics (loss parts, top-1 accuracy).
+    EAGLE-3 heads: `target_lm` [draft_vocab, H], the target's LM-head rows of the draft
+    vocabulary (frozen); metrics' acc is agreement with the target's top-1 among them."""
+    if isinstance(head, Eagle3Head):
+        return _eagle3_losses(head, batch, cfg, target_lm)
     feats = batch.feats.float()
     if train and cfg.noise > 0:
         feats = feats + (torch.rand_like(feats) * 2 - 1) * cfg.noise
     preds = unrolled_forward(head, feats, batch.tokens, cfg.unroll)
     target = batch.target.float()
     total, metrics = 0.0, []
-    n = feats.shape[1]
     for s, pred in enumerate(preds, start=1):
-        # chain starts at i - s + 1 >= prompt_len - 1: shift the start mask right by s - 1
-        ok = torch.zeros_like(batch.valid)
-        ok[:, s - 1:] = batch.chain_start_ok[:, : n - s + 1]
-        ok &= batch.valid
+        ok = _chain_ok(batch, s)
         if not bool(ok.any()):
             continue
         p, t = pred[ok], target[ok]
@@ -140,6 +153,36 @@ def step_losses(head: EagleHead, batch: Batch, cfg: TrainConfig, train: bool) ->
         total = total + weight * (cfg.feature_weight * reg + cfg.ce_weight * ce)
         acc = (logq.argmax(-1) == t_logits.argmax(-1)).float().mean()
         metrics.append({"step": s, "reg": reg.item(), "ce": ce.item(), "acc": acc.item(), "n": int(ok.sum())})
+    return total, metrics
+
+
+def _chain_ok(batch: Batch, s: int) -> torch.Tensor:
+    """[B, n] positions scored at unrolled step s: the chain's start i - s + 1 is at or after
+    the last prompt token, and the next feature exists."""
+    n = batch.valid.shape[1]
+    ok = torch.zeros_like(batch.valid)
+    ok[:, s - 1:] = batch.chain_start_ok[:, : n - s + 1]
+    return ok & batch.valid
+
+
+def _eagle3_losses(head: Eagle3Head, batch: Batch, cfg: TrainConfig, target_lm: torch.Tensor):
+    W = len(head.cfg.feature_layers) * head.cfg.target_hidden
+    taps, final = batch.feats[..., :W].float(), batch.target[..., W:].float()
+    preds = unrolled_forward(head, taps, batch.tokens, cfg.unroll)
+    total, metrics = 0.0, []
+    for s, pred in enumerate(preds, start=1):
+        ok = _chain_ok(batch, s)
+        if not bool(ok.any()):
+            continue
+        with torch.no_grad():
+            t_logits = final[ok] @ target_lm.t()  # the target's logits over the draft vocabulary
+            p = torch.softmax(t_logits, dim=-1)
+        logq = torch.log_softmax(head.logits(pred[ok]), dim=-1)
+        ce = -(p * logq).sum(-1).mean()
+        total = total + cfg.step_decay ** (s - 1) * ce
+        with torch.no_grad():  # agreement with the target's top-1 within the draft vocabulary
+            acc = (logq.argmax(-1) == t_logits.argmax(-1)).float().mean()
+        metrics.append({"step": s, "reg": 0.0, "ce": ce.item(), "acc": acc.item(), "n": int(ok.sum())})
     return total, metrics
 
 
@@ -173,12 +216,14 @@ def split(data: TokenData, val_fraction: float, seed: int) -> tuple[np.ndarray, 
 
 
 @torch.no_grad()
-def evaluate(head: EagleHead, data, features, order, cfg: TrainConfig, device) -> list[dict]:
+def evaluate(head: EagleHead | Eagle3Head, data, features, order, cfg: TrainConfig, device,
+             target_lm: torch.Tensor | None = None) -> list[dict]:
     """Per-step validation metrics, position-weighted."""
     head.eval()
     sums: dict[int, dict] = {}
     for idx in _batches(data, order, cfg.batch_tokens, cfg.max_seq_len, None):
-        _, ms = step_losses(head, make_batch(data, features, idx, device, cfg.max_seq_len), cfg, train=False)
+        _, ms = step_losses(head, make_batch(data, features, idx, device, cfg.max_seq_len), cfg, train=False,
+                            target_lm=target_lm)
         for m in ms:
             acc = sums.setdefault(m["step"], {"reg": 0.0, "ce": 0.0, "acc": 0.0, "n": 0})
             for k in ("reg", "ce", "acc"):
@@ -189,13 +234,18 @@ def evaluate(head: EagleHead, data, features, order, cfg: TrainConfig, device) -
             for s, v in sorted(sums.items())]
 
 
-def train_head(head: EagleHead, data: TokenData, features: list[torch.Tensor], cfg: TrainConfig, device: str,
-               log=print) -> dict:
-    """Train `head` in place; returns a history dict (per-epoch validation, wall time)."""
+def train_head(head: EagleHead | Eagle3Head, data: TokenData, features: list[torch.Tensor], cfg: TrainConfig,
+               device: str, log=print, target_lm: torch.Tensor | None = None) -> dict:
+    """Train `head` in place; returns a history dict (per-epoch validation, wall time). The
+    target's embedding (and an EAGLE-1/2 head's shared LM head) stay frozen; an EAGLE-3 head
+    trains its own LM head against `target_lm` (see step_losses)."""
     torch.manual_seed(cfg.seed)
     head.to(device).train()
-    for p in (head.embed.weight, head.lm_head.weight):
+    frozen = (head.embed.weight,) if isinstance(head, Eagle3Head) else (head.embed.weight, head.lm_head.weight)
+    for p in frozen:
         p.requires_grad_(False)
+    if target_lm is not None:
+        target_lm = target_lm.to(device)
     params = [p for n, p in head.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     train_idx, val_idx = split(data, cfg.val_fraction, cfg.seed)
@@ -218,7 +268,8 @@ def train_head(head: EagleHead, data: TokenData, features: list[torch.Tensor], c
             for g in opt.param_groups:
                 g["lr"] = lr
             with autocast:
-                loss, ms = step_losses(head, make_batch(data, features, idx, device, cfg.max_seq_len), cfg, train=True)
+                loss, ms = step_losses(head, make_batch(data, features, idx, device, cfg.max_seq_len), cfg, train=True,
+                                       target_lm=target_lm)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_value_(params, cfg.grad_clip)
@@ -231,7 +282,7 @@ def train_head(head: EagleHead, data: TokenData, features: list[torch.Tensor], c
                     f"acc1 {np.mean([m['acc'] for m in first]):.3f} ({time.perf_counter() - t0:.0f}s)")
         if val_idx.size:
             with autocast:
-                val = evaluate(head, data, features, val_idx, cfg, device)
+                val = evaluate(head, data, features, val_idx, cfg, device, target_lm)
             history["val"].append({"step": step, "time_s": round(time.perf_counter() - t0, 1), "metrics": val})
             log("val " + " ".join(f"acc{m['step']} {m['acc']:.3f}" for m in val) + f" (step {step})")
         if cfg.time_budget_s and time.perf_counter() - t0 > cfg.time_budget_s:
