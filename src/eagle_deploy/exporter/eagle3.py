@@ -36,7 +36,7 @@ from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED
 
 from .draft_head import HeadCheckpointError, read_head_state
 from .fused import FusedAttention, fused_inputs, skip_rms_norm
-from .layers import Attention, GatedMLP, Rotary, gather_positions, mask_bias, rms_norm
+from .layers import STATIC_ROPE_TYPES, Attention, GatedMLP, Rotary, gather_positions, mask_bias, rms_norm
 from .target import Dims, dims_of
 
 LAYOUTS = ("eagle3", "speculators")
@@ -102,23 +102,55 @@ def _positive(cfg: dict, key: str, path, default=None) -> int:
     return value
 
 
+def _number(cfg: dict, key: str, path, default: float | None = None) -> float | None:
+    """A positive finite number at `key` (or `default` when absent)."""
+    value = cfg.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise HeadCheckpointError(f"EAGLE-3 head config {path}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _check_rope(llama: dict, path) -> None:
+    """rope_theta (top level or in rope_parameters) a positive number; a rope type whose
+    frequencies do not depend on the sequence length (as the target's, layers.STATIC_ROPE_TYPES)."""
+    _number(llama, "rope_theta", path)
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = llama.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise HeadCheckpointError(f"EAGLE-3 head config {path}: {key} must be an object, got {rope!r}")
+        _number(rope, "rope_theta", path)
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in STATIC_ROPE_TYPES:
+            raise HeadCheckpointError(f"EAGLE-3 head config {path}: {key}.rope_type {kind!r} depends on the sequence "
+                                      f"length; supported: {', '.join(STATIC_ROPE_TYPES)}")
+
+
 def read_config(config: dict, path, target_dims: Dims, layout: str | None = None) -> Eagle3Config:
     """Normalise an EAGLE-3 config.json (either layout) against the target. Raises
     HeadCheckpointError naming the key: a vocabulary other than the target's, a
     target_hidden_size other than the target's hidden, tapped layers outside the target, a
-    non-SiLU activation."""
+    non-SiLU activation, a size / eps / rope_theta that is not a positive number, a dynamic
+    rope type."""
     if not isinstance(config, dict):
         raise HeadCheckpointError(f"draft head config {path} must be a JSON object, got {type(config).__name__}")
     layout = layout or detect_layout(config)
     if layout is None:
         raise HeadCheckpointError(f"{path} is not an EAGLE-3 head config")
-    llama = dict(config.get("transformer_layer_config") or {}) if layout == "speculators" else dict(config)
-    if not llama:
-        raise HeadCheckpointError(f"EAGLE-3 head config {path}: transformer_layer_config is missing")
+    llama = config.get("transformer_layer_config") if layout == "speculators" else config
+    if not isinstance(llama, dict) or not llama:
+        raise HeadCheckpointError(f"EAGLE-3 head config {path}: transformer_layer_config must be the head's Llama "
+                                  f"config (an object), got {llama!r}")
+    llama = dict(llama)
     hidden = _positive(llama, "hidden_size", path)
     heads = _positive(llama, "num_attention_heads", path)
     kv_heads = _positive(llama, "num_key_value_heads", path, heads)
-    head_dim = llama.get("head_dim") or hidden // heads
+    head_dim = _positive(llama, "head_dim", path, hidden // heads) if llama.get("head_dim") else hidden // heads
+    _check_rope(llama, path)
+    eps = _number(llama, "rms_norm_eps", path, target_dims.rms_norm_eps)
     if heads % kv_heads:
         raise HeadCheckpointError(f"EAGLE-3 head config {path}: num_key_value_heads {kv_heads} does not divide "
                                   f"num_attention_heads {heads}")
@@ -130,7 +162,7 @@ def read_config(config: dict, path, target_dims: Dims, layout: str | None = None
     if draft_vocab > vocab:
         raise HeadCheckpointError(f"EAGLE-3 head config {path}: draft_vocab_size {draft_vocab} exceeds the "
                                   f"vocabulary {vocab}")
-    target_hidden = config.get("target_hidden_size") or hidden
+    target_hidden = _positive(config, "target_hidden_size", path) if config.get("target_hidden_size") else hidden
     if target_hidden != target_dims.hidden:
         which = "target_hidden_size" if config.get("target_hidden_size") else "hidden_size (no target_hidden_size)"
         raise HeadCheckpointError(f"EAGLE-3 head config {path}: {which} {target_hidden} differs from the target's "
@@ -138,8 +170,13 @@ def read_config(config: dict, path, target_dims: Dims, layout: str | None = None
     act = llama.get("hidden_act", "silu")
     if act != "silu":
         raise HeadCheckpointError(f"EAGLE-3 head config {path}: hidden_act {act!r} is not supported (SwiGLU: 'silu')")
-    layers = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+    nested = config.get("eagle_config") or {}
+    if not isinstance(nested, dict):
+        raise HeadCheckpointError(f"EAGLE-3 head config {path}: eagle_config must be an object, got {nested!r}")
+    layers = config.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids")
+    if layers is not None and not isinstance(layers, list):
+        raise HeadCheckpointError(f"EAGLE-3 head config {path}: eagle_aux_hidden_state_layer_ids must be a list of "
+                                  f"layer ids, got {layers!r}")
     if layers is None:
         try:
             layers = default_feature_layers(target_dims.num_layers)
@@ -155,7 +192,7 @@ def read_config(config: dict, path, target_dims: Dims, layout: str | None = None
         intermediate=_positive(llama, "intermediate_size", path), vocab=vocab, draft_vocab=draft_vocab,
         target_hidden=target_hidden, feature_layers=layers,
         norm_before_residual=bool(config.get("norm_before_residual", False)),
-        rms_norm_eps=float(llama.get("rms_norm_eps", target_dims.rms_norm_eps)),
+        rms_norm_eps=eps,
         max_position_embeddings=_positive(llama, "max_position_embeddings", path,
                                           target_dims.max_position_embeddings))
 
@@ -223,23 +260,29 @@ def check_vocab_map(state: dict[str, torch.Tensor], cfg: Eagle3Config) -> torch.
     return ids
 
 
+def file_key(key: str, layout: str) -> str:
+    """A normalised ("midlayer.") tensor name as `layout` writes it (for messages)."""
+    return LAYER_PREFIX[layout] + key[len("midlayer."):] if key.startswith("midlayer.") else key
+
+
 def check_state(state: dict[str, torch.Tensor], cfg: Eagle3Config) -> None:
-    """HeadCheckpointError naming the first missing, mis-shaped, non-float, non-finite or
-    unexpected tensor (names normalised)."""
+    """HeadCheckpointError naming (as the checkpoint's layout spells it) the first missing,
+    mis-shaped, non-float, non-finite or unexpected tensor."""
     attention_bias = "midlayer.self_attn.q_proj.bias" in state
     shapes = expected_shapes(cfg, attention_bias)
     optional = {"fc.bias": (cfg.hidden,), "embed_tokens.weight": (cfg.vocab, cfg.hidden)}
-    for key, shape in {**shapes, **{k: v for k, v in optional.items() if k in state}}.items():
-        if key not in state:
+    for name, shape in {**shapes, **{k: v for k, v in optional.items() if k in state}}.items():
+        key = file_key(name, cfg.layout)
+        if name not in state:
             raise HeadCheckpointError(f"EAGLE-3 head is missing tensor {key!r} (expected shape {list(shape)})")
-        t = state[key]
+        t = state[name]
         if tuple(t.shape) != shape:
             raise HeadCheckpointError(f"EAGLE-3 head tensor {key!r} has shape {list(t.shape)}, expected {list(shape)}")
         if not t.is_floating_point():
             raise HeadCheckpointError(f"EAGLE-3 head tensor {key!r} is {t.dtype}, expected floating point weights")
         if not bool(torch.isfinite(t).all()):
             raise HeadCheckpointError(f"EAGLE-3 head tensor {key!r} contains NaN or infinite values")
-    extra = sorted(set(state) - set(shapes) - set(optional) - {"d2t", "t2d"})
+    extra = sorted(file_key(k, cfg.layout) for k in set(state) - set(shapes) - set(optional) - {"d2t", "t2d"})
     if extra:
         raise HeadCheckpointError(f"EAGLE-3 head has unexpected tensors {extra[:5]} (layout {cfg.layout!r})")
     if "embed_tokens.weight" not in state and cfg.hidden != cfg.target_hidden:
@@ -412,9 +455,16 @@ def load_eagle3_head(head_dir: Path, config: dict, target: nn.Module, layout: st
     state = normalise_state(read_head_state(head_dir) if state is None else state, cfg.layout)
     check_state(state, cfg)
     ids = check_vocab_map(state, cfg)
-    head = Eagle3Head(cfg, target, fc_bias="fc.bias" in state,
-                      attention_bias="midlayer.self_attn.q_proj.bias" in state,
-                      own_embedding="embed_tokens.weight" in state)
+    try:
+        head = Eagle3Head(cfg, target, fc_bias="fc.bias" in state,
+                          attention_bias="midlayer.self_attn.q_proj.bias" in state,
+                          own_embedding="embed_tokens.weight" in state)
+    except Exception as err:  # a config value transformers cannot use
+        raise HeadCheckpointError(f"EAGLE-3 head config {head_dir / 'config.json'} is unusable: "
+                                  f"{type(err).__name__}: {err}") from None
+    if not bool(torch.isfinite(head.rotary.inv_freq).all()):
+        raise HeadCheckpointError(f"EAGLE-3 head config {head_dir / 'config.json'}: its rope settings give "
+                                  "non-finite rotary frequencies")
     weights = {k: v.to(torch.float32) for k, v in state.items() if k not in ("d2t", "t2d")}
     mask = torch.zeros(cfg.vocab, dtype=torch.bool)
     mask[ids] = True
