@@ -278,7 +278,7 @@ def train_head(head: EagleHead | Eagle3Head, data: TokenData, features: list[tor
             step += 1
             if step % 50 == 0:
                 first = [m for r in running[-50:] for m in r if m["step"] == 1]
-                log(f"step {step}/{total_steps} lr {lr:.2e} loss {float(loss):.4f} "
+                log(f"step {step}/{total_steps} lr {lr:.2e} loss {float(loss.detach()):.4f} "
                     f"acc1 {np.mean([m['acc'] for m in first]):.3f} ({time.perf_counter() - t0:.0f}s)")
         if val_idx.size:
             with autocast:
