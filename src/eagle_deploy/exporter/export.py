@@ -291,9 +291,10 @@ def quantise_graphs(target_entry: GraphEntry, draft_entry: DraftEntry, options: 
     target_entry = quantize_graph(tmp, target_entry, options.quant, options.external_data)
     notes = [f"target quantised to {options.quant}: losslessness holds with respect to the quantised target"]
     if not target_entry.quant_info.batch_invariant:
-        notes.append("the quantised matmuls round activations to int8, so a token's logits depend slightly on the "
-                     "other tokens of its forward: greedy EAGLE output can part from vanilla greedy at near-ties on "
-                     "this engine")
+        notes.append("the quantised matmuls round activations to int8, which turns the last-bit differences between "
+                     "a one-token and a tree forward's attention into different logits: the runtime decodes this "
+                     "export row-exact by default (one-token forwards as two rows, depth-first trees), so greedy "
+                     "EAGLE output equals vanilla greedy")
     if options.quant_draft:  # measured 6-30% faster draft steps with unchanged tau
         _say(progress, f"quantising the draft graph ({options.quant})")
         draft_entry = quantize_graph(tmp, draft_entry, options.quant, options.external_data)

@@ -71,6 +71,14 @@ class Generation:
         return self._result
 
 
+def row_exact_default(manifest: Manifest) -> bool:
+    """Row-exact decoding (decode.Decoder) by default for quantised targets: their greedy EAGLE
+    output then equals their vanilla greedy output token for token (measured on SmolLM2:
+    20 / 20 prompts for int8 and int4, instead of 7 and 4) at -11 to -13% vanilla speed; fp32
+    graphs keep their differences at the last bit and are identical without it."""
+    return manifest.target.quant is not None
+
+
 class EagleRuntime:
     """An export folder loaded once: target + draft backends, KV buffers, tokenizer.
 
@@ -80,13 +88,15 @@ class EagleRuntime:
 
     def __init__(self, folder: Path, manifest: Manifest, target, draft, tokenizer, tree: TreeConfig,
                  acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None,
-                 round_observers: Sequence[RoundObserver] = ()):
-        """target / draft: Backends (draft None with a custom `drafter`); round_observers: see
+                 round_observers: Sequence[RoundObserver] = (), row_exact: bool | None = None):
+        """target / draft: Backends (draft None with a custom `drafter`); row_exact: see
+        Decoder (None: on for quantised targets, `row_exact_default`); round_observers: see
         Decoder. Raises ValueError on a bad acceptance setting."""
         self.folder, self.manifest, self.tokenizer, self.tree = Path(folder), manifest, tokenizer, tree
         if drafter is None and draft is not None:
             drafter = EagleDrafter.for_export(draft, tree, manifest)
-        self.decoder = Decoder(target, drafter, manifest.max_length, acceptance, threshold, round_observers)
+        row_exact = row_exact_default(manifest) if row_exact is None else row_exact
+        self.decoder = Decoder(target, drafter, manifest.max_length, acceptance, threshold, round_observers, row_exact)
         self.eos_ids = list(manifest.eos_token_ids)
         self._requests = 0  # requests started on this instance (see _stream)
         self._open_draft: Callable[[], Backend] | None = None  # set by load(with_draft=False)
@@ -95,7 +105,8 @@ class EagleRuntime:
     def load(cls, folder, backend: str = "ort", tree: TreeConfig | None = None, threads: int | None = None,
              acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None,
              wrap_backend: Callable[[Backend], Backend] | None = None,
-             round_observers: Sequence[RoundObserver] = (), with_draft: bool = True) -> "EagleRuntime":
+             round_observers: Sequence[RoundObserver] = (), with_draft: bool = True,
+             row_exact: bool | None = None) -> "EagleRuntime":
         """Load `folder` (an eagle-export output). backend: "ort" (CPU), "ort-cuda", "trt".
         wrap_backend: applied to each loaded backend (target, draft) before use, e.g. a timing
         wrapper; round_observers: see Decoder. with_draft=False: open the target graph only
@@ -125,7 +136,8 @@ class EagleRuntime:
                                     "re-export") from None
             if tokenizer is None:
                 raise ManifestError(f"the tokenizer folder {tok_dir} named by the manifest is missing; re-export")
-        rt = cls(folder, manifest, target, draft, tokenizer, tree, acceptance, threshold, drafter, round_observers)
+        rt = cls(folder, manifest, target, draft, tokenizer, tree, acceptance, threshold, drafter, round_observers,
+                 row_exact)
         if drafter is None and not with_draft:
             rt._open_draft = open_draft
         return rt

@@ -118,6 +118,21 @@ class DraftTree:
         parents = [-1] + [where[int(self.parents[i])] for i in order[1:]]
         return DraftTree(self.tokens[order], np.array(parents), self.scores[order])
 
+    def depth_first(self) -> "DraftTree":
+        """The same tree with its nodes in depth-first order, best-scored child first: the top
+        path then holds rows 0..d (row index == depth), as a plain causal forward of that path
+        would (see decode.Decoder, row_exact)."""
+        order, stack = [], [0]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(int(k) for k in reversed(self.children(node)))
+        if order == list(range(self.size)):
+            return self
+        where = {old: new for new, old in enumerate(order)}
+        parents = [-1] + [where[int(self.parents[i])] for i in order[1:]]
+        return DraftTree(self.tokens[order], np.array(parents), self.scores[order])
+
     def children(self, node: int) -> np.ndarray:
         """Child node indices of `node`, best draft score first."""
         kids = np.flatnonzero(self.parents == node)

@@ -39,6 +39,17 @@ class Verification:
         return self.tokens[-1]
 
 
+def contiguous(v: Verification) -> Verification:
+    """`v` cut at its first accepted node whose tree index is not its depth (a row of the
+    verification forward whose attention row skips masked siblings): that node's token stays,
+    as the bonus token (it is what the target chose at its parent's row), and nothing after it
+    is kept. On a depth-first tree (DraftTree.depth_first) only the top path is contiguous.
+    Ending a round after any accepted token keeps greedy and sampled output exact (the next
+    round starts from the committed tokens)."""
+    cut = next((j for j in range(1, len(v.path)) if v.path[j] != j), None)
+    return v if cut is None else Verification(v.path[:cut], v.tokens[:cut])
+
+
 def _finish(tree: DraftTree, path: list[int], bonus: int) -> Verification:
     return Verification(path, [int(tree.tokens[i]) for i in path[1:]] + [int(bonus)])
 
