@@ -1,6 +1,7 @@
 """Reproduce docs/results/2026-12-01-quant-greedy-identity.json (issue 10 part 3): greedy EAGLE vs
-vanilla on 20 SmolLM2-135M prompts, with and without the runtime recipe of
-tests/runtime/test_exact_greedy_recipe.py, and ms per target forward. Run from the repository root:
+vanilla on 20 SmolLM2-135M prompts, with and without row-exact decoding
+(runtime/decode.py, `row_exact`; the default for quantised exports), and ms per target forward.
+Run from the repository root:
 
     eagle-export --model smollm2-135m --out /tmp/qi --name int8 --quant int8
     .venv/bin/python docs/results/2026-12-01-quant-greedy-identity.py identity /tmp/qi/int8 --threads 1 [--recipe]
@@ -23,7 +24,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.helpers import causal_mask, prefill, run_step  # noqa: E402
-from tests.runtime.test_exact_greedy_recipe import ExactPathDecoder, TwoRowTarget  # noqa: E402
 
 from eagle_deploy.bench.divergence import check_greedy  # noqa: E402
 from eagle_deploy.runtime.api import EagleRuntime  # noqa: E402
@@ -38,10 +38,7 @@ def prompts() -> list[str]:
 
 
 def load(folder, threads: int, recipe: bool) -> EagleRuntime:
-    rt = EagleRuntime.load(folder, threads=threads, wrap_backend=TwoRowTarget if recipe else None)
-    if recipe:
-        d = rt.decoder
-        rt.decoder = ExactPathDecoder(d.target, d.drafter, d.max_length, d.acceptance, d.threshold, d.round_observers)
+    rt = EagleRuntime.load(folder, threads=threads, row_exact=recipe)  # the recipe: row-exact decoding
     rt.generate("warm up", max_new_tokens=8, mode="vanilla")
     rt.generate("warm up", max_new_tokens=8)
     return rt
