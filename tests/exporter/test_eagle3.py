@@ -925,3 +925,27 @@ def test_damaged_head_record_names_the_field(deep, tmp_path, field, value, words
     data["draft"]["extra"]["head"][field] = value
     message = _manifest_error(data, tmp_path)
     assert all(w in message for w in words), message
+
+
+def test_a_head_the_fused_graph_cannot_hold_gets_the_standard_graph_or_one_clear_error(gqa, tmp_path):
+    """An EAGLE-3 head with head dim 8 (onnxruntime's fused attention needs a multiple of 16) and
+    one KV head: --graph auto falls back to the standard graph (which decodes losslessly),
+    --graph fused is one ValueError naming the reason, and nothing is left behind."""
+    from eagle_deploy.contract import onnx_io as c
+    from eagle_deploy.contract.manifest import Manifest
+    from eagle_deploy.exporter.export import ExportOptions, export
+
+    head = tiny.build_tiny_eagle3_head(tmp_path / "h", gqa.target_dir, seed=3, hidden=32, num_heads=4,
+                                       num_kv_heads=1, intermediate=64, feature_layers=(0, 1))
+    out = export(str(gqa.target_dir), str(head), tmp_path / "x", ExportOptions(max_length=64, name="auto"),
+                 progress=None)
+    m = Manifest.load(out)
+    assert m.target.kv_layout == m.draft.kv_layout == c.KV_SEQ_MAJOR
+    from eagle_deploy.runtime.api import EagleRuntime
+
+    prompt = [5, 6, 7, 8, 9]
+    assert EagleRuntime.load(out, threads=1).generate(prompt, max_new_tokens=12).token_ids == gqa.expected(prompt, 12)
+    with pytest.raises(ValueError, match="head dim 8 is not a multiple of 16.*--graph standard"):
+        export(str(gqa.target_dir), str(head), tmp_path / "y", ExportOptions(max_length=64, name="f", graph="fused"),
+               progress=None)
+    assert not any((tmp_path / "y").iterdir())

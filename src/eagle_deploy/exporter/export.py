@@ -64,6 +64,18 @@ def kv_layout_for(graph: str, dtype: str) -> str:
     return KV_SHARED if graph == "fused" or (graph == "auto" and dtype == "float32") else KV_SEQ_MAJOR
 
 
+def fused_unsupported(*dims: Dims) -> str | None:
+    """Why the fused graph cannot hold a model with these attention geometries (target, head),
+    or None: onnxruntime's GroupQueryAttention needs a head dim that is a multiple of 16, and the
+    exporter's fused path needs at least 2 KV heads (1 fails at trace time)."""
+    for d in dims:
+        if d.head_dim % 16:
+            return f"head dim {d.head_dim} is not a multiple of 16 (onnxruntime's GroupQueryAttention)"
+        if d.num_kv_heads < 2:
+            return "a single KV head (multi-query attention) is not traced into the fused graph"
+    return None
+
+
 def _say(progress, msg: str) -> None:
     if progress:
         progress(msg)
@@ -261,6 +273,12 @@ def build_graphs(plan: ExportPlan, models: LoadedModels, options: ExportOptions,
     """target.onnx, draft.onnx (+ the draft vocabulary ids) and tokenizer/ into `tmp`; returns
     (target GraphEntry, DraftEntry, tokenizer or None)."""
     layout = kv_layout_for(options.graph, plan.dtype)
+    why = fused_unsupported(models.dims, models.head.dims)
+    if layout == KV_SHARED and why:
+        if options.graph == "fused":
+            raise ValueError(f"--graph fused cannot export this model: {why}; use --graph standard")
+        layout = KV_SEQ_MAJOR
+        _say(progress, f"the fused graph does not fit ({why}): exporting the standard graph")
     kind = "fused onnxruntime operators" if layout == KV_SHARED else "standard ONNX operators"
     _say(progress, f"exporting target graph ({plan.dtype}, {kind})")
     taps = models.head.cfg.feature_layers if isinstance(models.head, Eagle3Head) else None
