@@ -112,3 +112,15 @@ def test_eagle3_arch_writes_a_loadable_eagle3_head(gqa, prompts, tmp_path, capsy
     assert cli.main(["--model", str(gqa.target_dir), "--out", str(tmp_path / "bad"), "--work", str(work),
                      "--prompts", str(prompts), *SMALL, "--arch", "eagle3", "--feature-layers", "1,0"]) == 2
     assert "--feature-layers" in capsys.readouterr().err
+
+
+def test_bad_data_and_draft_vocab_fail_before_any_stage(gqa, tmp_path, capsys):
+    work = tmp_path / "w"
+    rc = cli.main(["--model", str(gqa.target_dir), "--out", str(tmp_path / "h"), "--work", str(work),
+                   "--data", str(tmp_path / "nope.npz")])
+    assert rc == 2 and "--data" in capsys.readouterr().err and not work.exists()
+    rc = cli.main(["--model", str(gqa.target_dir), "--out", str(tmp_path / "h"), "--work", str(work), "--arch",
+                   "eagle3", "--feature-layers", "0,1", "--draft-vocab", "999999", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--draft-vocab 999999 must be in [1, 256]" in err
+    assert not (work / "data").exists() and not (work / cli.FEATURES_FILE).exists()

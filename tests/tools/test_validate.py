@@ -106,6 +106,23 @@ def test_fp32_rule_is_polygraphy_elementwise():
     assert v.compare_output(c.FEATURES, big, big * (1 + 5e-6), p, {})[3]
 
 
+def test_residual_streams_are_judged_against_their_rows_largest_element():
+    """A tap row with one massive activation (2.4e4, as SmolLM2's residual stream has): a 6e-3
+    error on a 100-sized element is fp32 rounding of that row (rtol x 2.4e4 = 0.24) and passes for
+    tapped_features / next_features, but fails for the final features and for a row without
+    the massive element."""
+    p = v.Policy("elementwise", atol=1e-4, rtol=1e-5)
+    ref = np.full((1, 2, 8), 100.0, np.float32)
+    ref[0, :, 3] = 2.4e4
+    out = ref.copy()
+    out[0, 0, 0] += 6e-3
+    for name in (c.TAPPED_FEATURES, c.NEXT_FEATURES):
+        assert v.compare_output(name, ref, out, p, {})[3], name
+    assert not v.compare_output(c.FEATURES, ref, out, p, {})[3]
+    quiet = np.full((1, 2, 8), 100.0, np.float32)
+    assert not v.compare_output(c.TAPPED_FEATURES, quiet, quiet + np.where(out != ref, 6e-3, 0), p, {})[3]
+
+
 def test_argmax_flip_fails_unless_at_a_near_tie():
     p = v.Policy("relative", rel=1.0, tie=1e-3)  # a loose error bound: only the argmax rule can fail
     ref = np.zeros((1, 2, 8), np.float32)

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "training-time test over --unroll steps) (default: eagle)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="eagle3: draft vocabulary size, the most frequent response tokens of the data plus the EOS "
-                        "ids (default: draft_vocab.default_size, 8192 for SmolLM2)")
+                        "ids (default: draft_vocab.default_size, a quarter of the vocabulary but at least 8192: "
+                        "12288 for SmolLM2)")
     p.add_argument("--feature-layers", type=number_list(int, 0, "--feature-layers"), default=None,
                    help="eagle3: the target layers whose input hidden states are tapped (default: the reference's "
                         "2, L/2, L-3)")
@@ -118,8 +119,15 @@ class Session:
 def run(args, s: dict) -> int:
     """data -> features -> train -> export, each stage timed; see the module docstring."""
     t_start = time.perf_counter()
+    missing = [str(p) for p in args.data or () if not Path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"--data {missing[0]} does not exist (token data written by eagle-train, .npz)")
     session = open_session(args, s)
     checkpoint, hf, tokenizer, eos = load_target_for_training(session)
+    vocab = hf.config.vocab_size
+    if args.arch == "eagle3" and args.draft_vocab is not None and not 1 <= args.draft_vocab <= vocab:
+        raise ValueError(f"--draft-vocab {args.draft_vocab} must be in [1, {vocab}]")
+    feature_layers(session, hf)  # bad --feature-layers fail here, before the data and feature stages
     timings = {}
     t = time.perf_counter()
     data = load_or_generate_data(session, hf, tokenizer, eos)
@@ -164,7 +172,10 @@ def load_target_for_training(session: Session):
         hf.to(torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint.hf_dir))
     eos = _eos_ids(checkpoint.hf_dir, hf.config, tokenizer)
-    session.log(f"target {checkpoint.name} on {session.device}; settings {json.dumps(session.settings)}")
+    a = session.args
+    session.log(f"target {checkpoint.name} on {session.device}; arch {a.arch}; settings {json.dumps(session.settings)}"
+                + (f"; data {[str(p) for p in a.data]} (generation settings unused)" if a.data else "")
+                + (f"; max_sequences {a.max_sequences}" if a.max_sequences else ""))
     return checkpoint, hf, tokenizer, eos
 
 

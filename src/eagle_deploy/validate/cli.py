@@ -11,6 +11,8 @@ Tolerances (per output; "rel" = max |err| / max |reference|):
   float32: elementwise |err| <= atol or |err| <= rtol * |ref| (Polygraphy's rule), atol 1e-4,
            rtol 1e-5; the same argmax of logits / top-1 draft ids, except where the
            reference's own top-2 gap is <= 1e-3 (a tie rounding may break either way).
+           Residual-stream outputs (tapped_features, next_features) take rtol relative to
+           their row's largest |ref| (massive activations set their fp32 rounding).
   float16: rel <= 2e-2 and the same argmax (ties <= 5e-2 excepted); bfloat16: rel <= 5e-2.
   int4/int8 graphs (manifest quant): the reference gets the graph's own quantised weights
            (read back from its MatMulNBits nodes), so quantisation itself is not counted as
@@ -107,6 +109,9 @@ class Row:
     note: str = ""
 
 
+RESIDUAL_STREAMS = (c.TAPPED_FEATURES, c.NEXT_FEATURES)  # outputs judged relative to their row's largest element
+
+
 def _ties(ref: np.ndarray, tol: float) -> np.ndarray:
     """[positions] bool: the reference's top-2 along the last axis are within tol."""
     top2 = np.sort(ref.reshape(-1, ref.shape[-1]), axis=-1)[:, -2:]
@@ -158,7 +163,11 @@ def compare_output(name: str, ref: np.ndarray, out: np.ndarray, policy: Policy, 
             return max_abs, max_rel, agree, ok, f"quantised: top-1 {top1:.1%} off near-ties, mean KL {kl:.2g}"
         return max_abs, max_rel, agree, True, "quantised: reported only"
     if policy.kind == "elementwise":
-        bad = (err > policy.atol) & (err > policy.rtol * np.abs(ref64))
+        # residual streams (EAGLE-3 taps, the draft's pre-norm output) carry massive activations
+        # (SmolLM2: |x| ~ 2e4 in a few channels), so their fp32 rounding is set by the row's
+        # largest element, not by the element's own size: rtol is taken relative to it
+        size = np.abs(ref64).max(axis=-1, keepdims=True) if name in RESIDUAL_STREAMS and ref.size else np.abs(ref64)
+        bad = (err > policy.atol) & (err > policy.rtol * size)
         note = f"{int(bad.sum())} elements out of tolerance" if bad.any() else ""
         return max_abs, max_rel, agree, bool(not bad.any() and argmax_ok), note
     return max_abs, max_rel, agree, bool(max_rel <= policy.rel and argmax_ok), ""
