@@ -261,18 +261,25 @@ def test_client_gone_stops_decoding_and_the_instance_serves_on(server, reference
     # a prompt whose first text comes early in a long generation, so the cancel lands mid-decode
     prompt = next(p for p in PROMPTS if len(next(iter(reference.stream(p, max_new_tokens=200)), "")) > 0)
     marker = "request cancelled by the client"
-    before = server.log_path.read_text(errors="replace").count(marker)
-    if client == "grpc":  # tritonclient's stop_stream(cancel_requests=True)
-        got = grpc_stream(server, prompt, "oracle", cancel_after=1, max_tokens=200, stream=True)
-        assert len(got) == 1 and not got[0][1]
-    else:  # an SSE client that hangs up after the first event
-        assert b"data: " in http_stream_then_hang_up(server, "oracle", text_input=prompt, max_tokens=200, stream=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        log = server.log_path.read_text(errors="replace")
+    # on a loaded machine the oracle's 200 tokens can all be decoded before the cancel reaches the
+    # worker (the request then simply completes): up to three requests, one must be cancelled
+    for _ in range(3):
+        before = server.log_path.read_text(errors="replace").count(marker)
+        if client == "grpc":  # tritonclient's stop_stream(cancel_requests=True)
+            got = grpc_stream(server, prompt, "oracle", cancel_after=1, max_tokens=200, stream=True)
+            assert len(got) == 1 and not got[0][1]
+        else:  # an SSE client that hangs up after the first event
+            assert b"data: " in http_stream_then_hang_up(server, "oracle", text_input=prompt, max_tokens=200,
+                                                         stream=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            log = server.log_path.read_text(errors="replace")
+            if log.count(marker) > before:
+                break
+            time.sleep(0.2)
         if log.count(marker) > before:
             break
-        time.sleep(0.2)
+    assert log.count(marker) > before, "three requests finished before their cancel took effect"
     line = [x for x in log.splitlines() if marker in x][-1]
     assert "oracle" in line and "decoding stopped" in line, line
     assert generate(server, "oracle", text_input="hi", max_tokens=5)["new_tokens"] == 5
