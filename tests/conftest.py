@@ -203,3 +203,17 @@ def smollm2_export(tmp_path_factory) -> Path:
     folder = Path(proc.stdout.strip().splitlines()[-1])
     assert folder == out / "smollm2-135m"
     return folder
+
+
+@pytest.fixture(scope="session")
+def quant_exports(tmp_path_factory) -> dict:
+    """{"fp32" | "int8" | "int4": export folder} of one tiny tied-embedding GQA target + head,
+    default settings (the quantisation, batch-invariance and row-exact tests share it)."""
+    from eagle_deploy.exporter.export import ExportOptions, export
+
+    root = tmp_path_factory.mktemp("quant")
+    target = tiny.build_tiny_target(root / "target", gqa=True, seed=5, norm_noise=0.1, tie_word_embeddings=True)
+    head = tiny.build_tiny_head(root / "head", target, seed=6, norm_noise=0.1)
+    return {name: export(str(target), str(head), root / "exports",
+                         ExportOptions(max_length=MAX_LENGTH, quant=quant, name=name), progress=None)
+            for name, quant in (("fp32", None), ("int8", "int8"), ("int4", "int4"))}

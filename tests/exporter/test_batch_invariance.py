@@ -288,17 +288,9 @@ def test_group_query_attention_tree_row_with_a_gap_differs_from_its_chain_row(th
 # --------------------------------------------------------------------------- whole graphs (tiny exports)
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory) -> dict:
-    """{"fp32" | "int8" | "int4": export folder} of one tiny tied-embedding GQA target + head,
-    default settings."""
-    from eagle_deploy.exporter.export import ExportOptions, export
-
-    root = tmp_path_factory.mktemp("invariance")
-    target = tiny.build_tiny_target(root / "target", gqa=True, seed=5, norm_noise=0.1, tie_word_embeddings=True)
-    head = tiny.build_tiny_head(root / "head", target, seed=6, norm_noise=0.1)
-    return {name: export(str(target), str(head), root / "exports",
-                         ExportOptions(max_length=MAX_LENGTH, quant=quant, name=name), progress=None)
-            for name, quant in (("fp32", None), ("int8", "int8"), ("int4", "int4"))}
+def exports(quant_exports) -> dict:
+    """{"fp32" | "int8" | "int4": export folder} (tests/conftest.py quant_exports)."""
+    return quant_exports
 
 
 def _target(folder):

@@ -22,8 +22,7 @@ import pytest
 
 from eagle_deploy.runtime.tree import DraftTree
 from eagle_deploy.runtime.verify import Verification, contiguous
-from tests import tiny
-from tests.conftest import MAX_LENGTH, PROMPTS, THREADS
+from tests.conftest import PROMPTS, THREADS
 from tests.helpers import ScriptedDrafter, wrong_token
 
 NEW_TOKENS = 40
@@ -78,15 +77,9 @@ class DecidingRows:
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory) -> dict:
-    from eagle_deploy.exporter.export import ExportOptions, export
-
-    root = tmp_path_factory.mktemp("recipe")
-    target = tiny.build_tiny_target(root / "target", gqa=True, seed=5, norm_noise=0.1, tie_word_embeddings=True)
-    head = tiny.build_tiny_head(root / "head", target, seed=6, norm_noise=0.1)
-    return {name: export(str(target), str(head), root / "exports",
-                         ExportOptions(max_length=MAX_LENGTH, quant=quant, name=name), progress=None)
-            for name, quant in (("int8", "int8"), ("int4", "int4"), ("fp32", None))}
+def exports(quant_exports) -> dict:
+    """{"fp32" | "int8" | "int4": export folder} (tests/conftest.py quant_exports)."""
+    return quant_exports
 
 
 def _oracle(prompt, ref):
