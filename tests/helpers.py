@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from eagle_deploy.contract import onnx_io as c
-from eagle_deploy.runtime.backends.base import StepInputs
+from eagle_deploy.runtime.backends.base import StepInputs, feature_inputs
 from eagle_deploy.runtime.drafter import DraftRequest, causal_mask  # noqa: F401 (re-exported for the tests)
 from eagle_deploy.runtime.kv import KVBuffer
 from eagle_deploy.runtime.tree import DraftTree
@@ -88,10 +88,9 @@ def run_step(backend, kv, tokens, positions, mask, past: int, logits_at=None, fe
     tokens = np.asarray(tokens, np.int64)[None]
     logits_at = np.arange(tokens.shape[1]) if logits_at is None else logits_at
     feats = None if features is None else np.ascontiguousarray(np.asarray(features, np.float32)[None])
-    tapped, widths = None, eagle3_widths(backend)
-    if feats is not None and widths is not None:
-        empty = np.zeros((1, 0, widths[0] if from_target else widths[1]), np.float32)
-        feats, tapped = (empty, feats) if from_target else (feats, empty)
+    tapped = None
+    if feats is not None:
+        feats, tapped = feature_inputs(feats, from_target, eagle3_widths(backend))
     inputs = StepInputs(tokens, np.asarray(positions, np.int64)[None], np.asarray(mask, bool),
                         np.asarray(logits_at, np.int64)[None], feats, tapped)
     return {k: v.copy() for k, v in backend.run(inputs, kv, past).named().items()}

@@ -17,6 +17,7 @@ import numpy as np
 
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.contract.manifest import Dims
+from eagle_deploy.runtime.backends.base import feature_inputs
 from eagle_deploy.runtime.drafter import causal_mask, expansion_mask
 from eagle_deploy.runtime.text import encode_user
 from eagle_deploy.runtime.tree import DraftTree
@@ -108,15 +109,12 @@ def target_feeds(forward: Forward, prompt: list[int], dims: Dims, dtype) -> tupl
 
 
 def _with_features(feed: dict, features: np.ndarray, from_target: bool, widths: tuple[int, int] | None) -> dict:
-    """`feed` plus its feature rows [1, S, F]: `features` for an EAGLE-1/2 draft graph; for an
-    EAGLE-3 one (`widths` = (head hidden, tapped width)) `tapped_features` when `from_target`,
-    else `features`, the other input with 0 rows (as the runtime's drafter sends them)."""
+    """`feed` plus its feature rows [1, S, F], as the runtime's drafter sends them
+    (backends.base.feature_inputs)."""
     feed = dict(feed)
-    if widths is None:
-        feed[c.FEATURES] = features
-        return feed
-    empty = np.zeros((1, 0, widths[0] if from_target else widths[1]), features.dtype)
-    feed[c.TAPPED_FEATURES], feed[c.FEATURES] = (features, empty) if from_target else (empty, features)
+    feed[c.FEATURES], tapped = feature_inputs(features, from_target, widths)
+    if tapped is not None:
+        feed[c.TAPPED_FEATURES] = tapped
     return feed
 
 

@@ -112,7 +112,14 @@ def draft_vocab_ids(head_dir: Path | None, size: int, vocab: int, eos_ids: list[
         score, source = -counts, "token_counts"
     else:
         score, source = merge_rank(tokenizer_dir, vocab)
-        score = score.copy()
-    score[[e for e in eos_ids if 0 <= e < vocab]] = -np.inf
-    ids = np.sort(np.argsort(score, kind="stable")[:size])
-    return torch.from_numpy(ids.astype(np.int64)), source
+    return torch.from_numpy(best_ranked(score, size, eos_ids)), source
+
+
+def best_ranked(score, size: int, eos_ids):
+    """The `size` ids with the lowest `score` ([vocab], lower = more frequent; ties by id), the
+    EOS ids always among them, sorted by id (int64). `score` is not modified."""
+    import numpy as np
+
+    score = np.array(score, dtype=np.float64)
+    score[[e for e in eos_ids if 0 <= e < len(score)]] = -np.inf
+    return np.sort(np.argsort(score, kind="stable")[:size]).astype(np.int64)

@@ -169,8 +169,8 @@ class Decoder:
         """Yield committed token chunks until a stop, `max_new_tokens`, or KV capacity;
         `stats` (if given) is filled in as the request runs."""
         stats = stats if stats is not None else Stats()
-        stats.mode, stats.acceptance, stats.row_exact = ("vanilla" if vanilla else "eagle"), self.acceptance, \
-            self.row_exact
+        stats.mode = "vanilla" if vanilla else "eagle"
+        stats.acceptance, stats.row_exact = self.acceptance, self.row_exact
         rng = params.rng()
         t0 = time.perf_counter()
         state = self.prefill(prompt, params, rng, stats)

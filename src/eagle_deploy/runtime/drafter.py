@@ -20,7 +20,7 @@ import numpy as np
 
 from eagle_deploy.contract.profiles import draft_kv_capacity
 
-from .backends.base import Backend, DraftOutputs, StepInputs
+from .backends.base import Backend, DraftOutputs, StepInputs, feature_inputs
 from .tree import DraftTree, TreeConfig
 
 
@@ -157,12 +157,7 @@ class EagleDrafter:
     def _run(self, features, tokens, positions, mask, logits_at, from_target: bool = False) -> DraftOutputs:
         """One draft forward; `from_target`: `features` are the target's (else the head's own)."""
         past = mask.shape[2] - len(tokens)
-        features = np.ascontiguousarray(features)[None]
-        tapped = None
-        if self.eagle3_widths is not None:  # EAGLE-3: one of the two feature inputs is empty
-            own, taps = self.eagle3_widths
-            none_of = np.zeros((1, 0, own if from_target else taps), features.dtype)
-            features, tapped = (none_of, features) if from_target else (features, none_of)
+        features, tapped = feature_inputs(np.ascontiguousarray(features)[None], from_target, self.eagle3_widths)
         inputs = StepInputs(np.asarray(tokens, np.int64)[None], np.asarray(positions, np.int64)[None], mask,
                             np.asarray(logits_at, np.int64)[None], features, tapped)
         self.forwards += 1

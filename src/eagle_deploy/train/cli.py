@@ -347,11 +347,7 @@ def _save_token_counts(data, vocab: int, out: Path) -> None:
 
     from eagle_deploy.exporter.draft_head import TOKEN_COUNTS_FILE
 
-    counts = np.zeros(vocab, dtype=np.int64)
-    for i in range(len(data)):
-        seq = data.sequence(i)
-        counts += np.bincount(seq[int(data.prompt_lens[i]):], minlength=vocab)[:vocab]
-    np.save(out / TOKEN_COUNTS_FILE, counts)
+    np.save(out / TOKEN_COUNTS_FILE, data.response_counts(vocab))
 
 
 def new_eagle3_head(hf, data, layers, size: int | None, seed: int):
@@ -359,24 +355,18 @@ def new_eagle3_head(hf, data, layers, size: int | None, seed: int):
     vocabulary of the `size` most frequent response tokens of `data` (EOS ids included; default
     draft_vocab.default_size), its LM head initialised from the target's rows of those tokens
     and its final norm from the target's; the rest random (random_eagle3_head)."""
-    import numpy as np
     import torch
 
-    from eagle_deploy.exporter.draft_vocab import default_size
+    from eagle_deploy.exporter.draft_vocab import best_ranked, default_size
     from eagle_deploy.exporter.eagle3 import random_eagle3_head
 
     vocab = hf.config.vocab_size
     size = size or min(default_size(vocab), vocab)
     if not 1 <= size <= vocab:
         raise ValueError(f"--draft-vocab {size} must be in [1, {vocab}]")
-    counts = np.zeros(vocab, dtype=np.float64)
-    for i in range(len(data)):
-        counts += np.bincount(data.sequence(i)[int(data.prompt_lens[i]):], minlength=vocab)[:vocab]
     eos = hf.config.eos_token_id
-    for e in eos if isinstance(eos, list) else [eos]:
-        if isinstance(e, int) and 0 <= e < vocab:
-            counts[e] = np.inf
-    ids = np.sort(np.argsort(-counts, kind="stable")[:size])
+    eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)]
+    ids = best_ranked(-data.response_counts(vocab), size, eos_ids)
     head = random_eagle3_head(hf, seed=seed, draft_ids=torch.from_numpy(ids), feature_layers=layers)
     with torch.no_grad():
         head.lm_head.weight.copy_(hf.get_output_embeddings().weight[torch.from_numpy(ids)])

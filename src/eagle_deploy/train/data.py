@@ -112,6 +112,13 @@ class TokenData:
         return cls.from_sequences(seqs, np.concatenate([p.prompt_lens for p in parts]),
                                   [m for p in parts for m in p.meta], parts[0].header if parts else {})
 
+    def response_counts(self, vocab: int) -> np.ndarray:
+        """[vocab] int64: how often each token id occurs in the responses (prompts excluded)."""
+        counts = np.zeros(vocab, dtype=np.int64)
+        for i in range(len(self)):
+            counts += np.bincount(self.sequence(i)[int(self.prompt_lens[i]):], minlength=vocab)[:vocab]
+        return counts
+
     def subset(self, keep: Sequence[int]) -> "TokenData":
         """The sequences at indices `keep`, in that order."""
         keep = [int(i) for i in keep]

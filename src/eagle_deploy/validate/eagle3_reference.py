@@ -58,9 +58,8 @@ class Eagle3Reference(nn.Module):
         scores = scores.masked_fill(~attention_mask[:, None], float("-inf"))
         out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ repeat_kv(values, groups)
         h = residual + attn.o_proj(out.transpose(1, 2).reshape(B, S, cfg.num_heads * hd))
-        mlp = m.mlp
-        h = h + mlp.down_proj(nn.functional.silu(mlp.gate_proj(_rms(h, m.post_attention_layernorm.weight, eps)))
-                              * mlp.up_proj(_rms(h, m.post_attention_layernorm.weight, eps)))
+        mlp, x = m.mlp, _rms(h, m.post_attention_layernorm.weight, eps)
+        h = h + mlp.down_proj(nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
         picked = torch.gather(h, 1, logits_indices[..., None].expand(-1, -1, h.shape[-1]))
         logits = head.lm_head(_rms(picked, head.norm.weight, eps)).float()
         logprobs, idx = torch.topk(torch.log_softmax(logits, dim=-1), self.top_k, dim=-1)

@@ -74,6 +74,20 @@ class StepInputs:
                              "fused attention is causal over the new tokens (list tree nodes after their ancestors)")
 
 
+def feature_inputs(features: np.ndarray, from_target: bool,
+                   eagle3_widths: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """(features, tapped_features) for a draft forward whose rows carry `features` [1, S, F]:
+    (features, None) for an EAGLE-1/2 graph; for an EAGLE-3 one (`eagle3_widths` = (head
+    hidden, tapped width)) the rows go to `tapped_features` when `from_target` (the target's
+    taps, an extension) and to `features` otherwise (the head's own, an expansion), the other
+    input with 0 rows (contract "EAGLE-3 exports")."""
+    if eagle3_widths is None:
+        return features, None
+    own, taps = eagle3_widths
+    empty = np.zeros((1, 0, own if from_target else taps), features.dtype)
+    return (empty, features) if from_target else (features, empty)
+
+
 def check_step(inputs: StepInputs, kv: KVBuffer, past: int, kv_layout: str) -> None:
     """The checks every backend makes before a forward: input shapes against `past`, the rows
     [past, past + S) fit `kv`, the buffer has the graph's KV layout, and for the "shared" layout
@@ -86,6 +100,12 @@ def check_step(inputs: StepInputs, kv: KVBuffer, past: int, kv_layout: str) -> N
                          "allocate it with this backend's allocate_kv()")
     if kv_layout == c.KV_SHARED:
         inputs.check_causal(past)
+
+
+def _named(self) -> dict[str, np.ndarray]:
+    """The outputs by contract name (optional ones only when present)."""
+    fields = {**self.NAMES, **self.OPTIONAL}
+    return {name: getattr(self, field) for field, name in fields.items() if getattr(self, field) is not None}
 
 
 @dataclass(frozen=True)
@@ -110,12 +130,7 @@ class TargetOutputs:
         else the final features."""
         return self.features if self.tapped_features is None else self.tapped_features
 
-    def named(self) -> dict[str, np.ndarray]:
-        """The outputs by contract name."""
-        out = {name: getattr(self, field) for field, name in self.NAMES.items()}
-        if self.tapped_features is not None:
-            out[c.TAPPED_FEATURES] = self.tapped_features
-        return out
+    named = _named
 
 
 @dataclass(frozen=True)
@@ -135,9 +150,7 @@ class DraftOutputs:
                                        "topk_ids": c.TOPK_IDS}
     OPTIONAL: ClassVar[dict[str, str]] = {}
 
-    def named(self) -> dict[str, np.ndarray]:
-        """The outputs by contract name."""
-        return {name: getattr(self, field) for field, name in self.NAMES.items()}
+    named = _named
 
 
 StepOutputs = TargetOutputs | DraftOutputs
