@@ -141,34 +141,48 @@ def oracle_refs(reference) -> dict[str, list[int]]:
     return {p: reference.generate(p, REF_TOKENS, chat=False, mode="vanilla").token_ids for p in ORACLE_PROMPTS}
 
 
-@pytest.fixture(scope="session")
-def faults() -> Faults:
-    return Faults()
+@pytest.fixture
+def faults(server) -> Faults:
+    """The round hook of the server under test (each server has its own: job numbers restart)."""
+    return server.faults
 
 
-def make_server(folder: Path, faults=None, oracle_refs=None, reference=None, **runtime_kw):
-    """A started ServerThread over `folder` (SerialScheduler + create_app)."""
+def make_server(folder: Path, faults=None, oracle_refs=None, reference=None, slots: int = 1, **runtime_kw):
+    """A started ServerThread over `folder` (SlotScheduler with `slots` slots + create_app);
+    with `oracle_refs`, every slot drafts with an OracleDrafter around its EAGLE drafter."""
     from eagle_deploy.contract.manifest import Manifest
     from eagle_deploy.runtime.backends import load_backend
     from eagle_deploy.runtime.drafter import EagleDrafter
     from eagle_deploy.serve.app import create_app
-    from eagle_deploy.serve.engine import SerialScheduler
+    from eagle_deploy.serve.engine import SlotScheduler
 
     kw = dict(threads=THREADS, **runtime_kw)
     if oracle_refs is not None:
-        m = Manifest.load(folder)
-        inner = EagleDrafter(load_backend("ort", folder, m, "draft", THREADS, tree=m.tree), m.tree, m.max_length,
-                             m.draft.graph_top_k)
-        oracle = OracleDrafter(inner)
-        for prompt, ref in oracle_refs.items():
-            oracle.refs[tuple(reference.encode(prompt, chat=False))] = ref
-        kw["drafter"] = oracle
-    scheduler = SerialScheduler.load(folder, max_queue=32, round_hook=faults, **kw)
-    return ServerThread(create_app(scheduler, poll_s=0.02)).start()
+        def oracle(inner):
+            drafter = OracleDrafter(inner)
+            for prompt, ref in oracle_refs.items():
+                drafter.refs[tuple(reference.encode(prompt, chat=False))] = ref
+            return drafter
+
+        if slots == 1:
+            m = Manifest.load(folder)
+            kw["drafter"] = oracle(EagleDrafter(load_backend("ort", folder, m, "draft", THREADS, tree=m.tree), m.tree,
+                                                m.max_length, m.draft.graph_top_k))
+        else:
+            kw["drafters"] = lambda slot, inner: oracle(inner)
+    scheduler = SlotScheduler.load(folder, slots=slots, max_queue=32, round_hook=faults, **kw)
+    srv = ServerThread(create_app(scheduler, poll_s=0.02)).start()
+    srv.faults = faults
+    return srv
 
 
-@pytest.fixture(scope="session")
-def server(serve_export, faults, oracle_refs, reference):
-    srv = make_server(serve_export, faults, oracle_refs, reference)
+SERVER_SLOTS = [1, 4]
+
+
+@pytest.fixture(scope="session", params=SERVER_SLOTS, ids=[f"slots{n}" for n in SERVER_SLOTS])
+def server(request, serve_export, oracle_refs, reference):
+    """The server, once with one slot (requests one at a time) and once with 4 batched slots:
+    every server test runs against both."""
+    srv = make_server(serve_export, Faults(), oracle_refs, reference, slots=request.param)
     yield srv
     srv.stop()

@@ -8,8 +8,9 @@ import socket
 from eagle_deploy.serve import load
 from tests.tools.tiny_export import PROMPTS, prompt_file
 
-CELL_KEYS = {"mode", "concurrency", "requests", "ok", "errors", "completion_tokens", "wall_s", "tokens_per_s",
-             "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "latency_ms_p50", "tau"}
+CELL_KEYS = {"mode", "concurrency", "requests", "ok", "dropped", "lost", "errors", "completion_tokens", "wall_s",
+             "tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "latency_ms_p50", "tau",
+             "same_as_first", "same_as_vanilla"}
 
 
 def test_run_load_cells(server, tmp_path):
@@ -25,6 +26,9 @@ def test_run_load_cells(server, tmp_path):
         assert 0 < cell["completion_tokens"] <= 8 * len(PROMPTS) and cell["tokens_per_s"] > 0
         assert cell["ttft_ms_p50"] <= cell["ttft_ms_p99"] and cell["tau"] >= 1.0
     assert all(c["tau"] == 1.0 for c in result["cells"] if c["mode"] == "vanilla")
+    n = len(PROMPTS)
+    assert [c["same_as_first"] for c in result["cells"]] == [[n, n]] * 4
+    assert [c["same_as_vanilla"] for c in result["cells"]] == [None, None, [n, n], [n, n]]  # vanilla ran after eagle
     samples = result["samples"]["eagle/2"]
     assert len(samples) == len(PROMPTS) and all(s["ok"] and s["completion_tokens"] >= 1 for s in samples)
     # greedy: the same text at every concurrency and in both modes
@@ -51,3 +55,28 @@ def test_cli_errors(capsys):
     assert "cannot reach" in capsys.readouterr().err
     assert load.main(["--url", "http://127.0.0.1:1", "--modes", "turbo"]) == 2
     assert load.main(["--url", "http://127.0.0.1:1", "--sets", "nonexistent"]) == 2
+
+
+def test_200_requests_with_random_disconnects(server, tmp_path):
+    """200 greedy streaming requests, 8 in flight, about 30% abandoned by the client after their
+    first chunk: none is lost, every completed one has exactly its prompt's solo text, and the
+    server ends idle with every slot free and its KV as allocated."""
+    from tests.serve.test_server import scheduler, wait_idle
+
+    base = load.load_prompts([str(prompt_file(tmp_path))])
+    kw = dict(modes=["eagle"], max_tokens=24, endpoint="completions", timeout=60, warmup=False)
+    solo = load.run_load(load.LoadConfig(server.url, prompts=base, concurrency=[1], **kw))
+    want = {s["prompt_id"]: s["text"] for s in solo["samples"]["eagle/1"]}
+    prompts = [{**p, "id": f"{p['id']}#{r}"} for r in range(200 // len(base) + 1) for p in base][:200]
+    sched = scheduler(server)
+    kv = sched.engine.kv_bytes if sched.engine else None
+    result = load.run_load(load.LoadConfig(server.url, prompts=prompts, concurrency=[8], disconnect=0.3, seed=7, **kw))
+    cell = result["cells"][0]
+    assert cell["requests"] == 200 and cell["lost"] == 0 and cell["errors"] == []
+    assert 40 <= cell["dropped"] <= 80 and cell["ok"] == 200 - cell["dropped"]
+    for s in result["samples"]["eagle/8"]:
+        if s["ok"]:
+            assert s["text"] == want[s["prompt_id"].split("#")[0]]
+    health = wait_idle(server)
+    assert (health["queued"], health["active"]) == (0, 0)
+    assert (sched.engine.kv_bytes if sched.engine else None) == kv

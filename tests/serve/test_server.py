@@ -114,6 +114,7 @@ def test_eight_concurrent_streams_get_their_solo_output(server, reference):
     prompts = [(p, 12 + 3 * i) for i, p in enumerate(ORACLE_PROMPTS[:4] + ["zz top", "abc", "A long one: 1 2 3", "q"])]
     expected = {p: reference.generate(p, n, chat=False).text for p, n in prompts}
     got, errors = {}, []
+    batched = httpx2.get(server.url + "/health").json()["batching"]["batched_forwards"]
 
     def one(p, n):
         try:
@@ -130,7 +131,10 @@ def test_eight_concurrent_streams_get_their_solo_output(server, reference):
         t.join(60)
     assert not errors, errors
     assert got == expected
-    assert wait_idle(server)["queued"] == 0
+    health = wait_idle(server)
+    assert health["queued"] == 0
+    if health["batching"]["slots"] > 1:  # the 8 requests really shared batched forwards
+        assert health["batching"]["batched_forwards"] > batched
 
 
 def _stop_case(reference, oracle_refs):
@@ -213,14 +217,16 @@ def test_disconnect_while_queued_drops_the_job(server, client):
     """A non-stream client that gives up while its request waits in the queue."""
     sched = scheduler(server)
     before = sched.cancelled
-    blocker = threading.Thread(target=lambda: client.completions.create(
-        model=MODEL, prompt="blocker", max_tokens=60, temperature=0, user="slow-blocker"))
-    blocker.start()
+    blockers = [threading.Thread(target=lambda: client.completions.create(  # one per slot: all slots busy
+        model=MODEL, prompt="blocker", max_tokens=60, temperature=0, user="slow-blocker")) for _ in sched.slots]
+    for b in blockers:
+        b.start()
     time.sleep(0.05)
     with pytest.raises(httpx2.TimeoutException):
         httpx2.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "never", "max_tokens": 60},
                     timeout=0.1)
-    blocker.join(30)
+    for b in blockers:
+        b.join(30)
     health = wait_idle(server)
     assert (health["queued"], health["active"]) == (0, 0) and sched.cancelled - before == 1
 
@@ -381,9 +387,9 @@ def test_full_queue_gets_429_and_never_reaches_the_engine(server):
 def test_scheduler_queue_bound(reference):
     import asyncio
 
-    from eagle_deploy.serve.engine import QueueFull, RoundGate, SerialScheduler, Work
+    from eagle_deploy.serve.engine import QueueFull, RoundGate, Slot, SlotScheduler, Work
 
-    sched = SerialScheduler(reference, RoundGate(), max_queue=2)  # never started: jobs stay queued
+    sched = SlotScheduler([Slot(reference, RoundGate())], max_queue=2)  # never started: jobs stay queued
     loop = asyncio.new_event_loop()
     try:
         jobs = [sched.submit(Work((1, 2), 4), loop) for _ in range(2)]
@@ -393,4 +399,4 @@ def test_scheduler_queue_bound(reference):
     finally:
         loop.close()
     with pytest.raises(ValueError):
-        SerialScheduler(reference, RoundGate(), max_queue=0)
+        SlotScheduler([Slot(reference, RoundGate())], max_queue=0)

@@ -139,11 +139,16 @@ class GraphEntry:
     sha256: str | None = None
     quant_info: QuantRecord | None = None
     feature_layers: tuple[int, ...] | None = None  # target of an EAGLE-3 export: the tapped layers
+    # rows of one batch may have different past lengths, each read from its own mask (contract
+    # "Batched forwards"; fused graphs exported since batched decoding); False in older exports
+    ragged_batch: bool = False
 
     def _extra(self) -> dict:
         out = {"quant": self.quant_info.to_json()} if self.quant_info else {}
         if self.feature_layers is not None:
             out["feature_layers"] = list(self.feature_layers)
+        if self.ragged_batch:
+            out["ragged_batch"] = True
         return out
 
     def to_json(self) -> dict:
@@ -631,12 +636,13 @@ def _read_graph(o: _Obj, dims: Dims, draft: bool, trained: bool = True) -> Graph
     sha = o.string("sha256", default=None, optional=True)
     extra = o.obj("extra", default={})
     extra.only(["graph_top_k", "draft_vocab_size", "trained", "draft_vocab_file", "draft_vocab_source",
-                "max_position_embeddings", "quant", "head"] if draft else ["quant", "feature_layers"])
+                "max_position_embeddings", "quant", "head", "ragged_batch"] if draft
+               else ["quant", "feature_layers", "ragged_batch"])
     quant_info = _read_quant(extra.obj("quant")) if "quant" in extra.data else None
     if quant_info is not None and quant_info.kind != quant:
         o.fail("quant", f"{quant_info.kind!r} (as {extra.name('quant')}.kind says)", quant)
     common = dict(path=path, dtype=dtype, inputs=inputs, outputs=outputs, quant=quant, sha256=sha,
-                  quant_info=quant_info)
+                  quant_info=quant_info, ragged_batch=extra.boolean("ragged_batch", default=False))
     if not draft:
         layers = _read_layers(extra, dims.num_layers) if "feature_layers" in extra.data else None
         entry = GraphEntry(**common, feature_layers=layers)

@@ -89,6 +89,19 @@ token i can see new token j only if j <= i, so tree nodes must follow their ance
 order, which DraftTree and the drafter always produce; backends check it). Needs
 past_seq + seq <= kv_capacity.
 
+Batched forwards (fused graphs whose manifest entry has `extra.ragged_batch`, all fused graphs
+exported since batched decoding). The rows of a batch of two or more may have different past
+lengths. Row b's past length is read from its own mask: its last new token's last visible
+column is past_b + seq - 1 (so in such a batch every row's last token must see itself, and
+no later column). So `attention_mask` is [batch, seq, total_seq] with total_seq = max past_b + seq; row
+b's columns 0..past_b-1 are its cache rows, past_b..past_b+seq-1 its new tokens, later columns
+unused (False). The graph writes row b's new KV at rows [past_b, past_b + seq) of that row's
+block of the shared buffer and reads nothing beyond past_b + seq. Rows with fewer real tokens
+are padded after them with tokens that see only themselves; their KV lands past what that row
+holds and their outputs are ignored (runtime/batch.py). A lone row (batch 1) is the case
+above, past = total_seq - seq, whatever its mask (its rows may see nothing at all). The
+standard-op graph takes one past for all rows.
+
 Shared weights (`shared.data`, `SHARED_WEIGHTS_FILE`): the tensors the draft graph takes
 from the target are stored once, in one ONNX external-data file that both graphs reference
 (each keeps its own initializer name; offsets are 64 KiB-aligned). Always the token

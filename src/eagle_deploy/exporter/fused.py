@@ -82,8 +82,10 @@ class FusedInputs:
     base = min(position_ids) and n = max - base + 1, then padding up to R >= total rows (the
     operator requires as many rows as total_sequence_length; padding rows are never read);
     positions [B, S] int64 = position_ids - base (row indices into cos / sin); bias [B, 1, S, T]
-    (0 or MASK_VALUE, activation dtype); seqlens_k [B] int32 = T - 1; total scalar int32 = T;
-    query_lens [B] int32 = S."""
+    (0 or MASK_VALUE, activation dtype); seqlens_k [B] int32 = past_b + S - 1: T - 1 for a lone
+    row, and for each row of a batch of several its last new token's last visible column (rows
+    may have different pasts, contract "Batched forwards"); total scalar int32 = T; query_lens
+    [B] int32 = S."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -114,8 +116,11 @@ def fused_inputs(position_ids: torch.Tensor, attention_mask: torch.Tensor, rotar
     bias = torch.where(attention_mask, zero, masked).to(dtype)[:, None]  # (B, 1, S, T)
     ones = torch.ones_like(position_ids[:, 0], dtype=torch.int32)  # (B,)
     total = shape[2].to(torch.int32)
-    return FusedInputs(cos, sin, position_ids - base, bias, ones * (total - 1), total,
-                       ones * shape[1].to(torch.int32))
+    columns = torch.arange(T, device=attention_mask.device, dtype=torch.int32)
+    last_seen = (attention_mask[:, -1, :].to(torch.int32) * columns).amax(-1)  # (B,): past_b + S - 1
+    # a lone row: past = T - S whatever its mask (rows may see nothing); several: each its own
+    seqlens = torch.where(shape[0] > 1, last_seen, ones * (total - 1))
+    return FusedInputs(cos, sin, position_ids - base, bias, seqlens, total, ones * shape[1].to(torch.int32))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -132,28 +137,31 @@ class _GroupQueryAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, past_k, past_v, seqlens_k, total, cos, sin, positions, bias, query_lens,
                 num_heads: int, kv_heads: int, scale: float):
-        """q [B, S, nh*hd] and k, v [B, S, kvh*hd], or q packed [B, S, (nh + 2 kvh)*hd] with k, v None."""
+        """q [B, S, nh*hd] and k, v [B, S, kvh*hd], or q packed [B, S, (nh + 2 kvh)*hd] with k, v None.
+        Row b's past is seqlens_k[b] + 1 - S (`total`, the widest row, sizes only the graph's inputs)."""
         B, S, _ = q.shape
         hd = past_k.shape[-1]
         if k is None:  # packed [q; k; v]
             q, k, v = q.split([num_heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
-        T = int(total)
-        P = T - S
         c = cos[positions].unsqueeze(1)  # (B, 1, S, hd/2)
         s = sin[positions].unsqueeze(1)
         q = _rotate(q.view(B, S, num_heads, hd).transpose(1, 2), c, s)  # (B, nh, S, hd)
         k = _rotate(k.view(B, S, kv_heads, hd).transpose(1, 2), c, s)  # (B, kvh, S, hd)
         v = v.view(B, S, kv_heads, hd).transpose(1, 2)
         present_k, present_v = past_k.clone(), past_v.clone()  # the graph writes in place; eagerly: a copy
-        present_k[:, :, P:T] = k
-        present_v[:, :, P:T] = v
         g = num_heads // kv_heads
-        keys = present_k[:, :, :T].repeat_interleave(g, dim=1)  # (B, nh, T, hd)
-        values = present_v[:, :, :T].repeat_interleave(g, dim=1)
-        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale + bias.float()  # (B, nh, S, T)
-        causal = torch.arange(T, device=q.device)[None, :] > (P + torch.arange(S, device=q.device))[:, None]
-        probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1).to(q.dtype)
-        out = torch.matmul(probs, values).transpose(1, 2).reshape(B, S, num_heads * hd)
+        outs = []
+        for b in range(B):  # row b's past: its own length (seqlens_k[b] + 1 - S), its new rows written after it
+            P = int(seqlens_k[b]) + 1 - S
+            present_k[b, :, P:P + S] = k[b]
+            present_v[b, :, P:P + S] = v[b]
+            keys = present_k[b, :, :P + S].repeat_interleave(g, dim=0)  # (nh, P + S, hd)
+            values = present_v[b, :, :P + S].repeat_interleave(g, dim=0)
+            scores = torch.matmul(q[b], keys.transpose(-1, -2)).float() * scale + bias[b, :, :, :P + S].float()
+            causal = torch.arange(P + S, device=q.device)[None, :] > (P + torch.arange(S, device=q.device))[:, None]
+            probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1).to(q.dtype)
+            outs.append(torch.matmul(probs, values))  # (nh, S, hd)
+        out = torch.stack(outs).transpose(1, 2).reshape(B, S, num_heads * hd)
         return out, present_k, present_v
 
     @staticmethod

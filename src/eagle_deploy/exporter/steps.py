@@ -99,7 +99,8 @@ class TargetOnnxFromHF:
                             kv_layout=self.kv_layout)
         OnnxFromModule(self.external_data)(module, args, inputs, outputs, Path(folder) / c.TARGET_FILE)
         return GraphEntry(c.TARGET_FILE, self.dtype, tuple(inputs), tuple(outputs),
-                          feature_layers=tuple(self.feature_layers) if self.feature_layers else None)
+                          feature_layers=tuple(self.feature_layers) if self.feature_layers else None,
+                          ragged_batch=self.kv_layout == c.KV_SHARED)
 
 
 @dataclass
@@ -133,7 +134,7 @@ class DraftOnnxFromHead:
         OnnxFromModule(self.external_data)(module, args, inputs, outputs, Path(folder) / c.DRAFT_FILE)
         return DraftEntry(c.DRAFT_FILE, self.dtype, tuple(inputs), tuple(outputs), graph_top_k=self.top_k,
                           draft_vocab_size=vocab_size, max_position_embeddings=head.dims.max_position_embeddings,
-                          head=record)
+                          head=record, ragged_batch=self.kv_layout == c.KV_SHARED)
 
 
 @dataclass

@@ -71,6 +71,23 @@ class Generation:
         return self._result
 
 
+def load_tokenizer(folder: Path, manifest: Manifest):
+    """The export's tokenizer (transformers AutoTokenizer), or None for an export without one.
+    Raises ManifestError when the folder the manifest names is missing or unreadable."""
+    if not manifest.tokenizer:
+        return None
+    from transformers import AutoTokenizer
+
+    tok_dir = Path(folder) / manifest.tokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir)) if tok_dir.is_dir() else None
+    except Exception as err:  # unreadable tokenizer files
+        raise ManifestError(f"cannot load the tokenizer in {tok_dir} ({type(err).__name__}); re-export") from None
+    if tokenizer is None:
+        raise ManifestError(f"the tokenizer folder {tok_dir} named by the manifest is missing; re-export")
+    return tokenizer
+
+
 def row_exact_default(manifest: Manifest) -> bool:
     """Row-exact decoding (decode.Decoder) by default for quantised targets: their greedy EAGLE
     output then equals their vanilla greedy output token for token (measured on SmolLM2:
@@ -124,18 +141,7 @@ class EagleRuntime:
 
         if drafter is None and with_draft:
             draft = open_draft()
-        tokenizer = None
-        if manifest.tokenizer:
-            from transformers import AutoTokenizer
-
-            tok_dir = folder / manifest.tokenizer
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(str(tok_dir)) if tok_dir.is_dir() else None
-            except Exception as err:  # unreadable tokenizer files
-                raise ManifestError(f"cannot load the tokenizer in {tok_dir} ({type(err).__name__}); "
-                                    "re-export") from None
-            if tokenizer is None:
-                raise ManifestError(f"the tokenizer folder {tok_dir} named by the manifest is missing; re-export")
+        tokenizer = load_tokenizer(folder, manifest)
         rt = cls(folder, manifest, target, draft, tokenizer, tree, acceptance, threshold, drafter, round_observers,
                  row_exact)
         if drafter is None and not with_draft:

@@ -2,8 +2,8 @@
 
 - `protocol`: request parsing and validation (OpenAI-style 400 errors naming the field),
   response and SSE chunk bodies.
-- `engine`: the engine side, a scheduler object with a queue and one engine worker thread
-  (`SerialScheduler`); a batched scheduler can replace it behind the same `Scheduler` protocol.
+- `engine`: the engine side behind the `Scheduler` protocol: `SlotScheduler`, a queue and one
+  engine worker per slot (`--slots N`: the slots of a `runtime.batch.BatchEngine`).
 - `metrics`: Prometheus counters, histograms and gauges.
 - `app`: the FastAPI application (`create_app`).
 - `cli`: `eagle-serve`.

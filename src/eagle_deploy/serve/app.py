@@ -146,7 +146,7 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
     async def health():
         return {"status": "ok", "model": model_name, "queued": scheduler.queued, "active": scheduler.active,
                 "submitted": scheduler.submitted, "completed": scheduler.completed, "failed": scheduler.failed,
-                "cancelled": scheduler.cancelled,
+                "cancelled": scheduler.cancelled, "batching": scheduler.batching,
                 "engine": {**engine_info(scheduler.acceptance, scheduler.threshold, default_mode),
                            "max_length": manifest.max_length, "chat_template": frontend.has_chat_template}}
 

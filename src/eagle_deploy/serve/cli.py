@@ -4,8 +4,8 @@
     curl -N localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
 
-One engine worker decodes the queued requests one at a time (batching several requests into
-one target forward is not implemented yet). Endpoints: POST /v1/chat/completions,
+With --slots N (default 1) up to N requests are decoded at once, their forwards batched
+(continuous batching; each request's output is what it gets alone). Endpoints: POST /v1/chat/completions,
 /v1/completions; GET /v1/models, /health, /metrics (Prometheus).
 """
 from __future__ import annotations
@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the export's name)")
     p.add_argument("--vanilla", action="store_true",
                    help="decode without drafting by default (a request can still ask for \"mode\": \"eagle\")")
+    p.add_argument("--slots", type=int, default=1,
+                   help="requests decoded at once in batched forwards (needs the default fused onnxruntime "
+                        "graph; not int8 exports); KV is allocated once for all of them")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for the engine at most; more get HTTP 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -47,24 +50,28 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from eagle_deploy.contract.manifest import Manifest, ManifestError
+    from eagle_deploy.runtime.batch import check_batchable
     from eagle_deploy.runtime.decode import check_acceptance
     from eagle_deploy.runtime.tree import TreeConfigError
 
     try:
-        if args.max_queue < 1 or not 0 <= args.port <= 65535 or (args.threads is not None and args.threads < 1):
-            raise ValueError("--max-queue and --threads must be >= 1, --port in [0, 65535]")
+        if (args.max_queue < 1 or args.slots < 1 or not 0 <= args.port <= 65535
+                or (args.threads is not None and args.threads < 1)):
+            raise ValueError("--max-queue, --slots and --threads must be >= 1, --port in [0, 65535]")
         check_acceptance(args.acceptance, args.threshold)
         manifest = Manifest.load(args.engines)
+        check_batchable(manifest, args.slots, args.backend)
         tree = tree_from_args(args, manifest.tree)
         if not manifest.tokenizer:
             raise ValueError(f"{args.engines} has no tokenizer; eagle-serve needs one")
         import uvicorn
 
         from .app import create_app
-        from .engine import SerialScheduler
+        from .engine import SlotScheduler
 
-        scheduler = SerialScheduler.load(args.engines, max_queue=args.max_queue, backend=args.backend, tree=tree,
-                                         threads=args.threads, acceptance=args.acceptance, threshold=args.threshold)
+        scheduler = SlotScheduler.load(args.engines, slots=args.slots, max_queue=args.max_queue, backend=args.backend,
+                                       tree=tree, threads=args.threads, acceptance=args.acceptance,
+                                       threshold=args.threshold)
         app = create_app(scheduler, model_name=args.model_name, default_mode="vanilla" if args.vanilla else "eagle")
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
         print("eagle-serve: error: " + " ".join(str(err).split()), file=sys.stderr)
@@ -82,7 +89,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     print(f"eagle-serve: serving {args.model_name or manifest.name!r} on "
-          f"http://{args.host}:{args.port}/v1 (one request at a time; --max-queue {args.max_queue})",
+          f"http://{args.host}:{args.port}/v1 ({args.slots} request{'s' if args.slots > 1 else ''} at a time; "
+          f"--max-queue {args.max_queue})",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -1,15 +1,15 @@
-"""The engine side of eagle-serve: a scheduler object with a queue and one engine worker.
+"""The engine side of eagle-serve: a scheduler with a queue and one engine worker per slot.
 
 The HTTP layer only ever talks to a `Scheduler`: `submit(work, loop) -> Job`, then awaits
-the job's events; `Job.cancel()` when the client goes away. `SerialScheduler` is today's
-implementation: one worker thread owns the `EagleRuntime` (its KV buffers hold one request)
-and decodes the queued requests one at a time, first come first served. A batched scheduler
-(several requests in one target forward) can replace it behind the same protocol once the KV
-layout holds several sequences; that is not done yet.
+the job's events; `Job.cancel()` when the client goes away. `SlotScheduler` implements it:
+with one slot, one worker owns an `EagleRuntime` and decodes the queued requests one at a
+time; with `--slots N`, N workers each drive one slot of a `runtime.batch.BatchEngine`, which
+runs the slots' forwards as batched forwards (continuous batching: a finished request frees
+its slot at once and the next queued one takes it).
 
-Cancellation: the worker checks the job's cancel flag after every committed chunk and, through
-a round observer installed in the runtime, after every verification round, so a cancelled
-request stops within one round and the worker moves on to the next job.
+Cancellation: a worker checks its job's cancel flag after every committed chunk and, through a
+round observer installed in its slot's runtime, after every verification round, so a cancelled
+request stops within one round and frees its slot.
 """
 from __future__ import annotations
 
@@ -18,10 +18,13 @@ import logging
 import queue
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from functools import partial
+from typing import Callable, ContextManager, Protocol, Sequence
 
 from eagle_deploy.runtime.api import EagleRuntime, GenerationResult
+from eagle_deploy.runtime.batch import BatchEngine
 
 log = logging.getLogger("eagle_deploy.serve")
 
@@ -128,12 +131,15 @@ class Scheduler(Protocol):
     @property
     def active(self) -> int: ...
 
+    @property
+    def batching(self) -> dict: ...
+
 
 class RoundGate:
-    """The round observer that `SerialScheduler` installs in its runtime: after every
-    verification round of the current job it calls the test hook, then stops a cancelled job
-    by raising `Cancelled` out of the decode loop (the runtime starts every request with a
-    fresh prefill, so an abandoned round leaves nothing behind)."""
+    """The round observer a scheduler installs in each slot's runtime: after every verification
+    round of the slot's current job it calls the test hook, then stops a cancelled job by
+    raising `Cancelled` out of the decode loop (the runtime starts every request with a fresh
+    prefill, so an abandoned round leaves nothing behind)."""
 
     def __init__(self, hook: RoundHook | None = None):
         self.hook = hook
@@ -150,32 +156,55 @@ class RoundGate:
             raise Cancelled()
 
 
-class SerialScheduler:
-    """A FIFO queue and one engine worker thread that runs one request at a time on
-    `runtime` (which must have `gate` among its round observers; `load` wires that up).
+@dataclass
+class Slot:
+    """One engine worker's sequence: the runtime it decodes with (its round observers include
+    `gate`) and `busy()`, the context a request runs in (BatchEngine.busy for a batched slot)."""
+
+    runtime: EagleRuntime
+    gate: RoundGate
+    busy: Callable[[], ContextManager] = nullcontext
+    job: Job | None = None
+
+
+class SlotScheduler:
+    """A FIFO queue and one engine worker thread per slot; each worker decodes one request at a
+    time on its slot, first come first served. With one slot requests run one after another;
+    with several (`load(slots=N)`) they share a `runtime.batch.BatchEngine`, whose batched
+    forwards serve every busy slot at once (continuous batching: a worker takes the next queued
+    request as soon as its slot frees).
 
     max_queue: jobs waiting (not running) at most; `submit` raises QueueFull beyond it.
     Counters: submitted, completed, failed, cancelled (jobs ended that way)."""
 
-    def __init__(self, runtime: EagleRuntime, gate: RoundGate, max_queue: int = 64):
+    def __init__(self, slots: Sequence[Slot], max_queue: int = 64, engine: BatchEngine | None = None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        self.runtime, self.gate, self.max_queue = runtime, gate, max_queue
+        if not slots:
+            raise ValueError("a scheduler needs at least one slot")
+        self.slots, self.max_queue, self.engine = list(slots), max_queue, engine
+        self.runtime = self.slots[0].runtime  # tokenizer, manifest and settings (the same in every slot)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._waiting = 0
-        self._running: Job | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self.submitted = self.completed = self.failed = self.cancelled = 0
 
     @classmethod
-    def load(cls, folder, max_queue: int = 64, round_hook: RoundHook | None = None, **runtime_kw) -> "SerialScheduler":
-        """Load `folder` with `EagleRuntime.load(folder, **runtime_kw)` plus this scheduler's
-        round gate. round_hook: see RoundHook (tests). Raises what EagleRuntime.load raises."""
-        gate = RoundGate(round_hook)
-        observers = [*runtime_kw.pop("round_observers", ()), gate]
-        runtime = EagleRuntime.load(folder, round_observers=observers, **runtime_kw)
-        return cls(runtime, gate, max_queue)
+    def load(cls, folder, slots: int = 1, max_queue: int = 64, round_hook: RoundHook | None = None,
+             **runtime_kw) -> "SlotScheduler":
+        """Load `folder` for `slots` concurrent requests: one slot is `EagleRuntime.load(folder,
+        **runtime_kw)`; several share `BatchEngine.load(folder, slots, **runtime_kw)`. Each slot's
+        runtime gets its own round gate. round_hook: see RoundHook (tests). Raises what those
+        loaders raise (BatchError for an export batched decoding cannot serve)."""
+        gates = [RoundGate(round_hook) for _ in range(slots)]
+        extra = list(runtime_kw.pop("round_observers", ()))
+        if slots == 1:
+            runtime = EagleRuntime.load(folder, round_observers=[*extra, gates[0]], **runtime_kw)
+            return cls([Slot(runtime, gates[0])], max_queue)
+        engine = BatchEngine.load(folder, slots, round_observers=lambda b: [*extra, gates[b]], **runtime_kw)
+        return cls([Slot(rt, gates[b], partial(engine.busy, b)) for b, rt in enumerate(engine.runtimes)], max_queue,
+                   engine)
 
     @property
     def acceptance(self) -> str:
@@ -187,28 +216,40 @@ class SerialScheduler:
 
     @property
     def queued(self) -> int:
-        """Jobs waiting for the worker (cancelled ones included until the worker drops them)."""
+        """Jobs waiting for a worker (cancelled ones included until a worker drops them)."""
         return self._waiting
 
     @property
     def active(self) -> int:
-        """Jobs being decoded now (0 or 1)."""
-        return 0 if self._running is None else 1
+        """Jobs being decoded now (at most one per slot)."""
+        return sum(slot.job is not None for slot in self.slots)
+
+    @property
+    def batching(self) -> dict:
+        """{"slots", "batched_forwards", "solo_forwards"}: forwards the BatchEngine ran for two or
+        more slots at once, and alone (prefills, or one busy slot); zeros with one slot."""
+        e = self.engine
+        return {"slots": len(self.slots), "batched_forwards": e.batched_forwards if e else 0,
+                "solo_forwards": e.solo_forwards if e else 0}
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="eagle-engine", daemon=True)
-            self._thread.start()
+        if not self._threads:
+            self._threads = [threading.Thread(target=self._work, args=(slot,), name=f"eagle-engine-{b}", daemon=True)
+                             for b, slot in enumerate(self.slots)]
+            for t in self._threads:
+                t.start()
 
     def close(self, timeout: float = 5.0) -> None:
-        """Cancel the running job, drop the queued ones, stop the worker."""
-        running = self._running
-        if running is not None:
-            running.cancel()
-        self._queue.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        """Cancel the running jobs, drop the queued ones, stop the workers."""
+        for slot in self.slots:
+            job = slot.job
+            if job is not None:
+                job.cancel()
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout)
+        self._threads = []
 
     def submit(self, work: Work, loop: asyncio.AbstractEventLoop) -> Job:
         with self._lock:
@@ -220,7 +261,7 @@ class SerialScheduler:
         self._queue.put(job)
         return job
 
-    def _work(self) -> None:
+    def _work(self, slot: Slot) -> None:
         while True:
             job = self._queue.get()
             if job is None:
@@ -230,22 +271,23 @@ class SerialScheduler:
             if job.cancelled:
                 self._end(job, "cancelled", Event("cancelled"))
                 continue
-            self._running, self.gate.job = job, job
+            slot.job, slot.gate.job = job, job
             try:
-                self._run(job)
+                self._run(slot, job)
             finally:
-                self._running, self.gate.job = None, None
+                slot.job, slot.gate.job = None, None
 
-    def _run(self, job: Job) -> None:
+    def _run(self, slot: Slot, job: Job) -> None:
         w = job.work
         job.state, job.t_start = "running", time.perf_counter()
         try:
-            gen = self.runtime.stream(list(w.prompt_ids), w.max_tokens, w.temperature, w.top_p, w.top_k, w.seed,
-                                      list(w.stop), w.mode, chat=False)
-            for delta in gen:
-                job.emit(Event("delta", text=delta))
-                if job.cancelled:
-                    raise Cancelled()
+            with slot.busy():
+                gen = slot.runtime.stream(list(w.prompt_ids), w.max_tokens, w.temperature, w.top_p, w.top_k, w.seed,
+                                          list(w.stop), w.mode, chat=False)
+                for delta in gen:
+                    job.emit(Event("delta", text=delta))
+                    if job.cancelled:
+                        raise Cancelled()
             self._end(job, "done", Event("done", result=gen.result))
         except Cancelled:
             self._end(job, "cancelled", Event("cancelled"))

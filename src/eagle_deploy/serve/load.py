@@ -44,6 +44,8 @@ class LoadConfig:
     endpoint: str = "chat"  # "chat" | "completions"
     timeout: float = 600.0
     warmup: bool = True
+    disconnect: float = 0.0  # share of requests the client abandons after their first text chunk
+    seed: int = 0  # which requests are abandoned
 
 
 @dataclass
@@ -60,6 +62,7 @@ class Sample:
     tau: float | None = None
     rounds: int = 0
     text: str = ""
+    dropped: bool = False  # the client hung up after the first text chunk (--disconnect)
 
     @property
     def tpot(self) -> float | None:
@@ -123,8 +126,9 @@ class Client:
         finally:
             conn.close()
 
-    def stream(self, path: str, payload: dict, prompt_id: str) -> Sample:
-        """POST a streaming request and read its SSE events to [DONE]."""
+    def stream(self, path: str, payload: dict, prompt_id: str, hang_up: bool = False) -> Sample:
+        """POST a streaming request and read its SSE events to [DONE]; hang_up: close the
+        connection right after the first text chunk (a client that goes away)."""
         conn = self._conn()
         t0 = time.perf_counter()
         sample = Sample(prompt_id, ok=False)
@@ -159,10 +163,17 @@ class Client:
                         if sample.ttft is None:
                             sample.ttft = time.perf_counter() - t0
                         parts.append(text)
+                        if hang_up:
+                            sample.dropped = True
+                            break
+                    if sample.dropped:
+                        break
                     if choice.get("finish_reason"):
                         sample.finish_reason = choice["finish_reason"]
                         eagle = event.get("eagle") or {}
                         sample.tau, sample.rounds = eagle.get("mean_accept_len"), eagle.get("rounds", 0)
+                if sample.dropped:
+                    break
         except (OSError, http.client.HTTPException, ValueError) as err:
             sample.error = f"{type(err).__name__}: {err}"
         finally:
@@ -186,6 +197,8 @@ def run_cell(client: Client, cfg: LoadConfig, model: str, mode: str, concurrency
     todo = list(enumerate(cfg.prompts))
     samples: list[Sample | None] = [None] * len(todo)
     lock = threading.Lock()
+    rng = np.random.default_rng([cfg.seed, concurrency, len(mode)])
+    hang_up = rng.random(len(todo)) < cfg.disconnect
 
     def worker():
         while True:
@@ -194,7 +207,7 @@ def run_cell(client: Client, cfg: LoadConfig, model: str, mode: str, concurrency
                     return
                 i, p = todo.pop(0)
             path, body = _payload(cfg, model, p["prompt"], mode)
-            samples[i] = client.stream(path, body, p["id"])
+            samples[i] = client.stream(path, body, p["id"], bool(hang_up[i]))
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, len(todo)))]
     t0 = time.perf_counter()
@@ -210,7 +223,8 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def summarize(mode: str, concurrency: int, samples: list[Sample], wall: float) -> dict:
-    """One cell: counts, total tokens/s, TTFT and time per output token p50/p99 (ms), tau."""
+    """One cell: counts (requests; ok; dropped: abandoned by the client on purpose; lost:
+    neither), total tokens/s, TTFT and time per output token p50/p99 (ms), tau."""
     ok = [s for s in samples if s.ok]
     tokens = sum(s.completion_tokens for s in ok)
     ttft = [s.ttft for s in ok if s.ttft is not None]
@@ -218,7 +232,8 @@ def summarize(mode: str, concurrency: int, samples: list[Sample], wall: float) -
     rounds = sum(s.rounds for s in ok if s.tau is not None)
     tau = sum(s.tau * s.rounds for s in ok if s.tau is not None) / rounds if rounds else None
     return {"mode": mode, "concurrency": concurrency, "requests": len(samples), "ok": len(ok),
-            "errors": [s.error for s in samples if not s.ok], "completion_tokens": tokens,
+            "dropped": sum(s.dropped for s in samples), "lost": sum(not s.ok and not s.dropped for s in samples),
+            "errors": [s.error for s in samples if not s.ok and not s.dropped], "completion_tokens": tokens,
             "wall_s": round(wall, 3), "tokens_per_s": round(tokens / max(wall, 1e-9), 2),
             "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
             "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p99": _pct(tpot, 99),
@@ -226,9 +241,20 @@ def summarize(mode: str, concurrency: int, samples: list[Sample], wall: float) -
             "tau": round(tau, 3) if tau is not None else None}
 
 
+def same_text(samples: list[Sample], reference: list[Sample]) -> list[int] | None:
+    """[equal, compared]: completed requests whose text equals the same prompt's completed
+    request in `reference` (greedy: a request's output must not depend on the concurrency, nor
+    on EAGLE vs vanilla); None when nothing can be compared."""
+    ref = {s.prompt_id: s.text for s in reference if s.ok}
+    pairs = [(s.text, ref[s.prompt_id]) for s in samples if s.ok and s.prompt_id in ref]
+    return [sum(a == b for a, b in pairs), len(pairs)] if pairs else None
+
+
 def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
     """Every (mode, concurrency) cell in turn -> {"schema", "config", "model", "server",
-    "cells": [summarize(...)], "samples": {"<mode>/<c>": [Sample as dict]}}.
+    "cells": [summarize(...)], "samples": {"<mode>/<c>": [Sample as dict]}}. Greedy cells also
+    get same_as_first (against the mode's first concurrency level) and same_as_vanilla
+    (against vanilla's first cell, when vanilla ran first) from `same_text`.
     Raises RuntimeError when the server cannot be reached, ValueError without prompts."""
     if not cfg.prompts:
         raise ValueError("no prompts")
@@ -242,11 +268,15 @@ def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
         for mode in cfg.modes:
             path, body = _payload(cfg, model, cfg.prompts[0]["prompt"], mode)
             client.stream(path, {**body, "max_tokens": 4}, "warmup")
-    cells, samples = [], {}
+    cells, samples, first = [], {}, {}
     for mode in cfg.modes:
         for c in cfg.concurrency:
             got, wall = run_cell(client, cfg, model, mode, c)
             cell = summarize(mode, c, got, wall)
+            if cfg.temperature == 0:
+                first.setdefault(mode, got)
+                cell["same_as_first"] = same_text(got, first[mode])
+                cell["same_as_vanilla"] = same_text(got, first.get("vanilla", []))
             log(format_row(cell))
             cells.append(cell)
             samples[f"{mode}/{c}"] = [{**asdict(s), "tpot": s.tpot} for s in got]
@@ -257,7 +287,7 @@ def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
 
 
 HEADER = (f"{'mode':<8} {'conc':>4} {'ok':>4} {'tokens':>7} {'tok/s':>8} {'TPOT p50':>9} {'TPOT p99':>9} "
-          f"{'TTFT p50':>9} {'TTFT p99':>9} {'tau':>6}")
+          f"{'TTFT p50':>9} {'TTFT p99':>9} {'tau':>6} {'same':>7} {'lost':>4}")
 
 
 def format_row(c: dict) -> str:
@@ -265,8 +295,11 @@ def format_row(c: dict) -> str:
         return f"{v:>7.1f}ms" if v is not None else f"{'-':>9}"
 
     tau = f"{c['tau']:>6.2f}" if c["tau"] is not None else f"{'-':>6}"
+    same = c.get("same_as_first")
+    same = f"{same[0]:>3}/{same[1]:<3}" if same else f"{'-':>7}"
     return (f"{c['mode']:<8} {c['concurrency']:>4} {c['ok']:>4} {c['completion_tokens']:>7} {c['tokens_per_s']:>8.1f} "
-            f"{ms(c['tpot_ms_p50'])} {ms(c['tpot_ms_p99'])} {ms(c['ttft_ms_p50'])} {ms(c['ttft_ms_p99'])} {tau}")
+            f"{ms(c['tpot_ms_p50'])} {ms(c['tpot_ms_p99'])} {ms(c['ttft_ms_p50'])} {ms(c['ttft_ms_p99'])} {tau} "
+            f"{same} {c.get('lost', 0):>4}")
 
 
 def format_table(result: dict) -> str:
@@ -293,6 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat wraps each prompt as a user message; completions sends it raw")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up request per mode")
+    p.add_argument("--disconnect", type=float, default=0.0,
+                   help="share of requests (0-1, drawn with --seed) abandoned after their first text chunk; they "
+                        "count as dropped, not lost, and their slot must come back")
+    p.add_argument("--seed", type=int, default=0, help="which requests --disconnect abandons")
+    p.add_argument("--repeat", type=int, default=1, help="send the prompt list this many times per cell")
     p.add_argument("--json", type=Path, default=None, help="also write the full result (cells + samples) here")
     return p
 
@@ -300,15 +338,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("eagle", "vanilla") for m in modes) or args.max_tokens < 1 or (args.limit or 0) < 0:
-        print("load: error: --modes takes eagle,vanilla; --max-tokens >= 1; --limit >= 0", file=sys.stderr)
+    if (not modes or any(m not in ("eagle", "vanilla") for m in modes) or args.max_tokens < 1 or (args.limit or 0) < 0
+            or not 0 <= args.disconnect <= 1 or args.repeat < 1):
+        print("load: error: --modes takes eagle,vanilla; --max-tokens >= 1; --limit >= 0; --disconnect in [0, 1]; "
+              "--repeat >= 1", file=sys.stderr)
         return 2
     try:
         sets = [str(p) for p in args.prompts] or [s.strip() for s in args.sets.split(",") if s.strip()]
         limit = args.limit if args.limit is not None else (0 if args.prompts else 8)
         prompts = load_prompts(sets, limit)
+        prompts = [{**p, "id": f"{p['id']}#{r}" if args.repeat > 1 else p["id"]}
+                   for r in range(args.repeat) for p in prompts]
         cfg = LoadConfig(args.url, args.model, prompts, args.concurrency, modes, args.max_tokens, args.temperature,
-                         args.endpoint, args.timeout, not args.no_warmup)
+                         args.endpoint, args.timeout, not args.no_warmup, args.disconnect, args.seed)
         print(HEADER, file=sys.stderr, flush=True)
         result = run_load(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     except (ValueError, RuntimeError, ModuleNotFoundError) as err:
@@ -319,7 +361,7 @@ def main(argv=None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)
-    failed = sum(c["requests"] - c["ok"] for c in result["cells"])
+    failed = sum(c["lost"] for c in result["cells"])
     return 1 if failed else 0
 
 

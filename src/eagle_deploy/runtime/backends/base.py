@@ -23,12 +23,13 @@ from ..kv import KVBuffer
 
 @dataclass
 class StepInputs:
-    """Host inputs of one forward (batch 1).
+    """Host inputs of one forward: batch 1 for one request, batch B for the rows of a batched
+    forward (`runtime.batch`; only backends whose `allocate_kv` takes a batch run those).
 
-    input_ids [1, S] int64; position_ids [1, S] int64; attention_mask [1, S, past + S] bool;
-    logits_indices [1, N] int64; features [1, S, H] (draft graph only, the graph's dtype).
-    EAGLE-3 draft graph: tapped_features [1, T, n*H_target] for the first T rows and features
-    [1, S - T, H] for the rest (either may have 0 rows; contract "EAGLE-3 exports").
+    input_ids [B, S] int64; position_ids [B, S] int64; attention_mask [B, S, past + S] bool;
+    logits_indices [B, N] int64; features [B, S, H] (draft graph only, the graph's dtype).
+    EAGLE-3 draft graph: tapped_features [B, T, n*H_target] for the first T rows and features
+    [B, S - T, H] for the rest (either may have 0 rows; contract "EAGLE-3 exports").
     """
 
     input_ids: np.ndarray
@@ -50,14 +51,17 @@ class StepInputs:
 
     def check(self, past: int) -> None:
         """Raise ValueError on shapes that disagree with each other or with `past`."""
-        S = self.input_ids.shape[1]
-        if self.input_ids.shape[0] != 1 or self.position_ids.shape != self.input_ids.shape:
+        B, S = self.input_ids.shape
+        if B < 1 or self.position_ids.shape != self.input_ids.shape:
             raise ValueError(f"input_ids {self.input_ids.shape} / position_ids {self.position_ids.shape} "
-                             "must both be [1, S]")
-        if self.attention_mask.shape != (1, S, past + S):
-            raise ValueError(f"attention_mask is {self.attention_mask.shape}, expected (1, {S}, {past + S})")
-        if self.logits_indices.ndim != 2 or np.any(self.logits_indices >= S) or np.any(self.logits_indices < 0):
-            raise ValueError(f"logits_indices must be [1, N] with values in [0, {S})")
+                             "must both be [B, S]")
+        if self.attention_mask.shape != (B, S, past + S):
+            raise ValueError(f"attention_mask is {self.attention_mask.shape}, expected ({B}, {S}, {past + S})")
+        if (self.logits_indices.ndim != 2 or self.logits_indices.shape[0] != B or np.any(self.logits_indices >= S)
+                or np.any(self.logits_indices < 0)):
+            raise ValueError(f"logits_indices must be [{B}, N] with values in [0, {S})")
+        if any(a is not None and a.shape[0] != B for a in (self.features, self.tapped_features)):
+            raise ValueError(f"features / tapped_features must have batch {B}")
         rows = sum(a.shape[1] for a in (self.features, self.tapped_features) if a is not None)
         if (self.features is not None or self.tapped_features is not None) and rows != S:
             raise ValueError(f"features / tapped_features hold {rows} rows for {S} tokens")
@@ -67,9 +71,9 @@ class StepInputs:
         "shared" KV layout (fused GroupQueryAttention) apply a causal mask over the new tokens on
         top of `attention_mask`, so such a mask would be silently cut; trees in tree order
         (ancestors first) never need it."""
-        new = self.attention_mask[0, :, past:]
+        new = self.attention_mask[:, :, past:]
         if np.triu(new, k=1).any():
-            i, j = np.argwhere(np.triu(new, k=1))[0]
+            _, i, j = np.argwhere(np.triu(new, k=1))[0]
             raise ValueError(f"attention_mask lets new token {i} attend to the later new token {j}: this graph's "
                              "fused attention is causal over the new tokens (list tree nodes after their ancestors)")
 

@@ -157,10 +157,11 @@ class OrtBackend:
         self._binding = self.session.io_binding()
         self._kv_bound: tuple | None = None  # shared layout: (KVBuffer, array ids) whose KV stays bound
 
-    def allocate_kv(self, capacity: int) -> KVBuffer:
-        """KV buffers in this graph's layout (graph.kv_layout), `capacity` rows each."""
-        return KVBuffer.allocate(self.kv_names, capacity, 1, self.dims.num_kv_heads, self.dims.head_dim, self.kv_dtype,
-                                 layout=self.graph.kv_layout)
+    def allocate_kv(self, capacity: int, batch: int = 1) -> KVBuffer:
+        """KV buffers in this graph's layout (graph.kv_layout), `capacity` rows each, for
+        `batch` sequences (batch > 1: the slots of `runtime.batch.BatchEngine`)."""
+        return KVBuffer.allocate(self.kv_names, capacity, batch, self.dims.num_kv_heads, self.dims.head_dim,
+                                 self.kv_dtype, layout=self.graph.kv_layout)
 
     def _out_buffer(self, name: str, dtype, shape: tuple[int, ...]) -> np.ndarray:
         """A reused output array at least `shape` large (grown, never shrunk)."""
@@ -172,8 +173,10 @@ class OrtBackend:
         return buf[:need].reshape(shape)
 
     def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
-        S, N = inputs.input_ids.shape[1], inputs.logits_indices.shape[1]
+        (B, S), N = inputs.input_ids.shape, inputs.logits_indices.shape[1]
         check_step(inputs, kv, past, self.graph.kv_layout)
+        if kv.batch != B:
+            raise ValueError(f"a batch of {B} rows on a KV buffer of {kv.batch} sequences")
         shared = self.graph.kv_layout == c.KV_SHARED
         b = self._binding
         # shared layout: the KV bindings (whole buffers, in and out) do not change from call to call,
@@ -184,7 +187,7 @@ class OrtBackend:
             b.clear_binding_inputs()
             b.clear_binding_outputs()
             self._kv_bound = None
-            shape_past = (past, 1, self.dims.num_kv_heads, self.dims.head_dim)
+            shape_past = (past, B, self.dims.num_kv_heads, self.dims.head_dim)
             shape_new = (S,) + shape_past[1:]
             for (past_name, present_name), arr in zip(self.kv_names, kv.arrays):
                 if shared:  # one buffer in and out: the fused attention writes rows [past, past + S) in place
@@ -197,7 +200,7 @@ class OrtBackend:
         feeds = {name: np.ascontiguousarray(arr) for name, arr in inputs.feeds().items()}  # alive until run
         for name, arr in feeds.items():
             b.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-        sizes = {"batch": 1, "seq": S, "num_logits": N, "vocab": self.dims.vocab, "hidden": self.dims.hidden}
+        sizes = {"batch": B, "seq": S, "num_logits": N, "vocab": self.dims.vocab, "hidden": self.dims.hidden}
         results = {}
         for spec in self._outputs:
             out = self._out_buffer(spec.name, numpy_dtype(spec.dtype), resolve_shape(spec.shape, sizes))

@@ -1,0 +1,398 @@
+"""Batched decoding: several requests in flight, their forwards run as one batched forward.
+
+A `BatchEngine` holds `slots` sequences. Each slot is an ordinary `EagleRuntime` (its own
+`Decoder`, drafter, stop strings, sampling RNG and stats) whose target and draft backends are
+`SlotBackend`s: a slot's forward is handed to the engine, which waits until every busy slot
+has handed in its next forward and then runs them together:
+
+1. a forward with an empty past (a prefill, or the drafter's first extension) runs alone, on
+   the slot's own rows (large and rare; batching it would pad every other slot to its length);
+2. otherwise the draft forwards first (those with the same feature inputs together: an
+   EAGLE-3 extension and an expansion fill different inputs), so every slot finishes drafting
+   its tree, then all the target forwards (tree verifications, vanilla steps) as one.
+
+Slots join and leave between forwards (continuous batching): a finished request frees its slot
+at once and the next queued request takes it with a prefill. Each slot is driven by its own
+thread (`generate_many`, or eagle-serve's workers); the decode loop itself is unchanged.
+
+Padding (contract "Batched forwards"): one batched forward covers slots [0, hi); every row
+keeps its own past. Row b of a slot in the group carries its S_b new tokens then padding up to
+S = the largest S_b, at past_b = its own rows; a slot in that range that is not in the group
+gets S padding tokens at past = the rows it holds. Row b's mask is its own mask, [S_b, past_b +
+S_b], with padding rows seeing only themselves; the graph reads each row's past from its mask
+(its last token's last visible column is past_b + S - 1) and writes row b's new KV at
+[past_b, past_b + S) of slot b's block, where padding rows land beyond what the slot holds.
+Nothing is copied afterwards: each slot's KV is exactly what its solo forward would write.
+
+Guarantees (measured on onnxruntime 1.32's CPU kernels; tests/runtime/test_batch.py): a row
+of a batched forward computes the same bits as the same row of that slot's solo forward
+whenever the solo forward has two or more tokens (attention reads only the row's own
+columns; matrix products are per row). A one-token solo forward runs onnxruntime's one-row
+kernel and can differ in the last bit. So: row-exact decoding (the default for quantised
+exports: one-token forwards run as two rows) is bit-identical batched and alone; fp32 greedy
+output is token-identical except at exact near-ties, as EAGLE vs vanilla already is;
+sampling follows the target distribution, and with a `seed` gives the tokens the request gets
+alone whenever the bits agree (each slot owns its RNG). Graphs whose rounding mixes rows (int8
+dynamic quantisation: one activation scale per batched tensor) are refused (`check_batchable`).
+
+Needs the fused graphs (KV layout "shared", manifest `extra.ragged_batch`: the default
+onnxruntime export; each slot's rows are one contiguous block, so a prefill binds that block
+alone) and a backend whose `allocate_kv` takes a batch (onnxruntime CPU). KV is allocated once
+per graph for all slots: [slots, kv_heads, capacity + margin, head_dim], the margin being the
+padding rows a batched forward may write past a slot's own capacity (`margin_rows`); a forward
+that would not fit runs alone.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from eagle_deploy.contract.manifest import Manifest
+from eagle_deploy.contract.onnx_io import KV_SHARED
+
+from .api import EagleRuntime, Prompt, load_tokenizer, row_exact_default
+from .backends import load_backend
+from .backends.base import StepInputs, StepOutputs
+from .decode import RoundObserver
+from .drafter import Drafter, EagleDrafter
+from .kv import KVBuffer
+from .tree import TreeConfig
+
+# output fields whose axis 1 follows logits_indices (N); every other output follows the new tokens (S)
+_PER_LOGIT = {"logits", "topk_logprobs", "topk_ids"}
+
+
+class BatchError(ValueError):
+    """An export or setting batched decoding cannot serve (raised when the engine is built)."""
+
+
+def check_batchable(manifest: Manifest, slots: int, backend: str) -> None:
+    """Raise BatchError unless `slots` sequences can be decoded in batched forwards of this
+    export: slots >= 1, backend "ort", both graphs in the "shared" KV layout, and a target
+    whose rows round independently of each other (not int8 dynamic quantisation)."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise BatchError(f"slots must be a whole number >= 1, got {slots!r}")
+    if slots == 1:
+        return
+    if backend != "ort":
+        raise BatchError(f"batched decoding (slots {slots}) runs on the onnxruntime CPU backend only, not {backend!r}; "
+                         "use slots 1")
+    for which in ("target", "draft"):
+        graph = getattr(manifest, which)
+        if graph.kv_layout != KV_SHARED:
+            raise BatchError(f"batched decoding needs the fused graph (KV layout {KV_SHARED!r}); this export's {which} "
+                             f"graph has {graph.kv_layout!r} (--graph standard): use slots 1 or re-export without it")
+        if not graph.ragged_batch:
+            raise BatchError(f"this export's {which} graph predates batched decoding (its manifest lacks "
+                             f"{which}.extra.ragged_batch): re-export it with this version, or use slots 1")
+    if manifest.target.quant == "int8":
+        raise BatchError("batched decoding of an int8 export would change its output: dynamic int8 quantisation "
+                         "scales each batched activation tensor by its largest value, so one request's tokens would "
+                         "depend on the others'; use slots 1, or an fp32 / int4 export")
+
+
+def margin_rows(tree: TreeConfig, row_exact: bool) -> int:
+    """KV rows a batched forward may write past one slot's own capacity: the largest number of
+    new tokens a batched forward carries (a verification tree, a draft expansion of top_k^2
+    frontier nodes, an extension of depth + 1 accepted tokens), with a spare row for row-exact
+    one-token forwards."""
+    return tree.total_tokens + tree.depth + 2 + (tree.top_k or 1) ** 2 + int(row_exact)
+
+
+@dataclass
+class _Call:
+    """One slot's forward waiting for the engine."""
+
+    slot: int
+    role: str  # "target" | "draft"
+    inputs: StepInputs
+    past: int
+    result: StepOutputs | BaseException | None = None
+    done: bool = False
+
+    @property
+    def seq(self) -> int:
+        return int(self.inputs.input_ids.shape[1])
+
+    @property
+    def signature(self) -> tuple:
+        """Forwards with equal signatures can share one batched forward."""
+        rows = tuple(a is not None and a.shape[1] > 0 for a in (self.inputs.features, self.inputs.tapped_features))
+        return (self.role, rows)
+
+
+class SlotBackend:
+    """Slot `slot`'s view of graph `role` in a BatchEngine (a `Backend`): `allocate_kv` returns
+    the slot's block of the engine's batched buffer, `run` hands the forward to the engine and
+    returns this slot's rows of the batched result (batch 1, as a solo forward would)."""
+
+    def __init__(self, engine: "BatchEngine", role: str, slot: int):
+        self.engine, self.role, self.slot = engine, role, slot
+        inner = engine.backends[role]
+        self.name = f"{inner.name}-batched"
+        self.kv_names = inner.kv_names
+
+    def allocate_kv(self, capacity: int) -> KVBuffer:
+        return self.engine.slot_kv(self.role, self.slot, capacity)
+
+    def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
+        return self.engine.forward(_Call(self.slot, self.role, inputs, past))
+
+
+class BatchEngine:
+    """`slots` EagleRuntimes over one pair of backends, their forwards batched (module doc).
+
+    runtimes[b]: slot b's runtime; drive each from its own thread inside `busy(b)`:
+
+        engine = BatchEngine.load("engines/smollm2-135m", slots=4)
+        results = engine.generate_many(["Hi", "Write a haiku", ...], max_new_tokens=64)
+
+    Counters: batched_forwards (forwards of two or more slots), solo_forwards,
+    slot_forwards (slot forwards served, batched or not).
+    """
+
+    def __init__(self, folder: Path, manifest: Manifest, backends: dict, tokenizer, tree: TreeConfig, slots: int,
+                 backend: str = "ort", acceptance: str = "lossless", threshold: float = 0.0,
+                 round_observers: Callable[[int], Sequence[RoundObserver]] | None = None,
+                 row_exact: bool | None = None, drafters: Callable[[int, EagleDrafter], Drafter] | None = None):
+        """backends: {"target": Backend, "draft": Backend} (batch-capable, see check_batchable);
+        round_observers(b): slot b's round observers (see Decoder); drafters(b, drafter): the
+        drafter slot b uses, given its EAGLE drafter over the batched draft graph (tests wrap
+        it to force trees). Raises BatchError."""
+        check_batchable(manifest, slots, backend)
+        self.backends, self.slots, self.tree = backends, slots, tree
+        self._cond = threading.Condition()
+        self._buffers: dict[str, KVBuffer] = {}
+        self._views: dict[tuple, KVBuffer] = {}  # (role, "slot" | "range", n) -> view, made once
+        self._busy: set[int] = set()
+        self._pending: dict[int, _Call] = {}
+        self._held = {role: [0] * slots for role in backends}  # rows each slot still holds, per graph
+        self._capacity: dict[str, int] = {}  # rows per slot each graph's buffer was allocated for
+        self._row_exact = row_exact_default(manifest) if row_exact is None else row_exact
+        self.batched_forwards = self.solo_forwards = self.slot_forwards = 0
+        observers = round_observers or (lambda b: ())
+        wrap = drafters or (lambda b, drafter: drafter)
+        self.runtimes = [EagleRuntime(folder, manifest, SlotBackend(self, "target", b), None, tokenizer, tree,
+                                      acceptance, threshold,
+                                      wrap(b, EagleDrafter.for_export(SlotBackend(self, "draft", b), tree, manifest)),
+                                      observers(b), row_exact)
+                         for b in range(slots)]
+
+    @classmethod
+    def load(cls, folder, slots: int, backend: str = "ort", tree: TreeConfig | None = None, threads: int | None = None,
+             acceptance: str = "lossless", threshold: float = 0.0,
+             round_observers: Callable[[int], Sequence[RoundObserver]] | None = None,
+             row_exact: bool | None = None,
+             drafters: Callable[[int, EagleDrafter], Drafter] | None = None) -> "BatchEngine":
+        """Load `folder` once for `slots` sequences (keywords as for EagleRuntime.load and
+        __init__). Raises BatchError (check_batchable), and what EagleRuntime.load raises."""
+        folder = Path(folder)
+        manifest = Manifest.load(folder)
+        check_batchable(manifest, slots, backend)
+        tree = (tree or manifest.tree).validate(manifest.draft.graph_top_k)
+        backends = {which: load_backend(backend, folder, manifest, which, threads, tree=tree)
+                    for which in ("target", "draft")}
+        return cls(folder, manifest, backends, load_tokenizer(folder, manifest), tree, slots, backend, acceptance,
+                   threshold, round_observers, row_exact, drafters)
+
+    # -- KV ------------------------------------------------------------------------------------
+
+    def slot_kv(self, role: str, slot: int, capacity: int) -> KVBuffer:
+        """Slot `slot`'s block of graph `role`'s batched buffer, allocated on first use with
+        `capacity` + margin_rows rows for every slot. Raises BatchError when a slot asks for more
+        rows than the buffer was allocated for."""
+        with self._cond:
+            buf = self._buffers.get(role)
+            if buf is None:
+                rows = capacity + margin_rows(self.tree, self._row_exact)
+                buf = self._buffers[role] = self.backends[role].allocate_kv(rows, batch=self.slots)
+                self._capacity[role] = capacity
+            if capacity > self._capacity[role]:
+                raise BatchError(f"slot {slot} asks for {capacity} {role} KV rows; the batched buffer holds "
+                                 f"{self._capacity[role]} per slot")
+            return self._view(role, "slot", slot)
+
+    def _view(self, role: str, kind: str, n: int) -> KVBuffer:
+        key = (role, kind, n)
+        if key not in self._views:
+            buf = self._buffers[role]
+            if kind == "slot":
+                self._views[key] = buf.slot(n)
+            else:  # slots [0, n)
+                self._views[key] = KVBuffer(buf.names, [a[:n] for a in buf.arrays], buf.layout)
+        return self._views[key]
+
+    @property
+    def buffers(self) -> dict[str, KVBuffer]:
+        """The batched KV buffer of each graph ({"target", "draft"}), allocated once."""
+        return dict(self._buffers)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of every KV buffer the engine holds (all slots, both graphs)."""
+        return sum(buf.nbytes for buf in self._buffers.values())
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    @contextmanager
+    def busy(self, slot: int) -> Iterator[EagleRuntime]:
+        """Mark `slot` busy while its thread decodes a request with the yielded runtime; the
+        engine waits for a forward from every busy slot before it runs a batch, so a busy slot
+        must be driven without pause. On exit the slot's rows are released."""
+        with self._cond:
+            if slot in self._busy:
+                raise RuntimeError(f"slot {slot} is already busy")
+            self._busy.add(slot)
+        try:
+            yield self.runtimes[slot]
+        finally:
+            with self._cond:
+                self._busy.discard(slot)
+                self._pending.pop(slot, None)
+                for held in self._held.values():
+                    held[slot] = 0
+                self._dispatch()
+
+    def forward(self, call: _Call) -> StepOutputs:
+        """Run `call` in the next batch (called by SlotBackend.run in the slot's thread)."""
+        with self._cond:
+            if call.slot not in self._busy:
+                raise RuntimeError(f"slot {call.slot} ran a forward outside BatchEngine.busy()")
+            self._pending[call.slot] = call
+            self._dispatch()
+            while not call.done:
+                self._cond.wait()
+        if isinstance(call.result, BaseException):
+            raise call.result
+        return call.result
+
+    def _dispatch(self) -> None:
+        """With the lock held: once every busy slot waits on a forward, run the next group."""
+        if not self._pending or len(self._pending) < len(self._busy):
+            return
+        calls = sorted(self._pending.values(), key=lambda c: c.slot)
+        first = [c for c in calls if c.past == 0]
+        if first:
+            group = first[:1]
+        else:
+            pool = [c for c in calls if c.role == "draft"] or calls
+            group = [c for c in pool if c.signature == pool[0].signature]
+        try:
+            if len(group) == 1 or not self._run_batched(group):
+                for c in group:
+                    self._run_solo(c)
+        except BaseException as err:  # the forward failed: every request in it fails with it
+            for c in group:
+                c.result = c.result if c.done else err
+        for c in group:
+            c.done = True
+            del self._pending[c.slot]
+        self._cond.notify_all()
+
+    def _run_solo(self, call: _Call) -> None:
+        kv = self._view(call.role, "slot", call.slot)
+        call.result = self.backends[call.role].run(call.inputs, kv, call.past)
+        call.done = True
+        self._held[call.role][call.slot] = call.past + call.seq
+        self.solo_forwards += 1
+        self.slot_forwards += 1
+
+    def _run_batched(self, group: list[_Call]) -> bool:
+        """One forward over slots [0, hi) for `group`, each row at its own past (module doc,
+        "Padding"); False (nothing run) when a row would not fit in the buffer."""
+        role = group[0].role
+        hi = group[-1].slot + 1
+        calls = {c.slot: c for c in group}
+        held = self._held[role]
+        pasts = [calls[b].past if b in calls else held[b] for b in range(hi)]
+        S = max(c.seq for c in group)
+        kv = self._view(role, "range", hi)
+        if max(pasts) + S > kv.capacity:
+            return False
+        out = self.backends[role].run(_pad(calls, pasts, S), kv, max(pasts))
+        for c in group:
+            held[c.slot] = c.past + c.seq
+            n = c.inputs.logits_indices.shape[1]
+            c.result = type(out)(**{f.name: _rows(getattr(out, f.name), c.slot, n if f.name in _PER_LOGIT else c.seq)
+                                    for f in fields(out)})
+        self.batched_forwards += 1
+        self.slot_forwards += len(group)
+        return True
+
+    # -- convenience ---------------------------------------------------------------------------
+
+    def generate_many(self, prompts: Sequence[Prompt], per_request: Sequence[dict] | None = None,
+                      return_exceptions: bool = False, **kw) -> list:
+        """Generate every prompt, up to `slots` at a time, each slot driven by its own thread;
+        results (GenerationResult) in prompt order. kw: EagleRuntime.generate's keywords for
+        all requests, per_request[i]: more for request i. A request that raises fails alone:
+        its exception is returned in its place with return_exceptions, else the first one is
+        raised after every request has ended."""
+        per_request = per_request or [{}] * len(prompts)
+        if len(per_request) != len(prompts):
+            raise ValueError(f"{len(per_request)} per-request settings for {len(prompts)} prompts")
+        results: list = [None] * len(prompts)
+        todo = iter(range(len(prompts)))
+        lock = threading.Lock()
+
+        def worker(slot: int) -> None:
+            while True:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                try:
+                    with self.busy(slot) as rt:
+                        results[i] = rt.generate(prompts[i], **{**kw, **per_request[i]})
+                except Exception as err:  # reported after the others finish
+                    results[i] = err
+
+        threads = [threading.Thread(target=worker, args=(b,), daemon=True)
+                   for b in range(min(self.slots, len(prompts)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors and not return_exceptions:
+            raise errors[0]
+        return results
+
+
+def _rows(a: np.ndarray | None, slot: int, n: int) -> np.ndarray | None:
+    """Slot `slot`'s first n rows of a batched output, as batch 1 (a view)."""
+    return None if a is None else a[slot:slot + 1, :n]
+
+
+def _pad(calls: dict[int, _Call], pasts: list[int], S: int) -> StepInputs:
+    """The batched StepInputs over slots [0, len(pasts)): row b at past pasts[b] with S new
+    tokens, its call's tokens first and padding after them (module doc, "Padding")."""
+    B, T = len(pasts), max(pasts) + S
+    group = list(calls.values())
+    N = max(c.inputs.logits_indices.shape[1] for c in group)
+    ids = np.zeros((B, S), np.int64)
+    pos = np.full((B, S), min(int(c.inputs.position_ids.min()) for c in group), np.int64)
+    mask = np.zeros((B, S, T), bool)
+    for b, past in enumerate(pasts):
+        mask[b, np.arange(S), past + np.arange(S)] = True  # padding rows see themselves only
+    logits_at = np.zeros((B, N), np.int64)
+    first = group[0].inputs
+    feats = {name: None if a is None else np.zeros((B, S if a.shape[1] else 0, a.shape[2]), a.dtype)
+             for name, a in (("features", first.features), ("tapped_features", first.tapped_features))}
+    for b, c in calls.items():
+        s, x, past = c.seq, c.inputs, c.past
+        ids[b, :s], pos[b, :s] = x.input_ids[0], x.position_ids[0]
+        mask[b, :s, :past + s] = x.attention_mask[0]
+        logits_at[b, :x.logits_indices.shape[1]] = x.logits_indices[0]
+        for name, buf in feats.items():
+            if buf is not None and buf.shape[1]:
+                buf[b, :s] = getattr(x, name)[0]
+    return StepInputs(ids, pos, mask, logits_at, feats["features"], feats["tapped_features"])
+
+
+__all__ = ["BatchEngine", "BatchError", "SlotBackend", "check_batchable", "margin_rows"]

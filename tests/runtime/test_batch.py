@@ -1,0 +1,227 @@
+"""Batched decoding (runtime.batch.BatchEngine): several requests share each target and draft
+forward, and every request gets exactly what it gets alone.
+
+Levels: bit-identical logits rows and KV against solo runs (row-exact decoding, NaN-poisoned
+neighbouring slots); greedy token identity with forced multi-token acceptance on every tiny
+export kind and on an int4 export; sampling with a seed; continuous batching with more
+requests than slots; one request's failure or over-long prompt failing alone; the exports and
+settings it refuses."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from eagle_deploy.contract.manifest import Manifest
+from eagle_deploy.runtime.api import EagleRuntime
+from eagle_deploy.runtime.batch import BatchEngine, BatchError, check_batchable
+from eagle_deploy.runtime.drafter import EagleDrafter
+from tests.conftest import PROMPTS, THREADS
+from tests.helpers import ForcingDrafter, clone_runtime_export, wrong_token
+
+N = 40
+MORE = PROMPTS + [[40, 41, 42], [9, 200, 31, 7, 7, 12, 90, 3, 4, 5, 6, 7, 8, 9, 10, 11], [250],
+                  [17, 18, 19, 20, 21, 22]]
+
+
+def reference_script(refs: dict[tuple, list[int]]):
+    """Trees for ForcingDrafter: for a request still on its reference, the next 4 reference
+    tokens, a branch that leaves it after one token and a wrong first token (so rounds accept
+    0-4 tokens and compaction moves rows); nothing otherwise."""
+    def script(committed):
+        for prompt, ref in refs.items():
+            n = len(prompt)
+            if tuple(committed[:n]) == prompt and list(committed[n:]) == ref[:len(committed) - n]:
+                good = ref[len(committed) - n:][:4]
+                if not good:
+                    return []
+                return [good, good[:1] + [wrong_token(*good[1:2])], [wrong_token(good[0])]]
+        return []
+    return script
+
+
+def forced(model, prompts, n=N):
+    """drafters= factory for BatchEngine, and the script (shared with solo runs)."""
+    script = reference_script({tuple(p): model.expected(p, n) for p in prompts})
+    return (lambda slot, inner: ForcingDrafter(inner, script)), script
+
+
+def solo_runtime(model, script=None, **kw) -> EagleRuntime:
+    m = model.manifest
+    drafter = None
+    if script is not None:
+        drafter = ForcingDrafter(EagleDrafter.for_export(model.backend("draft"), m.tree, m), script)
+    return model.runtime(drafter=drafter, **kw)
+
+
+def engine(model, slots: int, **kw) -> BatchEngine:
+    return BatchEngine.load(model.export_dir, slots, threads=THREADS, **kw)
+
+
+def run_pinned(eng: BatchEngine, jobs: dict[int, tuple], kv: dict | None = None, **kw) -> dict:
+    """{slot: (prompt, extra kw)} run at once, each in its own slot's thread -> {slot: result}.
+    kv: filled with {slot: copies of the slot's target KV arrays} taken as its request ends,
+    while the slot still holds them (a released slot's rows are free for padding)."""
+    results = {}
+
+    def one(slot, prompt, extra):
+        try:
+            with eng.busy(slot) as rt:
+                results[slot] = rt.generate(prompt, **{**kw, **extra})
+                if kv is not None:
+                    kv[slot] = [a.copy() for a in rt.decoder.kv.arrays]
+        except Exception as err:  # checked by the caller
+            results[slot] = err
+
+    threads = [threading.Thread(target=one, args=(b, p, x)) for b, (p, x) in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+class LogitsLog:
+    """Round observer keeping a copy of every verification round's logits."""
+
+    def __init__(self):
+        self.rows: list[np.ndarray] = []
+
+    def __call__(self, tree, logits, verification) -> None:
+        self.rows.append(np.array(logits, copy=True))
+
+
+def test_batched_rows_are_bit_identical_to_solo_and_isolated(model):
+    """Row-exact decoding, 4 slots with requests pinned to slots 0, 1 and 2 and slot 3 idle; every
+    KV row of both graphs NaN before the run. Each request's logits (every round), tokens and
+    committed KV rows equal its solo run's bit for bit, nothing NaN leaks in, and the idle slot
+    (outside every batched forward) is never written."""
+    prompts = {0: PROMPTS[0], 1: PROMPTS[1], 2: PROMPTS[2]}
+    factory, script = forced(model, prompts.values())
+    logs = [LogitsLog() for _ in range(4)]
+    eng = engine(model, 4, row_exact=True, drafters=factory, round_observers=lambda b: [logs[b]])
+    for buf in eng.buffers.values():
+        for a in buf.arrays:
+            a[...] = np.nan
+    kv = {}
+    got = run_pinned(eng, {b: (p, {}) for b, p in prompts.items()}, kv, max_new_tokens=N)
+    assert eng.batched_forwards > 0
+    for b, prompt in prompts.items():
+        solo_log = LogitsLog()
+        solo = solo_runtime(model, script, row_exact=True, round_observers=[solo_log])
+        want = solo.generate(prompt, max_new_tokens=N)
+        assert got[b].token_ids == want.token_ids == model.expected(prompt, N)
+        assert got[b].stats.mean_accept_len > 1.5  # multi-token rounds: compaction really ran
+        assert len(logs[b].rows) == len(solo_log.rows)
+        for mine, theirs in zip(logs[b].rows, solo_log.rows):
+            assert np.isfinite(mine).all()
+            assert np.array_equal(mine, theirs)
+        committed = len(prompt) + len(want.token_ids) - 1  # the last token is not in the KV yet
+        for mine, theirs in zip(kv[b], solo.decoder.kv.arrays):
+            assert np.array_equal(mine[:, :, :committed], theirs[:, :, :committed])
+    for buf in eng.buffers.values():
+        assert all(np.isnan(a[3]).all() for a in buf.arrays)
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_continuous_batching_greedy_equals_reference(model, mode):
+    """8 requests with different lengths through 3 slots: every output is the greedy reference;
+    KV is allocated once (same buffers, same bytes) however requests come and go."""
+    factory, _ = forced(model, MORE)
+    eng = engine(model, 3, drafters=factory)
+    buffers = {k: [id(a) for a in v.arrays] for k, v in eng.buffers.items()}
+    nbytes = eng.kv_bytes
+    lengths = [N - 3 * i for i in range(len(MORE))]
+    results = eng.generate_many(MORE, per_request=[{"max_new_tokens": n} for n in lengths], mode=mode)
+    for prompt, n, r in zip(MORE, lengths, results):
+        assert r.token_ids == model.expected(prompt, n)
+        assert r.stats.mode == mode
+    assert eng.batched_forwards > 0 and eng.solo_forwards >= len(MORE)  # every prefill alone, the rest batched
+    assert {k: [id(a) for a in v.arrays] for k, v in eng.buffers.items()} == buffers and eng.kv_bytes == nbytes
+
+
+def test_own_head_batched_equals_reference(gqa):
+    """No forcing: the export's own (random) head drafts batched; output is still the reference."""
+    results = engine(gqa, 3).generate_many(MORE, max_new_tokens=N)
+    assert [r.token_ids for r in results] == [gqa.expected(p, N) for p in MORE]
+
+
+def test_sampling_with_a_seed_matches_solo(gqa):
+    """Sampled requests (T 0.9, top_p 0.95, a seed each): the same tokens batched as alone."""
+    per = [{"seed": 100 + i} for i in range(len(MORE))]
+    kw = dict(max_new_tokens=N, temperature=0.9, top_p=0.95)
+    batched = engine(gqa, 3, row_exact=True).generate_many(MORE, per_request=per, **kw)
+    solo = gqa.runtime(row_exact=True)
+    for prompt, extra, r in zip(MORE, per, batched):
+        assert r.token_ids == solo.generate(prompt, **kw, **extra).token_ids
+
+
+def test_int4_export_batched_equals_solo(quant_exports):
+    """A quantised export (row-exact by default): each request's greedy output batched equals
+    its output alone."""
+    folder = quant_exports["int4"]
+    eng = BatchEngine.load(folder, 3, threads=THREADS)
+    solo = EagleRuntime.load(folder, threads=THREADS)
+    results = eng.generate_many(MORE, max_new_tokens=N)
+    assert [r.token_ids for r in results] == [solo.generate(p, max_new_tokens=N).token_ids for p in MORE]
+    assert eng.batched_forwards > 0
+
+
+def test_a_failing_request_fails_alone(gqa):
+    """One slot's request raises at its second round and another's prompt is over the export's
+    capacity: both fail with their own error, the others complete with their reference output,
+    and the failed slot serves its next request correctly."""
+    class Boom:
+        def __init__(self):
+            self.armed, self.rounds = True, 0
+
+        def __call__(self, tree, logits, verification):
+            self.rounds += 1
+            if self.armed and self.rounds == 2:
+                raise RuntimeError("injected fault")
+
+    boom = Boom()
+    eng = engine(gqa, 3, round_observers=lambda b: [boom] if b == 1 else [])
+    too_long = [3 + i % 200 for i in range(gqa.manifest.max_length)]
+    got = run_pinned(eng, {0: (PROMPTS[0], {}), 1: (PROMPTS[1], {}), 2: (too_long, {})}, max_new_tokens=N)
+    assert got[0].token_ids == gqa.expected(PROMPTS[0], N)
+    assert isinstance(got[1], RuntimeError) and "injected fault" in str(got[1])
+    assert isinstance(got[2], ValueError) and "prompt has" in str(got[2])
+    boom.armed = False
+    again = run_pinned(eng, {1: (PROMPTS[2], {}), 0: (PROMPTS[1], {})}, max_new_tokens=N)
+    assert again[1].token_ids == gqa.expected(PROMPTS[2], N)
+    assert again[0].token_ids == gqa.expected(PROMPTS[1], N)
+    results = eng.generate_many([PROMPTS[0], too_long], return_exceptions=True, max_new_tokens=8)
+    assert results[0].token_ids == gqa.expected(PROMPTS[0], 8) and isinstance(results[1], ValueError)
+
+
+def test_forward_outside_busy_is_refused(gqa):
+    eng = engine(gqa, 2)
+    with pytest.raises(RuntimeError, match="outside BatchEngine.busy"):
+        eng.runtimes[0].generate(PROMPTS[0], max_new_tokens=4)
+    with eng.busy(0):
+        with pytest.raises(RuntimeError, match="already busy"):
+            with eng.busy(0):
+                pass
+
+
+def test_refused_exports_and_settings(gqa, gqa_standard, quant_exports, tmp_path):
+    m = gqa.manifest
+    check_batchable(m, 4, "ort")
+    check_batchable(gqa_standard.manifest, 1, "trt")  # one slot: anything goes
+    for slots in (0, -1, True, 2.0):
+        with pytest.raises(BatchError, match="slots must be"):
+            check_batchable(m, slots, "ort")
+    with pytest.raises(BatchError, match="onnxruntime CPU backend only"):
+        check_batchable(m, 2, "trt")
+    with pytest.raises(BatchError, match="needs the fused graph"):
+        check_batchable(gqa_standard.manifest, 2, "ort")
+    with pytest.raises(BatchError, match="int8"):
+        check_batchable(Manifest.load(quant_exports["int8"]), 2, "ort")
+    check_batchable(Manifest.load(quant_exports["int4"]), 2, "ort")
+    old = clone_runtime_export(gqa.export_dir, tmp_path / "old")
+    manifest = (old / "manifest.json").read_text().replace('"ragged_batch": true', '"ragged_batch": false')
+    (old / "manifest.json").write_text(manifest)
+    with pytest.raises(BatchError, match="predates batched decoding"):
+        BatchEngine.load(old, 2, threads=THREADS)
