@@ -66,11 +66,13 @@ class Faults:
         self.rounds = defaultdict(int)
         self.after_cancel = defaultdict(int)
         self.users = {}
+        self.slots = {}  # job -> the engine slot that decoded it
 
     def __call__(self, job) -> None:
         user = job.work.user or ""
         self.rounds[job.seq] += 1
         self.users[job.seq] = user
+        self.slots[job.seq] = job.slot
         if job.cancelled:
             self.after_cancel[job.seq] += 1
         if user.startswith("fail-"):

@@ -400,3 +400,14 @@ def test_scheduler_queue_bound(reference):
         loop.close()
     with pytest.raises(ValueError):
         SlotScheduler([Slot(reference, RoundGate())], max_queue=0)
+
+
+def test_one_request_at_a_time_always_takes_the_lowest_slot(server, client, faults):
+    """Busy slots stay packed at the low end (a batched forward spans the slots between its
+    lowest and highest member): requests sent one after another all run in slot 0."""
+    sched = scheduler(server)
+    seqs = []
+    for prompt in ORACLE_PROMPTS[:3]:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        seqs.append(sched.submitted)
+    assert [faults.slots[s] for s in seqs] == [0, 0, 0]

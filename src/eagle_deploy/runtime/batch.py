@@ -15,13 +15,15 @@ Slots join and leave between forwards (continuous batching): a finished request 
 at once and the next queued request takes it with a prefill. Each slot is driven by its own
 thread (`generate_many`, or eagle-serve's workers); the decode loop itself is unchanged.
 
-Padding (contract "Batched forwards"): one batched forward covers slots [0, hi); every row
-keeps its own past. Row b of a slot in the group carries its S_b new tokens then padding up to
-S = the largest S_b, at past_b = its own rows; a slot in that range that is not in the group
-gets S padding tokens at past = the rows it holds. Row b's mask is its own mask, [S_b, past_b +
-S_b], with padding rows seeing only themselves; the graph reads each row's past from its mask
-(its last token's last visible column is past_b + S - 1) and writes row b's new KV at
-[past_b, past_b + S) of slot b's block, where padding rows land beyond what the slot holds.
+Padding (contract "Batched forwards"): one batched forward covers the slots [lo, hi) from the
+lowest to the highest slot in it (eagle-serve hands each request the lowest free slot, so busy
+slots stay packed and idle ones in between are rare); every row keeps its own past. Row b of
+a slot in the group carries its S_b new tokens then padding up to S = the largest S_b, at
+past_b = its own rows; a slot in that range that is not in the group gets S padding tokens at
+past = the rows it holds. Row b's mask is its own mask, [S_b, past_b + S_b], with padding rows
+seeing only themselves; the graph reads each row's past from its mask (its last token's last
+visible column is past_b + S - 1) and writes row b's new KV at [past_b, past_b + S) of slot
+b's block, where padding rows land beyond what the slot holds.
 Nothing is copied afterwards: each slot's KV is exactly what its solo forward would write.
 
 Guarantees (measured on onnxruntime 1.32's CPU kernels; tests/runtime/test_batch.py): a row
@@ -217,14 +219,17 @@ class BatchEngine:
                                  f"{self._capacity[role]} per slot")
             return self._view(role, "slot", slot)
 
-    def _view(self, role: str, kind: str, n: int) -> KVBuffer:
-        key = (role, kind, n)
+    def _view(self, role: str, kind: str, which) -> KVBuffer:
+        """Graph `role`'s buffer restricted to slot `which` ("slot") or to the slots
+        [lo, hi) = `which` ("range"; one contiguous block in the shared layout), made once."""
+        key = (role, kind, which)
         if key not in self._views:
             buf = self._buffers[role]
             if kind == "slot":
-                self._views[key] = buf.slot(n)
-            else:  # slots [0, n)
-                self._views[key] = KVBuffer(buf.names, [a[:n] for a in buf.arrays], buf.layout)
+                self._views[key] = buf.slot(which)
+            else:
+                lo, hi = which
+                self._views[key] = KVBuffer(buf.names, [a[lo:hi] for a in buf.arrays], buf.layout)
         return self._views[key]
 
     @property
@@ -303,22 +308,22 @@ class BatchEngine:
         self.slot_forwards += 1
 
     def _run_batched(self, group: list[_Call]) -> bool:
-        """One forward over slots [0, hi) for `group`, each row at its own past (module doc,
+        """One forward over slots [lo, hi) for `group`, each row at its own past (module doc,
         "Padding"); False (nothing run) when a row would not fit in the buffer."""
         role = group[0].role
-        hi = group[-1].slot + 1
-        calls = {c.slot: c for c in group}
+        lo, hi = group[0].slot, group[-1].slot + 1
+        calls = {c.slot - lo: c for c in group}  # by row of the batched forward
         held = self._held[role]
-        pasts = [calls[b].past if b in calls else held[b] for b in range(hi)]
+        pasts = [calls[r].past if r in calls else held[lo + r] for r in range(hi - lo)]
         S = max(c.seq for c in group)
-        kv = self._view(role, "range", hi)
+        kv = self._view(role, "range", (lo, hi))
         if max(pasts) + S > kv.capacity:
             return False
         out = self.backends[role].run(_pad(calls, pasts, S), kv, max(pasts))
-        for c in group:
+        for r, c in calls.items():
             held[c.slot] = c.past + c.seq
             n = c.inputs.logits_indices.shape[1]
-            c.result = type(out)(**{f.name: _rows(getattr(out, f.name), c.slot, n if f.name in _PER_LOGIT else c.seq)
+            c.result = type(out)(**{f.name: _rows(getattr(out, f.name), r, n if f.name in _PER_LOGIT else c.seq)
                                     for f in fields(out)})
         self.batched_forwards += 1
         self.slot_forwards += len(group)
@@ -370,8 +375,8 @@ def _rows(a: np.ndarray | None, slot: int, n: int) -> np.ndarray | None:
 
 
 def _pad(calls: dict[int, _Call], pasts: list[int], S: int) -> StepInputs:
-    """The batched StepInputs over slots [0, len(pasts)): row b at past pasts[b] with S new
-    tokens, its call's tokens first and padding after them (module doc, "Padding")."""
+    """The batched StepInputs for len(pasts) rows (`calls` by row): row b at past pasts[b] with
+    S new tokens, its call's tokens first and padding after them (module doc, "Padding")."""
     B, T = len(pasts), max(pasts) + S
     group = list(calls.values())
     N = max(c.inputs.logits_indices.shape[1] for c in group)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -80,6 +80,7 @@ class Job:
         self._cancel = threading.Event()
         self.state = "queued"
         self.rounds = 0  # verification rounds run for this job
+        self.slot: int | None = None  # the engine slot that decodes it, once taken
         self.t_submit = time.perf_counter()
         self.t_start: float | None = None
         self.t_first: float | None = None
@@ -184,9 +185,10 @@ class SlotScheduler:
             raise ValueError("a scheduler needs at least one slot")
         self.slots, self.max_queue, self.engine = list(slots), max_queue, engine
         self.runtime = self.slots[0].runtime  # tokenizer, manifest and settings (the same in every slot)
-        self._queue: queue.Queue[Job | None] = queue.Queue()
-        self._lock = threading.Lock()
-        self._waiting = 0
+        self._jobs: deque[Job] = deque()
+        self._lock = threading.Condition()
+        self._idle: set[int] = set()  # slots whose worker waits for a job
+        self._closing = False
         self._threads: list[threading.Thread] = []
         self.submitted = self.completed = self.failed = self.cancelled = 0
 
@@ -217,7 +219,7 @@ class SlotScheduler:
     @property
     def queued(self) -> int:
         """Jobs waiting for a worker (cancelled ones included until a worker drops them)."""
-        return self._waiting
+        return len(self._jobs)
 
     @property
     def active(self) -> int:
@@ -234,44 +236,58 @@ class SlotScheduler:
 
     def start(self) -> None:
         if not self._threads:
-            self._threads = [threading.Thread(target=self._work, args=(slot,), name=f"eagle-engine-{b}", daemon=True)
-                             for b, slot in enumerate(self.slots)]
+            self._closing = False
+            self._threads = [threading.Thread(target=self._work, args=(b,), name=f"eagle-engine-{b}", daemon=True)
+                             for b in range(len(self.slots))]
             for t in self._threads:
                 t.start()
 
     def close(self, timeout: float = 5.0) -> None:
         """Cancel the running jobs, drop the queued ones, stop the workers."""
-        for slot in self.slots:
-            job = slot.job
-            if job is not None:
-                job.cancel()
-        for _ in self._threads:
-            self._queue.put(None)
+        with self._lock:
+            self._closing = True
+            for slot in self.slots:
+                if slot.job is not None:
+                    slot.job.cancel()
+            self._lock.notify_all()
         for t in self._threads:
             t.join(timeout)
         self._threads = []
 
     def submit(self, work: Work, loop: asyncio.AbstractEventLoop) -> Job:
         with self._lock:
-            if self._waiting >= self.max_queue:
-                raise QueueFull(f"the queue holds {self._waiting} requests (--max-queue {self.max_queue})")
-            self._waiting += 1
+            if len(self._jobs) >= self.max_queue:
+                raise QueueFull(f"the queue holds {len(self._jobs)} requests (--max-queue {self.max_queue})")
             self.submitted += 1
             job = Job(work, loop, self.submitted)
-        self._queue.put(job)
+            self._jobs.append(job)
+            self._lock.notify_all()
         return job
 
-    def _work(self, slot: Slot) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                break
-            with self._lock:
-                self._waiting -= 1
+    def _take(self, b: int) -> Job | None:
+        """The next job for slot b, given only to the lowest idle slot (busy slots stay packed
+        at the low end, which keeps batched forwards narrow); None when closing."""
+        with self._lock:
+            self._idle.add(b)
+            self._lock.notify_all()  # a lower slot is idle now: the others re-check
+            while not self._closing and not (self._jobs and b == min(self._idle)):
+                self._lock.wait()
+            self._idle.discard(b)
+            if self._closing:
+                return None
+            job = self._jobs.popleft()
+            self.slots[b].job, job.slot = job, b
+            self._lock.notify_all()  # the next idle slot may take the next job
+            return job
+
+    def _work(self, b: int) -> None:
+        slot = self.slots[b]
+        while (job := self._take(b)) is not None:
             if job.cancelled:
+                slot.job = None
                 self._end(job, "cancelled", Event("cancelled"))
                 continue
-            slot.job, slot.gate.job = job, job
+            slot.gate.job = job
             try:
                 self._run(slot, job)
             finally:
