@@ -15,8 +15,9 @@ import pytest
 
 from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.runtime.api import EagleRuntime
-from eagle_deploy.runtime.batch import BatchEngine, BatchError, check_batchable
+from eagle_deploy.runtime.batch import BatchEngine, BatchError, check_batchable, tree_under_load
 from eagle_deploy.runtime.drafter import EagleDrafter
+from eagle_deploy.runtime.tree import TreeConfig
 from tests.conftest import PROMPTS, THREADS
 from tests.helpers import ForcingDrafter, clone_runtime_export, wrong_token
 
@@ -148,10 +149,11 @@ def test_own_head_batched_equals_reference(gqa):
 
 
 def test_sampling_with_a_seed_matches_solo(gqa):
-    """Sampled requests (T 0.9, top_p 0.95, a seed each): the same tokens batched as alone."""
+    """Sampled requests (T 0.9, top_p 0.95, a seed each): the same tokens batched as alone (at
+    the configured tree: shrink_trees=False)."""
     per = [{"seed": 100 + i} for i in range(len(MORE))]
     kw = dict(max_new_tokens=N, temperature=0.9, top_p=0.95)
-    batched = engine(gqa, 3, row_exact=True).generate_many(MORE, per_request=per, **kw)
+    batched = engine(gqa, 3, row_exact=True, shrink_trees=False).generate_many(MORE, per_request=per, **kw)
     solo = gqa.runtime(row_exact=True)
     for prompt, extra, r in zip(MORE, per, batched):
         assert r.token_ids == solo.generate(prompt, **kw, **extra).token_ids
@@ -225,3 +227,39 @@ def test_refused_exports_and_settings(gqa, gqa_standard, quant_exports, tmp_path
     (old / "manifest.json").write_text(manifest)
     with pytest.raises(BatchError, match="predates batched decoding"):
         BatchEngine.load(old, 2, threads=THREADS)
+
+
+def test_tree_under_load():
+    base = TreeConfig("dynamic", total_tokens=8, depth=4, top_k=2)
+    got = {busy: tree_under_load(base, busy) for busy in (1, 2, 3, 4, 8, 16)}
+    assert got[1] == got[2] == base
+    assert [(t.total_tokens, t.depth, t.top_k) for t in (got[3], got[4], got[8], got[16])] == [
+        (5, 2, 2), (4, 2, 2), (2, 1, 1), (2, 1, 1)]
+    for tree in (TreeConfig.static("eagle1"), TreeConfig("dynamic", total_tokens=2, depth=1, top_k=1)):
+        assert tree_under_load(tree, 8) == tree
+
+
+def test_trees_shrink_with_busy_slots(gqa):
+    """Each round a slot drafts the tree for the slots busy then (4 busy: at most 8 of the
+    configured 16 nodes); the output stays the reference."""
+    base = TreeConfig("dynamic", total_tokens=16, depth=4, top_k=4)
+    used = []
+
+    class Record:
+        def __init__(self, inner):
+            self.inner, self.forwards = inner, 0
+
+        def reset(self):
+            self.inner.reset()
+
+        def propose(self, request):
+            tree = self.inner.propose(request)
+            used.append((self.inner.tree.total_tokens, tree.size))  # the tree this round drafted
+            return tree
+
+    eng = engine(gqa, 4, tree=base, drafters=lambda b, d: Record(d))
+    lengths = [N, N // 2, N // 4, N // 8]  # the longest request ends alone
+    results = eng.generate_many(MORE[:4], per_request=[{"max_new_tokens": n} for n in lengths])
+    assert [r.token_ids for r in results] == [gqa.expected(p, n) for p, n in zip(MORE[:4], lengths)]
+    assert all(size <= total for total, size in used)
+    assert {total for total, _ in used} >= {8, 16}  # 4 busy: 8 nodes; alone at the end: the configured 16

@@ -22,7 +22,8 @@ def free_port() -> int:
 def test_eagle_serve_subprocess(serve_export):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "eagle_deploy.serve.cli", "--engines", str(serve_export),
-                             "--port", str(port), "--threads", "1", "--vanilla", "--log-level", "warning"],
+                             "--port", str(port), "--threads", "1", "--vanilla", "--log-level", "warning",
+                             "--slots", "3", "--fixed-tree"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -35,7 +36,7 @@ def test_eagle_serve_subprocess(serve_export):
             except httpx2.TransportError:
                 assert time.monotonic() < deadline, "eagle-serve did not come up"
                 time.sleep(0.2)
-        assert health["engine"]["mode"] == "vanilla"
+        assert health["engine"]["mode"] == "vanilla" and health["batching"]["slots"] == 3
         r = httpx2.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4,
                                                        "temperature": 0}, timeout=30).json()
         assert r["usage"]["completion_tokens"] == 4 and r["eagle"]["mode"] == "vanilla"
@@ -47,11 +48,11 @@ def test_eagle_serve_subprocess(serve_export):
             proc.kill()
             raise
     assert proc.returncode in (0, 130), err[-2000:]
-    assert "serving 'tiny'" in err
+    assert "serving 'tiny'" in err and "3 requests at a time" in err
 
 
 @pytest.mark.parametrize("argv", [["--acceptance", "threshold", "--threshold", "0"], ["--max-queue", "0"],
-                                  ["--total-tokens", "1"]])
+                                  ["--total-tokens", "1"], ["--slots", "0"], ["--slots", "2", "--backend", "trt"]])
 def test_bad_settings_exit_2(serve_export, argv, capsys):
     assert cli.main(["--engines", str(serve_export), *argv]) == 2
     assert capsys.readouterr().err.startswith("eagle-serve: error:")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import socket
 
+import pytest
+
 from eagle_deploy.serve import load
 from tests.tools.tiny_export import PROMPTS, prompt_file
 
@@ -45,6 +47,18 @@ def test_cli_table_and_json(server, tmp_path, capsys):
     assert table[0].split()[:3] == ["mode", "conc", "ok"] and table[1].split()[:3] == ["eagle", "2", "2"]
     result = json.loads(out.read_text())
     assert result["config"]["prompt_ids"] == ["writing-01", "writing-02"] and len(result["cells"]) == 1
+
+
+def test_eagle_bench_serve_is_the_load_client(server, capsys):
+    from eagle_deploy.bench.cli import main as bench_main
+
+    rc = bench_main(["serve", "--url", server.url, "--sets", "chat", "--limit", "1", "--concurrency", "1",
+                     "--modes", "vanilla", "--max-tokens", "4"])
+    assert rc == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[:3] == ["vanilla", "1", "1"]
+    with pytest.raises(SystemExit):
+        bench_main(["serve", "--help"])
+    assert "usage: eagle-bench serve" in capsys.readouterr().out
 
 
 def test_cli_errors(capsys):

@@ -6,6 +6,7 @@
     eagle-bench --engines /tmp/eng/smollm2-135m --extra-engines /tmp/eng/smollm2-135m-int4 \
         --baselines ort-genai,openvino --limit 3 --threads 2     # peer CPU runtimes, README
     eagle-bench --engines engines/smollm2-135m --tune       # pick the tree, write it to the manifest
+    eagle-bench serve --url http://127.0.0.1:8000 --concurrency 1,2,4,8   # load mode: a running eagle-serve
 
 Per prompt and aggregated: tokens/s, tau (tokens per target forward), speed-up over vanilla
 decoding (run interleaved with EAGLE, alternating order), EAGLE's time split
@@ -165,6 +166,11 @@ def _tune(args, tree, say) -> int:
 
 @interruptible("eagle-bench")
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # load mode: drive a running eagle-serve (serve/load.py)
+        from eagle_deploy.serve.load import main as load_main
+
+        return load_main(argv[1:], prog="eagle-bench serve")
     args = build_parser().parse_args(argv)
     from eagle_deploy.contract.manifest import Manifest, ManifestError
     from eagle_deploy.runtime.tree import TreeConfigError

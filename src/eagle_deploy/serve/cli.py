@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=1,
                    help="requests decoded at once in batched forwards (needs the default fused onnxruntime "
                         "graph; not int8 exports); KV is allocated once for all of them")
+    p.add_argument("--fixed-tree", action="store_true",
+                   help="with --slots > 1, draft the configured tree whatever the load (default: trees shrink as "
+                        "more slots are busy, which is faster on a CPU and changes no greedy output, but a seeded "
+                        "sampled request then gets the same tokens as alone only while at most 2 slots are busy)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for the engine at most; more get HTTP 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -69,9 +73,10 @@ def main(argv=None) -> int:
         from .app import create_app
         from .engine import SlotScheduler
 
+        batch_kw = {"shrink_trees": not args.fixed_tree} if args.slots > 1 else {}
         scheduler = SlotScheduler.load(args.engines, slots=args.slots, max_queue=args.max_queue, backend=args.backend,
                                        tree=tree, threads=args.threads, acceptance=args.acceptance,
-                                       threshold=args.threshold)
+                                       threshold=args.threshold, **batch_kw)
         app = create_app(scheduler, model_name=args.model_name, default_mode="vanilla" if args.vanilla else "eagle")
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
         print("eagle-serve: error: " + " ".join(str(err).split()), file=sys.stderr)

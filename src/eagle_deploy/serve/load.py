@@ -3,7 +3,8 @@ levels, for EAGLE and vanilla decoding on the same server (the request-level `mo
 and reports per cell: total output tokens/s, time per output token p50/p99, TTFT p50/p99 and
 tau (rounds-weighted mean acceptance length).
 
-    python -m eagle_deploy.serve.load --url http://127.0.0.1:8000 --concurrency 1,2,4,8 --limit 8
+    eagle-bench serve --url http://127.0.0.1:8000 --concurrency 1,2,4,8 --limit 8
+    python -m eagle_deploy.serve.load --url ...      # the same
 
 Each cell sends the same prompts (the first --limit of each set), greedy unless
 --temperature, with `stream_options.include_usage` so token counts are the server's. TTFT is
@@ -309,8 +310,8 @@ def format_table(result: dict) -> str:
 _ints = number_list(int, 1, "values")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eagle_deploy.serve.load", description=__doc__,
+def build_parser(prog: str = "python -m eagle_deploy.serve.load") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model id (default: the server's first)")
@@ -335,8 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv=None, prog: str = "python -m eagle_deploy.serve.load") -> int:
+    """The load client's command line (also `eagle-bench serve`)."""
+    args = build_parser(prog).parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if (not modes or any(m not in ("eagle", "vanilla") for m in modes) or args.max_tokens < 1 or (args.limit or 0) < 0
             or not 0 <= args.disconnect <= 1 or args.repeat < 1):
