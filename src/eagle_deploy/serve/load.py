@@ -254,8 +254,8 @@ def same_text(samples: list[Sample], reference: list[Sample]) -> list[int] | Non
 def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
     """Every (mode, concurrency) cell in turn -> {"schema", "config", "model", "server",
     "cells": [summarize(...)], "samples": {"<mode>/<c>": [Sample as dict]}}. Greedy cells also
-    get same_as_first (against the mode's first concurrency level) and same_as_vanilla
-    (against vanilla's first cell, when vanilla ran first) from `same_text`.
+    get same_as_first (against the mode's first concurrency level; None in that cell) and
+    same_as_vanilla (against vanilla's first cell, when vanilla ran first) from `same_text`.
     Raises RuntimeError when the server cannot be reached, ValueError without prompts."""
     if not cfg.prompts:
         raise ValueError("no prompts")
@@ -275,9 +275,9 @@ def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
             got, wall = run_cell(client, cfg, model, mode, c)
             cell = summarize(mode, c, got, wall)
             if cfg.temperature == 0:
-                first.setdefault(mode, got)
-                cell["same_as_first"] = same_text(got, first[mode])
+                cell["same_as_first"] = same_text(got, first[mode]) if mode in first else None
                 cell["same_as_vanilla"] = same_text(got, first.get("vanilla", []))
+                first.setdefault(mode, got)
             log(format_row(cell))
             cells.append(cell)
             samples[f"{mode}/{c}"] = [{**asdict(s), "tpot": s.tpot} for s in got]
