@@ -183,7 +183,9 @@ class Backend(Protocol):
     kv_names: list[tuple[str, str]]
 
     def allocate_kv(self, capacity: int) -> KVBuffer:
-        """Allocate this graph's KV buffer once: `capacity` rows per layer and kind."""
+        """Allocate this graph's KV buffer once: `capacity` rows per layer and kind. A backend
+        that runs batched forwards (runtime.batch; onnxruntime CPU) also takes `batch=N` for N
+        sequences in one buffer."""
         ...
 
     def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
