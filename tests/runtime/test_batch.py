@@ -15,7 +15,14 @@ import pytest
 
 from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.runtime.api import EagleRuntime
-from eagle_deploy.runtime.batch import BatchEngine, BatchError, check_batchable, tree_under_load
+from eagle_deploy.runtime.batch import (
+    BatchEngine,
+    BatchError,
+    check_batchable,
+    check_kv_fits,
+    kv_bytes_per_slot,
+    tree_under_load,
+)
 from eagle_deploy.runtime.drafter import EagleDrafter
 from eagle_deploy.runtime.tree import TreeConfig
 from tests.conftest import PROMPTS, THREADS
@@ -263,3 +270,13 @@ def test_trees_shrink_with_busy_slots(gqa):
     assert [r.token_ids for r in results] == [gqa.expected(p, n) for p, n in zip(MORE[:4], lengths)]
     assert all(size <= total for total, size in used)
     assert {total for total, _ in used} >= {8, 16}  # 4 busy: 8 nodes; alone at the end: the configured 16
+
+
+def test_kv_per_slot_is_what_the_engine_allocates_and_too_many_slots_are_refused(gqa):
+    m = gqa.manifest
+    eng = engine(gqa, 3)
+    assert eng.kv_bytes == 3 * kv_bytes_per_slot(m, m.tree, row_exact=False)
+    per_slot_mib = kv_bytes_per_slot(m, m.tree, row_exact=False) / 2**20
+    check_kv_fits(m, m.tree, 8, False, available_mib=8 * per_slot_mib / 0.8 + 1)
+    with pytest.raises(BatchError, match="at most 7 slots fit"):
+        check_kv_fits(m, m.tree, 8, False, available_mib=7.5 * per_slot_mib / 0.8)

@@ -62,8 +62,10 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from eagle_deploy.contract.dtypes import numpy_dtype
 from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.contract.onnx_io import KV_SHARED
+from eagle_deploy.contract.profiles import draft_kv_capacity
 
 from .api import EagleRuntime, Prompt, load_tokenizer, row_exact_default
 from .backends import load_backend
@@ -71,6 +73,7 @@ from .backends.base import StepInputs, StepOutputs
 from .decode import RoundObserver
 from .drafter import Drafter, EagleDrafter
 from .kv import KVBuffer
+from .memory import available_mb
 from .tree import TreeConfig
 
 # output fields whose axis 1 follows logits_indices (N); every other output follows the new tokens (S)
@@ -153,6 +156,36 @@ class _LoadTrees:
         return getattr(self.inner, name)
 
 
+def kv_bytes_per_slot(manifest: Manifest, tree: TreeConfig, row_exact: bool) -> int:
+    """Bytes of target + draft KV one slot holds in a BatchEngine (capacities as the decoder
+    and drafter ask for them, plus margin_rows)."""
+    margin = margin_rows(tree, row_exact)
+    total = 0
+    for which, rows in (("target", manifest.max_length + int(row_exact)),
+                        ("draft", draft_kv_capacity(manifest.max_length, tree))):
+        graph, dims = getattr(manifest, which), manifest.graph_dims(which)
+        itemsize = np.dtype(numpy_dtype(graph.dtype)).itemsize
+        per_row = 2 * graph.num_kv_layers() * dims.num_kv_heads * dims.head_dim * itemsize
+        total += (rows + margin) * per_row
+    return total
+
+
+def check_kv_fits(manifest: Manifest, tree: TreeConfig, slots: int, row_exact: bool,
+                  available_mib: float | None = None) -> None:
+    """Raise BatchError when the KV of `slots` slots would take more than 80% of the memory the
+    system has available (available_mib: default the system's, psutil; no check without it),
+    naming how many slots fit."""
+    available_mib = available_mb() if available_mib is None else available_mib
+    if available_mib is None or slots <= 1:
+        return
+    per_slot = kv_bytes_per_slot(manifest, tree, row_exact) / 2**20
+    if slots * per_slot > 0.8 * available_mib:
+        fit = int(0.8 * available_mib // per_slot)
+        raise BatchError(f"{slots} slots need {slots * per_slot:,.0f} MiB of KV ({per_slot:,.0f} MiB each at "
+                         f"max_length {manifest.max_length}) but {available_mib:,.0f} MiB is available: "
+                         f"at most {fit} slots fit")
+
+
 @dataclass
 class _Call:
     """One slot's forward waiting for the engine."""
@@ -217,6 +250,8 @@ class BatchEngine:
         (False: `tree` always, so a seed gives the same tokens batched as alone). Raises
         BatchError."""
         check_batchable(manifest, slots, backend)
+        self._row_exact = row_exact_default(manifest) if row_exact is None else row_exact
+        check_kv_fits(manifest, tree, slots, self._row_exact)
         self.backends, self.slots, self.tree = backends, slots, tree
         self._cond = threading.Condition()
         self._buffers: dict[str, KVBuffer] = {}
@@ -225,7 +260,6 @@ class BatchEngine:
         self._pending: dict[int, _Call] = {}
         self._held = {role: [0] * slots for role in backends}  # rows each slot still holds, per graph
         self._capacity: dict[str, int] = {}  # rows per slot each graph's buffer was allocated for
-        self._row_exact = row_exact_default(manifest) if row_exact is None else row_exact
         self.batched_forwards = self.solo_forwards = self.slot_forwards = 0
         observers = round_observers or (lambda b: ())
         wrap = drafters or (lambda b, drafter: drafter)
@@ -245,11 +279,13 @@ class BatchEngine:
              row_exact: bool | None = None, drafters: Callable[[int, EagleDrafter], Drafter] | None = None,
              shrink_trees: bool = True) -> "BatchEngine":
         """Load `folder` once for `slots` sequences (keywords as for EagleRuntime.load and
-        __init__). Raises BatchError (check_batchable), and what EagleRuntime.load raises."""
+        __init__). Raises BatchError (check_batchable, check_kv_fits: before any graph is
+        opened), and what EagleRuntime.load raises."""
         folder = Path(folder)
         manifest = Manifest.load(folder)
         check_batchable(manifest, slots, backend)
         tree = (tree or manifest.tree).validate(manifest.draft.graph_top_k)
+        check_kv_fits(manifest, tree, slots, row_exact_default(manifest) if row_exact is None else row_exact)
         backends = {which: load_backend(backend, folder, manifest, which, threads, tree=tree)
                     for which in ("target", "draft")}
         return cls(folder, manifest, backends, load_tokenizer(folder, manifest), tree, slots, backend, acceptance,
@@ -458,4 +494,5 @@ def _pad(calls: dict[int, _Call], pasts: list[int], S: int) -> StepInputs:
     return StepInputs(ids, pos, mask, logits_at, feats["features"], feats["tapped_features"])
 
 
-__all__ = ["BatchEngine", "BatchError", "SlotBackend", "check_batchable", "margin_rows", "tree_under_load"]
+__all__ = ["BatchEngine", "BatchError", "SlotBackend", "check_batchable", "check_kv_fits", "kv_bytes_per_slot",
+           "margin_rows", "tree_under_load"]

@@ -26,6 +26,15 @@ def rss_mb() -> float | None:
     return round(psutil.Process().memory_info().rss / MIB, 1)
 
 
+def available_mb() -> float | None:
+    """Memory the system can still give a process, MiB (psutil's `available`; None without it)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return round(psutil.virtual_memory().available / MIB, 1)
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident memory so far, MiB: Linux's VmHWM (/proc/self/status), else
     ru_maxrss (KiB on Linux, bytes on macOS). Not ru_maxrss on Linux: it survives execve, so a
