@@ -55,7 +55,10 @@ def test_eagle_serve_subprocess(serve_export):
                                   ["--total-tokens", "1"], ["--slots", "0"], ["--slots", "2", "--backend", "trt"]])
 def test_bad_settings_exit_2(serve_export, argv, capsys):
     assert cli.main(["--engines", str(serve_export), *argv]) == 2
-    assert capsys.readouterr().err.startswith("eagle-serve: error:")
+    err = capsys.readouterr().err
+    assert err.startswith("eagle-serve: error:") and len(err.strip().splitlines()) == 1
+    if argv[0] in ("--max-queue", "--slots") and argv[1] == "0":
+        assert f"{argv[0]} must be >= 1, got 0" in err
 
 
 def test_missing_export_exits_2(tmp_path, capsys):

@@ -59,9 +59,11 @@ def main(argv=None) -> int:
     from eagle_deploy.runtime.tree import TreeConfigError
 
     try:
-        if (args.max_queue < 1 or args.slots < 1 or not 0 <= args.port <= 65535
-                or (args.threads is not None and args.threads < 1)):
-            raise ValueError("--max-queue, --slots and --threads must be >= 1, --port in [0, 65535]")
+        for flag, value in (("--max-queue", args.max_queue), ("--slots", args.slots), ("--threads", args.threads)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {args.port}")
         check_acceptance(args.acceptance, args.threshold)
         manifest = Manifest.load(args.engines)
         check_batchable(manifest, args.slots, args.backend)

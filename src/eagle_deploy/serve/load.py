@@ -288,7 +288,7 @@ def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
 
 
 HEADER = (f"{'mode':<8} {'conc':>4} {'ok':>4} {'tokens':>7} {'tok/s':>8} {'TPOT p50':>9} {'TPOT p99':>9} "
-          f"{'TTFT p50':>9} {'TTFT p99':>9} {'tau':>6} {'same':>7} {'lost':>4}")
+          f"{'TTFT p50':>9} {'TTFT p99':>9} {'tau':>6} {'same':>7} {'=van':>7} {'lost':>4}")
 
 
 def format_row(c: dict) -> str:
@@ -296,11 +296,12 @@ def format_row(c: dict) -> str:
         return f"{v:>7.1f}ms" if v is not None else f"{'-':>9}"
 
     tau = f"{c['tau']:>6.2f}" if c["tau"] is not None else f"{'-':>6}"
-    same = c.get("same_as_first")
-    same = f"{same[0]:>3}/{same[1]:<3}" if same else f"{'-':>7}"
+    def frac(pair):
+        return f"{pair[0]:>3}/{pair[1]:<3}" if pair else f"{'-':>7}"
+
     return (f"{c['mode']:<8} {c['concurrency']:>4} {c['ok']:>4} {c['completion_tokens']:>7} {c['tokens_per_s']:>8.1f} "
             f"{ms(c['tpot_ms_p50'])} {ms(c['tpot_ms_p99'])} {ms(c['ttft_ms_p50'])} {ms(c['ttft_ms_p99'])} {tau} "
-            f"{same} {c.get('lost', 0):>4}")
+            f"{frac(c.get('same_as_first'))} {frac(c.get('same_as_vanilla'))} {c.get('lost', 0):>4}")
 
 
 def format_table(result: dict) -> str:
