@@ -9,11 +9,13 @@ settings it refuses."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from eagle_deploy.contract.manifest import Manifest
+from eagle_deploy.contract.profiles import draft_kv_capacity
 from eagle_deploy.runtime.api import EagleRuntime
 from eagle_deploy.runtime.batch import (
     BatchEngine,
@@ -205,7 +207,9 @@ def test_a_failing_request_fails_alone(gqa):
     assert results[0].token_ids == gqa.expected(PROMPTS[0], 8) and isinstance(results[1], ValueError)
 
 
-def test_forward_outside_busy_is_refused(gqa):
+def test_misuse_of_slots_is_refused(gqa):
+    """A forward outside busy(), a slot busy twice, a slot number out of range, and a stream
+    resumed in a later busy() session (its rows were released meanwhile) all raise."""
     eng = engine(gqa, 2)
     with pytest.raises(RuntimeError, match="outside BatchEngine.busy"):
         eng.runtimes[0].generate(PROMPTS[0], max_new_tokens=4)
@@ -213,6 +217,65 @@ def test_forward_outside_busy_is_refused(gqa):
         with pytest.raises(RuntimeError, match="already busy"):
             with eng.busy(0):
                 pass
+    for bad in (2, -1, True):
+        with pytest.raises(IndexError, match="slots 0 .. 1"):
+            with eng.busy(bad):
+                pass
+    with eng.busy(1) as rt:
+        stream = rt.stream(PROMPTS[1], max_new_tokens=20)
+        next(stream)  # the prefill ran in this session
+    assert eng.busy_slots == 0
+    eng.generate_many([PROMPTS[0]], max_new_tokens=8)  # someone else uses the engine meanwhile
+    with eng.busy(1):
+        with pytest.raises(RuntimeError, match="earlier busy\\(\\) session"):
+            list(stream)
+    assert eng.generate_many([PROMPTS[2]], max_new_tokens=N)[0].token_ids == gqa.expected(PROMPTS[2], N)
+
+
+def test_forwards_too_wide_for_the_buffer_run_one_by_one(gqa):
+    """A tree wider than the engine's margin rows next to a long prompt: the batched
+    verification does not fit, so the group runs one forward at a time; each slot still gets
+    its own outputs (they are copied before the next forward reuses the backend's arrays)."""
+    m = gqa.manifest
+    wide = TreeConfig("dynamic", total_tokens=40, depth=2, top_k=min(6, m.draft.graph_top_k))
+    assert draft_kv_capacity(m.max_length, wide) <= draft_kv_capacity(m.max_length, m.tree)
+    eng = engine(gqa, 2, shrink_trees=False)
+    for rt in eng.runtimes:
+        rt.set_tree(wide)
+    long_prompt = [(7 * i) % 250 + 3 for i in range(m.max_length - 20)]
+    jobs = {0: (long_prompt, {}), 1: (PROMPTS[0], {})}
+    got = run_pinned(eng, jobs, max_new_tokens=16)
+    solo = gqa.runtime(tree=wide)
+    for b, (prompt, _) in jobs.items():
+        assert got[b].token_ids == solo.generate(prompt, max_new_tokens=16).token_ids
+    assert eng.solo_forwards > 4  # more than the prefills and first extensions ran alone
+
+
+def test_a_failing_forward_fails_only_its_request(gqa):
+    """Slot 1's drafter proposes a token id outside the vocabulary from its third round: the
+    batched verification fails, each forward is retried alone, and only slot 1's request fails."""
+    from eagle_deploy.runtime.tree import DraftTree
+
+    class BadTree:
+        def __init__(self, inner):
+            self.inner, self.rounds = inner, 0
+
+        @property
+        def forwards(self):
+            return self.inner.forwards
+
+        def reset(self):
+            self.inner.reset()
+
+        def propose(self, request):
+            tree = self.inner.propose(request)
+            self.rounds += 1
+            return DraftTree.from_paths(int(request.committed[-1]), [[10**6]]) if self.rounds >= 3 else tree
+
+    eng = engine(gqa, 3, drafters=lambda b, d: BadTree(d) if b == 1 else d)
+    got = run_pinned(eng, {b: (PROMPTS[b], {}) for b in range(3)}, max_new_tokens=N)
+    assert isinstance(got[1], Exception)
+    assert got[0].token_ids == gqa.expected(PROMPTS[0], N) and got[2].token_ids == gqa.expected(PROMPTS[2], N)
 
 
 def test_refused_exports_and_settings(gqa, gqa_standard, quant_exports, tmp_path):
@@ -226,9 +289,12 @@ def test_refused_exports_and_settings(gqa, gqa_standard, quant_exports, tmp_path
         check_batchable(m, 2, "trt")
     with pytest.raises(BatchError, match="needs the fused graph"):
         check_batchable(gqa_standard.manifest, 2, "ort")
-    with pytest.raises(BatchError, match="int8"):
-        check_batchable(Manifest.load(quant_exports["int8"]), 2, "ort")
+    int8 = Manifest.load(quant_exports["int8"])
+    check_batchable(int8, 2, "ort")  # the default int8 and int4 (MatMulNBits) graphs have independent rows
     check_batchable(Manifest.load(quant_exports["int4"]), 2, "ort")
+    dynamic = replace(int8, target=replace(int8.target, quant_info=replace(int8.target.quant_info, method="dynamic")))
+    with pytest.raises(BatchError, match="dynamic int8 quantisation"):
+        check_batchable(dynamic, 2, "ort")
     old = clone_runtime_export(gqa.export_dir, tmp_path / "old")
     manifest = (old / "manifest.json").read_text().replace('"ragged_batch": true', '"ragged_batch": false')
     (old / "manifest.json").write_text(manifest)

@@ -41,7 +41,9 @@ exports: one-token forwards run as two rows) is bit-identical batched and alone;
 output is token-identical except at exact near-ties, as EAGLE vs vanilla already is;
 sampling follows the target distribution, and with a `seed` gives the tokens the request gets
 alone whenever the bits agree (each slot owns its RNG). Graphs whose rounding mixes rows (int8
-dynamic quantisation: one activation scale per batched tensor) are refused (`check_batchable`).
+dynamic quantisation, `quantize_graph(method="dynamic")`: one activation scale per batched
+tensor) are refused (`check_batchable`); the default int4 and int8 exports (MatMulNBits) are
+row-exact.
 Seeded tokens also need the same tree: they match alone with `shrink_trees=False`, or while at
 most two slots are busy.
 
@@ -86,8 +88,9 @@ class BatchError(ValueError):
 
 def check_batchable(manifest: Manifest, slots: int, backend: str) -> None:
     """Raise BatchError unless `slots` sequences can be decoded in batched forwards of this
-    export: slots >= 1, backend "ort", both graphs in the "shared" KV layout, and a target
-    whose rows round independently of each other (not int8 dynamic quantisation)."""
+    export: slots >= 1, backend "ort", both graphs fused ("shared" KV layout, ragged_batch),
+    and graphs whose rows round independently of each other (not int8 dynamic quantisation;
+    the default int4 / int8 MatMulNBits graphs are, bit for bit)."""
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise BatchError(f"slots must be a whole number >= 1, got {slots!r}")
     if slots == 1:
@@ -103,10 +106,13 @@ def check_batchable(manifest: Manifest, slots: int, backend: str) -> None:
         if not graph.ragged_batch:
             raise BatchError(f"this export's {which} graph predates batched decoding (its manifest lacks "
                              f"{which}.extra.ragged_batch): re-export it with this version, or use slots 1")
-    if manifest.target.quant == "int8":
-        raise BatchError("batched decoding of an int8 export would change its output: dynamic int8 quantisation "
-                         "scales each batched activation tensor by its largest value, so one request's tokens would "
-                         "depend on the others'; use slots 1, or an fp32 / int4 export")
+    for which in ("target", "draft"):
+        info = getattr(manifest, which).quant_info
+        if info is not None and info.method == "dynamic":
+            raise BatchError(f"batched decoding of this export would change its output: its {which} graph uses "
+                             "dynamic int8 quantisation, which scales each batched activation tensor by its largest "
+                             "value, so one request's tokens would depend on the others'; use slots 1, or re-export "
+                             "with the default quantisation (MatMulNBits, whose rows are independent)")
 
 
 def margin_rows(tree: TreeConfig, row_exact: bool) -> int:
@@ -260,6 +266,8 @@ class BatchEngine:
         self._pending: dict[int, _Call] = {}
         self._held = {role: [0] * slots for role in backends}  # rows each slot still holds, per graph
         self._capacity: dict[str, int] = {}  # rows per slot each graph's buffer was allocated for
+        self._session = [0] * slots  # busy() sessions per slot
+        self._started = [-1] * slots  # the session in which each slot's current request was prefilled
         self.batched_forwards = self.solo_forwards = self.slot_forwards = 0
         observers = round_observers or (lambda b: ())
         wrap = drafters or (lambda b, drafter: drafter)
@@ -343,10 +351,13 @@ class BatchEngine:
         """Mark `slot` busy while its thread decodes a request with the yielded runtime; the
         engine waits for a forward from every busy slot before it runs a batch, so a busy slot
         must be driven without pause. On exit the slot's rows are released."""
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.slots:
+            raise IndexError(f"slot {slot!r}: this engine has slots 0 .. {self.slots - 1}")
         with self._cond:
             if slot in self._busy:
                 raise RuntimeError(f"slot {slot} is already busy")
             self._busy.add(slot)
+            self._session[slot] += 1
         try:
             yield self.runtimes[slot]
         finally:
@@ -358,10 +369,17 @@ class BatchEngine:
                 self._dispatch()
 
     def forward(self, call: _Call) -> StepOutputs:
-        """Run `call` in the next batch (called by SlotBackend.run in the slot's thread)."""
+        """Run `call` in the next batch (called by SlotBackend.run in the slot's thread).
+        Raises RuntimeError outside busy(), and for a request started in an earlier busy()
+        session of the slot (its rows were released and may hold other requests' padding)."""
         with self._cond:
             if call.slot not in self._busy:
                 raise RuntimeError(f"slot {call.slot} ran a forward outside BatchEngine.busy()")
+            if call.role == "target" and call.past == 0:  # a prefill starts the slot's request
+                self._started[call.slot] = self._session[call.slot]
+            elif self._started[call.slot] != self._session[call.slot]:
+                raise RuntimeError(f"slot {call.slot}'s request was started in an earlier busy() session and its KV "
+                                   "rows have been released since: finish a request inside one busy() block")
             self._pending[call.slot] = call
             self._dispatch()
             while not call.done:
@@ -382,21 +400,35 @@ class BatchEngine:
             pool = [c for c in calls if c.role == "draft"] or calls
             group = [c for c in pool if c.signature == pool[0].signature]
         try:
-            if len(group) == 1 or not self._run_batched(group):
-                for c in group:
-                    self._run_solo(c)
-        except BaseException as err:  # the forward failed: every request in it fails with it
+            if len(group) == 1:
+                self._run_solo(group[0])
+            elif not self._run_batched(group):  # too wide for the buffer: one by one
+                self._run_each(group)
+        except Exception:  # the batched forward failed: run each alone, so only the request at fault fails
+            self._run_each(group)
+        except BaseException as err:  # KeyboardInterrupt and the like: everyone in the group stops
             for c in group:
-                c.result = c.result if c.done else err
+                c.result = err
         for c in group:
             c.done = True
             del self._pending[c.slot]
         self._cond.notify_all()
 
+    def _run_each(self, group: list[_Call]) -> None:
+        """Each call alone, its outputs copied (the backend reuses its output arrays, and every
+        thread reads its result only after this dispatch); a call that raises gets its error."""
+        for c in group:
+            try:
+                self._run_solo(c)
+                out = c.result
+                c.result = type(out)(**{f.name: None if getattr(out, f.name) is None else getattr(out, f.name).copy()
+                                        for f in fields(out)})
+            except Exception as err:
+                c.result = err
+
     def _run_solo(self, call: _Call) -> None:
         kv = self._view(call.role, "slot", call.slot)
         call.result = self.backends[call.role].run(call.inputs, kv, call.past)
-        call.done = True
         self._held[call.role][call.slot] = call.past + call.seq
         self.solo_forwards += 1
         self.slot_forwards += 1

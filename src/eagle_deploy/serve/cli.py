@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode without drafting by default (a request can still ask for \"mode\": \"eagle\")")
     p.add_argument("--slots", type=int, default=1,
                    help="requests decoded at once in batched forwards (needs the default fused onnxruntime "
-                        "graph; not int8 exports); KV is allocated once for all of them")
+                        "graph; not dynamically quantised int8); KV is allocated once for all of them")
     p.add_argument("--fixed-tree", action="store_true",
                    help="with --slots > 1, draft the configured tree whatever the load (default: trees shrink as "
                         "more slots are busy, which is faster on a CPU and changes no greedy output, but a seeded "
