@@ -346,3 +346,17 @@ def test_kv_per_slot_is_what_the_engine_allocates_and_too_many_slots_are_refused
     check_kv_fits(m, m.tree, 8, False, available_mib=8 * per_slot_mib / 0.8 + 1)
     with pytest.raises(BatchError, match="at most 7 slots fit"):
         check_kv_fits(m, m.tree, 8, False, available_mib=7.5 * per_slot_mib / 0.8)
+
+
+def test_backends_without_batched_forwards_refuse_a_batch(gqa):
+    """StepInputs take a batch now; the PyTorch reference (like TensorRT and ort-cuda) runs one
+    sequence per forward and says so instead of mis-writing its KV."""
+    from eagle_deploy.runtime.backends.base import StepInputs
+    from eagle_deploy.validate.torch_backend import TorchBackend
+
+    ref = TorchBackend.draft(gqa.head(), top_k=gqa.manifest.draft.graph_top_k)
+    kv = ref.allocate_kv(8)
+    two = StepInputs(np.array([[5], [6]]), np.zeros((2, 1), np.int64), np.ones((2, 1, 1), bool),
+                     np.zeros((2, 1), np.int64), np.zeros((2, 1, gqa.manifest.dims.hidden), np.float32))
+    with pytest.raises(ValueError, match="one sequence per forward"):
+        ref.run(two, kv, 0)

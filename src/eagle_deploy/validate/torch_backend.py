@@ -66,6 +66,7 @@ class TorchBackend:
         S = inputs.input_ids.shape[1]
         kv.check(past, S)
         inputs.check(past)
+        inputs.check_single(self.name)
         results, presents = self.forward(inputs.feeds(), [a[:past] for a in kv.arrays])
         for a, new in zip(kv.arrays, presents):
             a[past:past + S] = new

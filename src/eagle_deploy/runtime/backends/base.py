@@ -39,6 +39,12 @@ class StepInputs:
     features: np.ndarray | None = None
     tapped_features: np.ndarray | None = None
 
+    def check_single(self, backend: str) -> None:
+        """ValueError unless this is one sequence (batch 1): for backends without batched forwards."""
+        if self.input_ids.shape[0] != 1:
+            raise ValueError(f"{backend} runs one sequence per forward (batch 1), got a batch of "
+                             f"{self.input_ids.shape[0]}: batched decoding needs the onnxruntime CPU backend")
+
     def feeds(self) -> dict[str, np.ndarray]:
         """The inputs by contract name (features / tapped_features only when given)."""
         out = {c.INPUT_IDS: self.input_ids, c.POSITION_IDS: self.position_ids,

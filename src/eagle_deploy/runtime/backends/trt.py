@@ -237,6 +237,7 @@ class TrtBackend:
     def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
         S = inputs.input_ids.shape[1]
         inputs.check(past)
+        inputs.check_single(self.label)
         feeds = inputs.feeds()
         kvh, hd = self.dims.num_kv_heads, self.dims.head_dim
         shapes = {name: tuple(arr.shape) for name, arr in feeds.items()}
