@@ -346,6 +346,15 @@ def test_vanilla_mode_per_request_and_metrics(server, client, reference):
         assert name in text, name
     assert 'eagle_serve_requests_total{endpoint="completions",outcome="ok"}' in text
     assert 'eagle_serve_acceptance_length_count{mode="vanilla"}' in text
+    gauges = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith(("eagle_serve_slots", "eagle_serve_batched_forwards", "eagle_serve_solo_forwards"))}
+    batching = httpx2.get(server.url + "/health").json()["batching"]
+    assert gauges["eagle_serve_slots"] == batching["slots"] == len(scheduler(server).slots)
+    if batching["slots"] > 1:  # a BatchEngine: at least this request's prefill ran alone
+        assert gauges["eagle_serve_solo_forwards"] >= 1
+        assert gauges["eagle_serve_batched_forwards"] <= batching["batched_forwards"]
+    else:  # one request at a time: nothing is batched
+        assert gauges["eagle_serve_solo_forwards"] == gauges["eagle_serve_batched_forwards"] == 0
 
 
 def test_sampled_requests_are_reproducible_with_a_seed(client):

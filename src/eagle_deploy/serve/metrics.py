@@ -8,6 +8,10 @@
     eagle_serve_time_per_output_token_seconds         histogram, (last - first token time) / (tokens - 1)
     eagle_serve_queue_length                          gauge: requests waiting for the engine
     eagle_serve_active_requests                       gauge: requests being decoded
+    eagle_serve_slots                                 gauge: requests the engine decodes at once (--slots)
+    eagle_serve_batched_forwards                      gauge: forwards run for 2+ slots at once, since start
+    eagle_serve_solo_forwards                         gauge: forwards of a batching engine run for one slot alone
+                                                      (prefills, a lone busy slot); both 0 with --slots 1
 """
 from __future__ import annotations
 
@@ -38,10 +42,17 @@ class ServeMetrics:
                               buckets=TIME_BUCKETS, registry=r)
         self.queue_length = Gauge("eagle_serve_queue_length", "Requests waiting for the engine", registry=r)
         self.active = Gauge("eagle_serve_active_requests", "Requests being decoded", registry=r)
+        self.slots = Gauge("eagle_serve_slots", "Requests the engine decodes at once (--slots)", registry=r)
+        self.batched = Gauge("eagle_serve_batched_forwards", "Forwards run for two or more slots at once",
+                             registry=r)
+        self.solo = Gauge("eagle_serve_solo_forwards", "Forwards run for one slot alone", registry=r)
 
     def bind(self, scheduler) -> None:
         self.queue_length.set_function(lambda: scheduler.queued)
         self.active.set_function(lambda: scheduler.active)
+        self.slots.set_function(lambda: scheduler.batching["slots"])
+        self.batched.set_function(lambda: scheduler.batching["batched_forwards"])
+        self.solo.set_function(lambda: scheduler.batching["solo_forwards"])
 
     def finished(self, endpoint: str, job, result) -> None:
         """Record a request that ran to its end (`job`: engine.Job, `result`: GenerationResult)."""
