@@ -10,7 +10,9 @@ Each cell sends the same prompts (the first --limit of each set), greedy unless
 --temperature, with `stream_options.include_usage` so token counts are the server's. TTFT is
 measured from sending the request to the first non-empty text chunk (queue wait included);
 time per output token is (last chunk - first text chunk) / (completion tokens - 1) per
-request. Standard library + numpy only.
+request. Before the cells, each mode is warmed up with as many short requests at once as the
+highest concurrency (the first batched forwards of each shape are slow; --no-warmup skips
+this). Standard library + numpy only.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import json
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -265,10 +267,12 @@ def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
         model = cfg.model or client.get_json("/v1/models")["data"][0]["id"]
     except OSError as err:
         raise RuntimeError(f"cannot reach {cfg.url}: {err}") from None
-    if cfg.warmup:
+    if cfg.warmup:  # every mode at the highest concurrency: the first batched forwards of each shape are slow
+        warm = [{**p, "id": f"warmup-{i}"} for i, p in enumerate((cfg.prompts * max(cfg.concurrency))
+                                                                   [:max(cfg.concurrency)])]
         for mode in cfg.modes:
-            path, body = _payload(cfg, model, cfg.prompts[0]["prompt"], mode)
-            client.stream(path, {**body, "max_tokens": 4}, "warmup")
+            run_cell(client, replace(cfg, prompts=warm, max_tokens=min(cfg.max_tokens, 16), disconnect=0.0),
+                     model, mode, max(cfg.concurrency))
     cells, samples, first = [], {}, {}
     for mode in cfg.modes:
         for c in cfg.concurrency:
@@ -297,7 +301,7 @@ def format_row(c: dict) -> str:
 
     tau = f"{c['tau']:>6.2f}" if c["tau"] is not None else f"{'-':>6}"
     def frac(pair):
-        return f"{pair[0]:>3}/{pair[1]:<3}" if pair else f"{'-':>7}"
+        return f"{f'{pair[0]}/{pair[1]}':>7}" if pair else f"{'-':>7}"
 
     return (f"{c['mode']:<8} {c['concurrency']:>4} {c['ok']:>4} {c['completion_tokens']:>7} {c['tokens_per_s']:>8.1f} "
             f"{ms(c['tpot_ms_p50'])} {ms(c['tpot_ms_p99'])} {ms(c['ttft_ms_p50'])} {ms(c['ttft_ms_p99'])} {tau} "
@@ -327,7 +331,8 @@ def build_parser(prog: str = "python -m eagle_deploy.serve.load") -> argparse.Ar
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
                    help="chat wraps each prompt as a user message; completions sends it raw")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up request per mode")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the warm-up (per mode, one short request per slot of the highest --concurrency)")
     p.add_argument("--disconnect", type=float, default=0.0,
                    help="share of requests (0-1, drawn with --seed) abandoned after their first text chunk; they "
                         "count as dropped, not lost, and their slot must come back")
