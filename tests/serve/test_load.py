@@ -81,7 +81,7 @@ def test_200_requests_with_random_disconnects(server, tmp_path):
     kw = dict(modes=["eagle"], max_tokens=24, endpoint="completions", timeout=60, warmup=False)
     solo = load.run_load(load.LoadConfig(server.url, prompts=base, concurrency=[1], **kw))
     want = {s["prompt_id"]: s["text"] for s in solo["samples"]["eagle/1"]}
-    prompts = [{**p, "id": f"{p['id']}#{r}"} for r in range(200 // len(base) + 1) for p in base][:200]
+    prompts = load.repeated(base, 200 // len(base) + 1)[:200]
     sched = scheduler(server)
     kv = sched.engine.kv_bytes if sched.engine else None
     result = load.run_load(load.LoadConfig(server.url, prompts=prompts, concurrency=[8], disconnect=0.3, seed=7, **kw))

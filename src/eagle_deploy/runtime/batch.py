@@ -72,7 +72,7 @@ from eagle_deploy.contract.profiles import draft_kv_capacity
 from .api import EagleRuntime, Prompt, load_tokenizer, row_exact_default
 from .backends import load_backend
 from .backends.base import StepInputs, StepOutputs
-from .decode import RoundObserver
+from .decode import RoundObserver, target_kv_capacity
 from .drafter import Drafter, EagleDrafter
 from .kv import KVBuffer
 from .memory import available_mb
@@ -167,7 +167,7 @@ def kv_bytes_per_slot(manifest: Manifest, tree: TreeConfig, row_exact: bool) -> 
     and drafter ask for them, plus margin_rows)."""
     margin = margin_rows(tree, row_exact)
     total = 0
-    for which, rows in (("target", manifest.max_length + int(row_exact)),
+    for which, rows in (("target", target_kv_capacity(manifest.max_length, row_exact)),
                         ("draft", draft_kv_capacity(manifest.max_length, tree))):
         graph, dims = getattr(manifest, which), manifest.graph_dims(which)
         itemsize = np.dtype(numpy_dtype(graph.dtype)).itemsize
@@ -240,8 +240,7 @@ class BatchEngine:
         engine = BatchEngine.load("engines/smollm2-135m", slots=4)
         results = engine.generate_many(["Hi", "Write a haiku", ...], max_new_tokens=64)
 
-    Counters: batched_forwards (forwards of two or more slots), solo_forwards,
-    slot_forwards (slot forwards served, batched or not).
+    Counters: batched_forwards (forwards of two or more slots), solo_forwards (of one slot).
     """
 
     def __init__(self, folder: Path, manifest: Manifest, backends: dict, tokenizer, tree: TreeConfig, slots: int,
@@ -261,14 +260,14 @@ class BatchEngine:
         self.backends, self.slots, self.tree = backends, slots, tree
         self._cond = threading.Condition()
         self._buffers: dict[str, KVBuffer] = {}
-        self._views: dict[tuple, KVBuffer] = {}  # (role, "slot" | "range", n) -> view, made once
+        self._views: dict[tuple, KVBuffer] = {}  # (role, lo, hi) -> view of slots [lo, hi), made once
         self._busy: set[int] = set()
         self._pending: dict[int, _Call] = {}
         self._held = {role: [0] * slots for role in backends}  # rows each slot still holds, per graph
         self._capacity: dict[str, int] = {}  # rows per slot each graph's buffer was allocated for
         self._session = [0] * slots  # busy() sessions per slot
         self._started = [-1] * slots  # the session in which each slot's current request was prefilled
-        self.batched_forwards = self.solo_forwards = self.slot_forwards = 0
+        self.batched_forwards = self.solo_forwards = 0
         observers = round_observers or (lambda b: ())
         wrap = drafters or (lambda b, drafter: drafter)
 
@@ -314,19 +313,14 @@ class BatchEngine:
             if capacity > self._capacity[role]:
                 raise BatchError(f"slot {slot} asks for {capacity} {role} KV rows; the batched buffer holds "
                                  f"{self._capacity[role]} per slot")
-            return self._view(role, "slot", slot)
+            return self._view(role, slot, slot + 1)
 
-    def _view(self, role: str, kind: str, which) -> KVBuffer:
-        """Graph `role`'s buffer restricted to slot `which` ("slot") or to the slots
-        [lo, hi) = `which` ("range"; one contiguous block in the shared layout), made once."""
-        key = (role, kind, which)
+    def _view(self, role: str, lo: int, hi: int) -> KVBuffer:
+        """Graph `role`'s buffer restricted to the slots [lo, hi) (KVBuffer.slots: one contiguous
+        block in the shared layout), made once, so a backend's bindings of it stay valid."""
+        key = (role, lo, hi)
         if key not in self._views:
-            buf = self._buffers[role]
-            if kind == "slot":
-                self._views[key] = buf.slot(which)
-            else:
-                lo, hi = which
-                self._views[key] = KVBuffer(buf.names, [a[lo:hi] for a in buf.arrays], buf.layout)
+            self._views[key] = self._buffers[role].slots(lo, hi)
         return self._views[key]
 
     @property
@@ -427,11 +421,10 @@ class BatchEngine:
                 c.result = err
 
     def _run_solo(self, call: _Call) -> None:
-        kv = self._view(call.role, "slot", call.slot)
+        kv = self._view(call.role, call.slot, call.slot + 1)
         call.result = self.backends[call.role].run(call.inputs, kv, call.past)
         self._held[call.role][call.slot] = call.past + call.seq
         self.solo_forwards += 1
-        self.slot_forwards += 1
 
     def _run_batched(self, group: list[_Call]) -> bool:
         """One forward over slots [lo, hi) for `group`, each row at its own past (module doc,
@@ -442,7 +435,7 @@ class BatchEngine:
         held = self._held[role]
         pasts = [calls[r].past if r in calls else held[lo + r] for r in range(hi - lo)]
         S = max(c.seq for c in group)
-        kv = self._view(role, "range", (lo, hi))
+        kv = self._view(role, lo, hi)
         if max(pasts) + S > kv.capacity:
             return False
         out = self.backends[role].run(_pad(calls, pasts, S), kv, max(pasts))
@@ -452,7 +445,6 @@ class BatchEngine:
             c.result = type(out)(**{f.name: _rows(getattr(out, f.name), r, n if f.name in _PER_LOGIT else c.seq)
                                     for f in fields(out)})
         self.batched_forwards += 1
-        self.slot_forwards += len(group)
         return True
 
     # -- convenience ---------------------------------------------------------------------------

@@ -124,6 +124,12 @@ class _State:
     limited_by: str | None = None  # with finish_reason "length": "max_new_tokens" | "capacity"
 
 
+def target_kv_capacity(max_length: int, row_exact: bool) -> int:
+    """Rows of the target's KV buffer a Decoder allocates: `max_length`, plus the spare row a
+    row-exact one-token forward writes its repeated token into."""
+    return max_length + 1 if row_exact else max_length
+
+
 def check_acceptance(acceptance: str, threshold: float) -> None:
     """ValueError unless acceptance is "lossless" or "threshold" with threshold in (0, 1]."""
     if acceptance not in ("lossless", "threshold"):
@@ -160,7 +166,7 @@ class Decoder:
         self.target, self.drafter = target, drafter
         self.max_length = max_length
         self.row_exact = row_exact
-        self.kv = target.allocate_kv(max_length + 1 if row_exact else max_length)  # + the repeated row
+        self.kv = target.allocate_kv(target_kv_capacity(max_length, row_exact))
         self.acceptance, self.threshold = acceptance, threshold
         self.round_observers = tuple(round_observers)
 

@@ -68,21 +68,16 @@ class KVBuffer:
     def nbytes(self) -> int:
         return sum(int(a.nbytes) if hasattr(a, "nbytes") else a.numel() * a.element_size() for a in self.arrays)
 
-    def slot(self, b: int) -> "KVBuffer":
-        """Sequence b of a batched buffer as a KVBuffer of batch 1 (views: writes go to this
-        buffer). In the "shared" layout a slot is one contiguous block, which a backend can bind
-        for a forward of that sequence alone; in "seq_major" it is strided (compaction and
-        reads work; binding does not, see `contiguous`)."""
-        if not 0 <= b < self.batch:
-            raise IndexError(f"slot {b} of a KV buffer holding {self.batch} sequences")
+    def slots(self, lo: int, hi: int) -> "KVBuffer":
+        """Sequences [lo, hi) of a batched buffer as a KVBuffer of batch hi - lo (views: writes go
+        to this buffer). In the "shared" layout they are one contiguous block, which a backend
+        can bind for a forward of those sequences alone; in "seq_major" they are strided
+        (compaction and reads work; binding by pointer does not)."""
+        if not 0 <= lo < hi <= self.batch:
+            raise IndexError(f"slots [{lo}, {hi}) of a KV buffer holding {self.batch} sequences")
         if self.layout == KV_SHARED:
-            return KVBuffer(self.names, [a[b:b + 1] for a in self.arrays], self.layout)
-        return KVBuffer(self.names, [a[:, b:b + 1] for a in self.arrays], self.layout)
-
-    @property
-    def contiguous(self) -> bool:
-        """Whether every array is one contiguous block (what IO binding by pointer needs)."""
-        return all(a.flags.c_contiguous if hasattr(a, "flags") else a.is_contiguous() for a in self.arrays)
+            return KVBuffer(self.names, [a[lo:hi] for a in self.arrays], self.layout)
+        return KVBuffer(self.names, [a[:, lo:hi] for a in self.arrays], self.layout)
 
     def rows(self, i: int):
         """Array i viewed sequence-major, [capacity, batch, kv_heads, head_dim], in either

@@ -54,7 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from eagle_deploy.contract.manifest import Manifest, ManifestError
-    from eagle_deploy.runtime.batch import check_batchable
     from eagle_deploy.runtime.decode import check_acceptance
     from eagle_deploy.runtime.tree import TreeConfigError
 
@@ -66,7 +65,6 @@ def main(argv=None) -> int:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
         check_acceptance(args.acceptance, args.threshold)
         manifest = Manifest.load(args.engines)
-        check_batchable(manifest, args.slots, args.backend)
         tree = tree_from_args(args, manifest.tree)
         if not manifest.tokenizer:
             raise ValueError(f"{args.engines} has no tokenizer; eagle-serve needs one")
@@ -75,10 +73,9 @@ def main(argv=None) -> int:
         from .app import create_app
         from .engine import SlotScheduler
 
-        batch_kw = {"shrink_trees": not args.fixed_tree} if args.slots > 1 else {}
-        scheduler = SlotScheduler.load(args.engines, slots=args.slots, max_queue=args.max_queue, backend=args.backend,
-                                       tree=tree, threads=args.threads, acceptance=args.acceptance,
-                                       threshold=args.threshold, **batch_kw)
+        scheduler = SlotScheduler.load(args.engines, slots=args.slots, max_queue=args.max_queue,
+                                       shrink_trees=not args.fixed_tree, backend=args.backend, tree=tree,
+                                       threads=args.threads, acceptance=args.acceptance, threshold=args.threshold)
         app = create_app(scheduler, model_name=args.model_name, default_mode="vanilla" if args.vanilla else "eagle")
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
         print("eagle-serve: error: " + " ".join(str(err).split()), file=sys.stderr)

@@ -194,17 +194,20 @@ class SlotScheduler:
 
     @classmethod
     def load(cls, folder, slots: int = 1, max_queue: int = 64, round_hook: RoundHook | None = None,
-             **runtime_kw) -> "SlotScheduler":
+             shrink_trees: bool = True, **runtime_kw) -> "SlotScheduler":
         """Load `folder` for `slots` concurrent requests: one slot is `EagleRuntime.load(folder,
-        **runtime_kw)`; several share `BatchEngine.load(folder, slots, **runtime_kw)`. Each slot's
-        runtime gets its own round gate. round_hook: see RoundHook (tests). Raises what those
-        loaders raise (BatchError for an export batched decoding cannot serve)."""
+        **runtime_kw)`; several share `BatchEngine.load(folder, slots, shrink_trees=...,
+        **runtime_kw)` (shrink_trees: see BatchEngine; one slot always drafts its configured
+        tree). Each slot's runtime gets its own round gate. round_hook: see RoundHook (tests).
+        Raises what those loaders raise (BatchError, before any graph is opened, for an export
+        or setting batched decoding cannot serve)."""
         gates = [RoundGate(round_hook) for _ in range(slots)]
         extra = list(runtime_kw.pop("round_observers", ()))
         if slots == 1:
             runtime = EagleRuntime.load(folder, round_observers=[*extra, gates[0]], **runtime_kw)
             return cls([Slot(runtime, gates[0])], max_queue)
-        engine = BatchEngine.load(folder, slots, round_observers=lambda b: [*extra, gates[b]], **runtime_kw)
+        engine = BatchEngine.load(folder, slots, round_observers=lambda b: [*extra, gates[b]],
+                                  shrink_trees=shrink_trees, **runtime_kw)
         return cls([Slot(rt, gates[b], partial(engine.busy, b)) for b, rt in enumerate(engine.runtimes)], max_queue,
                    engine)
 

@@ -169,8 +169,6 @@ class Client:
                         if hang_up:
                             sample.dropped = True
                             break
-                    if sample.dropped:
-                        break
                     if choice.get("finish_reason"):
                         sample.finish_reason = choice["finish_reason"]
                         eagle = event.get("eagle") or {}
@@ -242,6 +240,14 @@ def summarize(mode: str, concurrency: int, samples: list[Sample], wall: float) -
             "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p99": _pct(tpot, 99),
             "latency_ms_p50": _pct([s.latency for s in ok], 50),
             "tau": round(tau, 3) if tau is not None else None}
+
+
+def repeated(prompts: list[dict], times: int) -> list[dict]:
+    """The prompt list `times` over; with times > 1 each id gets "#<round>" (same_text compares
+    by id, so a repeat is compared with the same round of another cell)."""
+    if times == 1:
+        return list(prompts)
+    return [{**p, "id": f"{p['id']}#{r}"} for r in range(times) for p in prompts]
 
 
 def same_text(samples: list[Sample], reference: list[Sample]) -> list[int] | None:
@@ -355,8 +361,7 @@ def main(argv=None, prog: str = "python -m eagle_deploy.serve.load") -> int:
         sets = [str(p) for p in args.prompts] or [s.strip() for s in args.sets.split(",") if s.strip()]
         limit = args.limit if args.limit is not None else (0 if args.prompts else 8)
         prompts = load_prompts(sets, limit)
-        prompts = [{**p, "id": f"{p['id']}#{r}" if args.repeat > 1 else p["id"]}
-                   for r in range(args.repeat) for p in prompts]
+        prompts = repeated(prompts, args.repeat)
         cfg = LoadConfig(args.url, args.model, prompts, args.concurrency, modes, args.max_tokens, args.temperature,
                          args.endpoint, args.timeout, not args.no_warmup, args.disconnect, args.seed)
         print(HEADER, file=sys.stderr, flush=True)

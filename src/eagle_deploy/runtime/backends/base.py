@@ -100,11 +100,14 @@ def feature_inputs(features: np.ndarray, from_target: bool,
 
 def check_step(inputs: StepInputs, kv: KVBuffer, past: int, kv_layout: str) -> None:
     """The checks every backend makes before a forward: input shapes against `past`, the rows
-    [past, past + S) fit `kv`, the buffer has the graph's KV layout, and for the "shared" layout
+    [past, past + S) fit `kv`, `kv` holds as many sequences as the batch, the buffer has the
+    graph's KV layout, and for the "shared" layout
     (fused attention, causal over the new tokens) no new token looks at a later one.
     Raises CapacityError or ValueError naming the problem."""
     inputs.check(past)
     kv.check(past, inputs.input_ids.shape[1])
+    if kv.batch != inputs.input_ids.shape[0]:
+        raise ValueError(f"a batch of {inputs.input_ids.shape[0]} rows on a KV buffer of {kv.batch} sequences")
     if kv.layout != kv_layout:
         raise ValueError(f"KV buffer layout {kv.layout!r} differs from the graph's {kv_layout!r}: "
                          "allocate it with this backend's allocate_kv()")

@@ -175,8 +175,6 @@ class OrtBackend:
     def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
         (B, S), N = inputs.input_ids.shape, inputs.logits_indices.shape[1]
         check_step(inputs, kv, past, self.graph.kv_layout)
-        if kv.batch != B:
-            raise ValueError(f"a batch of {B} rows on a KV buffer of {kv.batch} sequences")
         shared = self.graph.kv_layout == c.KV_SHARED
         b = self._binding
         # shared layout: the KV bindings (whole buffers, in and out) do not change from call to call,
