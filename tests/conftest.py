@@ -96,8 +96,10 @@ def build_tiny(root: Path, name: str, gqa: bool, seed: int, **target_kw) -> Tiny
 
     target = tiny.build_tiny_target(root / f"{name}-target", gqa=gqa, seed=seed, norm_noise=0.1, **target_kw)
     head = tiny.build_tiny_head(root / f"{name}-head", target, seed=seed + 1, norm_noise=0.1)
-    out = export(str(target), str(head), root / "exports", ExportOptions(max_length=MAX_LENGTH, name=name),
-                 progress=None)
+    # the draft graph as exported (draft_quant "none"): the graph-vs-reference tests compare its exact
+    # weights; the default int8 draft of fp32 exports has its own tests (tests/exporter/test_draft_quant.py)
+    out = export(str(target), str(head), root / "exports",
+                 ExportOptions(max_length=MAX_LENGTH, name=name, draft_quant="none"), progress=None)
     return TinyModel(name, target, head, out)
 
 
@@ -129,7 +131,7 @@ def eagle3(tiny_root, gqa) -> TinyModel:
 
     head = tiny.build_tiny_eagle3_head(tiny_root / "eagle3-head", gqa.target_dir, seed=31, feature_layers=EAGLE3_TAPS)
     out = export(str(gqa.target_dir), str(head), tiny_root / "exports",
-                 ExportOptions(max_length=MAX_LENGTH, name="eagle3"), progress=None)
+                 ExportOptions(max_length=MAX_LENGTH, name="eagle3", draft_quant="none"), progress=None)
     return TinyModel("eagle3", gqa.target_dir, head, out)
 
 
@@ -208,12 +210,15 @@ def smollm2_export(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def quant_exports(tmp_path_factory) -> dict:
     """{"fp32" | "int8" | "int4": export folder} of one tiny tied-embedding GQA target + head,
-    default settings (the quantisation, batch-invariance and row-exact tests share it)."""
+    default settings (the quantisation, batch-invariance and row-exact tests share it; the fp32
+    one's draft graph is int8 by default), and "fp32-draft": the fp32 export with its draft
+    graph unquantised (--draft-quant none)."""
     from eagle_deploy.exporter.export import ExportOptions, export
 
     root = tmp_path_factory.mktemp("quant")
     target = tiny.build_tiny_target(root / "target", gqa=True, seed=5, norm_noise=0.1, tie_word_embeddings=True)
     head = tiny.build_tiny_head(root / "head", target, seed=6, norm_noise=0.1)
     return {name: export(str(target), str(head), root / "exports",
-                         ExportOptions(max_length=MAX_LENGTH, quant=quant, name=name), progress=None)
-            for name, quant in (("fp32", None), ("int8", "int8"), ("int4", "int4"))}
+                         ExportOptions(max_length=MAX_LENGTH, quant=quant, name=name, draft_quant=draft), progress=None)
+            for name, quant, draft in (("fp32", None, "auto"), ("int8", "int8", "auto"), ("int4", "int4", "auto"),
+                                       ("fp32-draft", None, "none"))}

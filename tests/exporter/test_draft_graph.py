@@ -160,7 +160,8 @@ def test_head_without_fc_bias_loads_exports_and_matches(mha, tmp_path):
     assert "fc.bias" not in load_file(str(head_dir / "model.safetensors"))
     head = load_head(head_dir, mha.hf)
     assert head.fc.bias is None
-    out = export(str(mha.target_dir), str(head_dir), tmp_path / "out", ExportOptions(max_length=64), progress=None)
+    out = export(str(mha.target_dir), str(head_dir), tmp_path / "out", ExportOptions(max_length=64, draft_quant="none"),
+                 progress=None)
     manifest = Manifest.load(out)
     assert manifest.draft.trained is True
     ort = OrtBackend(out, manifest.draft, manifest.dims, threads=1)
@@ -311,8 +312,8 @@ def test_reduced_draft_vocabulary_maps_ids_back_and_stays_lossless(mha, tmp_path
     counts = np.random.default_rng(0).integers(0, 1000, 256).astype(np.int64)
     counts[0] = 0  # EOS: kept although it was never seen
     np.save(head_dir / TOKEN_COUNTS_FILE, counts)
-    out = export(str(mha.target_dir), str(head_dir), tmp_path / "out", ExportOptions(max_length=128, draft_vocab=64),
-                 progress=None)
+    out = export(str(mha.target_dir), str(head_dir), tmp_path / "out",
+                 ExportOptions(max_length=128, draft_vocab=64, draft_quant="none"), progress=None)
     manifest = Manifest.load(out)
     assert manifest.draft.draft_vocab_size == 64
     allowed = set(np.argsort(-counts, kind="stable")[:63].tolist()) | {0}

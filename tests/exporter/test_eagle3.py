@@ -286,7 +286,8 @@ def deep(tmp_path_factory) -> Deep:
     del cfg["eagle_aux_hidden_state_layer_ids"]  # as published heads trained on the default taps ship
     (head_dir / "config.json").write_text(json.dumps(cfg))
     exports = {graph: export(str(target_dir), str(head_dir), root / "exports",
-                             ExportOptions(max_length=64, name=f"deep-{graph}", graph=graph), progress=None)
+                             ExportOptions(max_length=64, name=f"deep-{graph}", graph=graph, draft_quant="none"),
+                             progress=None)
                for graph in ("fused", "standard")}
     return Deep(target_dir, head_dir, hf, exports)
 
@@ -310,7 +311,7 @@ class DraftCase:
 @pytest.fixture(scope="module")
 def biased_export(biased_head, gqa, tmp_path_factory) -> DraftCase:
     out = export(str(gqa.target_dir), str(biased_head), tmp_path_factory.mktemp("eagle3-biased-export"),
-                 ExportOptions(max_length=64, name="biased"), progress=None)
+                 ExportOptions(max_length=64, name="biased", draft_quant="none"), progress=None)
     return DraftCase(out, biased_head, gqa.hf)
 
 

@@ -184,7 +184,7 @@ def test_external_data_and_option_errors(exports, tmp_path):
     inline (the stale .data is removed), and "always" writes <graph>.data."""
     for method in ("nbits", "dynamic"):
         folder = tmp_path / method
-        shutil.copytree(exports["fp32"], folder)
+        shutil.copytree(exports["fp32-draft"], folder)  # both graphs unquantised
         m = Manifest.load(folder)
         target = folder / m.target.path
         onnx.save_model(onnx.load(str(target)), str(target), save_as_external_data=True, all_tensors_to_one_file=True,

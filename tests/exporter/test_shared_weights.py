@@ -37,7 +37,8 @@ def exports(mha, tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("shared")
     return {"reduced": export(str(mha.target_dir), "random", root, ExportOptions(max_length=128, draft_vocab=48,
-                                                                                  name="reduced"), progress=None),
+                                                                                  name="reduced", draft_quant="none"),
+                              progress=None),
             "int4": export(str(mha.target_dir), str(mha.head_dir), root,
                            ExportOptions(max_length=128, quant="int4", name="int4"), progress=None)}
 

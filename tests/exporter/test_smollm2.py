@@ -27,6 +27,9 @@ def test_smollm2_export_then_eagle_equals_vanilla(smollm2_export):
     shared = rt.manifest.shared_weights
     assert [(t.role, t.shape) for t in shared.tensors] == [("embedding", (49152, 576))]
     assert (folder / "draft.onnx").stat().st_size < 40 * 2**20 < (folder / "shared.data").stat().st_size
+    # the default draft graph is int8 (MatMulNBits), the target fp32: 10 MB instead of 36 MB
+    assert rt.manifest.draft.quant == "int8" and rt.manifest.target.quant is None
+    assert (folder / "draft.onnx").stat().st_size < 16 * 2**20
     for prompt in PROMPTS:
         eagle = rt.generate(prompt, max_new_tokens=64)
         vanilla = rt.generate(prompt, max_new_tokens=64, mode="vanilla")

@@ -23,6 +23,7 @@ from eagle_deploy.runtime.batch import (
     check_batchable,
     check_kv_fits,
     kv_bytes_per_slot,
+    margin_rows,
     tree_under_load,
 )
 from eagle_deploy.runtime.drafter import EagleDrafter
@@ -237,8 +238,9 @@ def test_forwards_too_wide_for_the_buffer_run_one_by_one(gqa):
     verification does not fit, so the group runs one forward at a time; each slot still gets
     its own outputs (they are copied before the next forward reuses the backend's arrays)."""
     m = gqa.manifest
-    wide = TreeConfig("dynamic", total_tokens=40, depth=2, top_k=min(6, m.draft.graph_top_k))
+    wide = TreeConfig("dynamic", total_tokens=40, depth=2, top_k=min(4, m.draft.graph_top_k))  # up to 21 nodes
     assert draft_kv_capacity(m.max_length, wide) <= draft_kv_capacity(m.max_length, m.tree)
+    assert 1 + wide.top_k + wide.top_k ** 2 > margin_rows(m.tree, True)  # its verification overflows the margin
     eng = engine(gqa, 2, shrink_trees=False)
     for rt in eng.runtimes:
         rt.set_tree(wide)

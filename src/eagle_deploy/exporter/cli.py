@@ -10,6 +10,7 @@ from pathlib import Path
 
 from eagle_deploy.contract.cli_args import HelpFormatter, add_tree_args, interruptible, tree_from_args
 from eagle_deploy.contract.dtypes import CLI_NAMES as CLI_DTYPES
+from eagle_deploy.contract.manifest import DRAFT_QUANTS
 
 from .models import ALIASES  # no torch: the parser is built without the heavy imports
 
@@ -40,9 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="graph precision (fp16/bf16 keep RMSNorm and softmax in fp32)")
     p.add_argument("--quant", default=None, choices=["int4", "int8"],
                    help="quantise the target graph for CPU (lossless w.r.t. the quantised target)")
-    p.add_argument("--no-quant-draft", dest="quant_draft", action="store_false",
-                   help="with --quant, keep the draft graph fp32 (by default it is quantised the same way: "
-                        "measured 6-30%% faster, same tau)")
+    p.add_argument("--draft-quant", default="auto", choices=list(DRAFT_QUANTS),
+                   help="quantise the draft graph's weights (never changes the committed tokens, only the proposals): "
+                        "'auto' = as --quant, else int8 for the fp32 onnxruntime graph (measured on SmolLM2: draft "
+                        "steps 1.8x faster, same tau); 'none' keeps it as exported")
+    p.add_argument("--no-quant-draft", dest="draft_quant", action="store_const", const="none",
+                   help="the same as --draft-quant none")
     p.add_argument("--backend", default="ort", choices=["ort", "trt"],
                    help="'trt' also builds TensorRT engines (needs a GPU and TensorRT; implies --graph standard)")
     p.add_argument("--graph", default="auto", choices=["auto", "fused", "standard"],
@@ -101,7 +105,7 @@ def main(argv=None) -> int:
         options = ExportOptions(dtype=args.dtype, max_length=args.max_length, graph_top_k=args.graph_top_k,
                                 draft_vocab=args.draft_vocab, tree=tree_from_args(args, None),
                                 external_data=args.external_data,
-                                quant=args.quant, quant_draft=args.quant_draft, name=args.name, force=args.force,
+                                quant=args.quant, draft_quant=args.draft_quant, name=args.name, force=args.force,
                                 graph=graph_for(args.graph, args.backend))
         out = export(args.model, args.draft, args.out, options, progress=step)
         if args.backend == "trt":

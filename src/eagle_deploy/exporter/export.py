@@ -12,7 +12,16 @@ from pathlib import Path
 from eagle_deploy.contract.dtypes import CLI_NAMES as CLI_DTYPES
 from eagle_deploy.contract.dtypes import canonical as canonical_dtype
 from eagle_deploy.contract.errors import first_line
-from eagle_deploy.contract.manifest import Dims, DraftEntry, GraphEntry, Manifest, SharedWeights, SourceRecord, Sources
+from eagle_deploy.contract.manifest import (
+    DRAFT_QUANTS,
+    Dims,
+    DraftEntry,
+    GraphEntry,
+    Manifest,
+    SharedWeights,
+    SourceRecord,
+    Sources,
+)
 from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED, TOKENIZER_DIR
 from eagle_deploy.contract.tree_config import DEFAULT_TREES, TreeConfig
 
@@ -31,7 +40,7 @@ DRAFT_VOCAB_FILE = "draft_vocab.npy"
 class ExportOptions:
     """dtype: float32 | float16 | bfloat16. max_length: KV capacity in rows (prompt + output - 1).
     graph_top_k: top-k computed inside the draft graph. quant: None | "int4" | "int8" (the
-    target graph); quant_draft: quantise the draft graph the same way."""
+    target graph); draft_quant: one of DRAFT_QUANTS (`draft_quant_for`)."""
 
     dtype: str = "float32"
     max_length: int | None = None
@@ -40,7 +49,7 @@ class ExportOptions:
     tree: TreeConfig | None = None  # None: DEFAULT_TREES[quant]
     external_data: str = "auto"
     quant: str | None = None
-    quant_draft: bool = True  # with quant: quantise the draft graph too
+    draft_quant: str = "auto"  # DRAFT_QUANTS: "auto" = quant's kind, else int8 for an fp32 fused export
     name: str | None = None
     force: bool = False
     seed: int = 0
@@ -51,6 +60,26 @@ class ExportOptions:
 # (exporter/fused.py); "standard": plain ONNX operators, KV layout "seq_major" (what TensorRT
 # and any other runtime can run); "auto": fused for fp32 graphs, standard otherwise
 GRAPH_KINDS = ("auto", "fused", "standard")
+
+
+def draft_quant_for(options: "ExportOptions", dtype: str, kv_layout: str) -> str | None:
+    """The quantisation of the draft graph (None: as exported): "auto" follows options.quant,
+    and for an fp32 fused export without one (onnxruntime, where MatMulNBits runs) is int8; the
+    standard graph (TensorRT) and fp16/bf16 graphs stay unquantised. ValueError for an unknown
+    kind, or a kind asked for a graph that is not fp32."""
+    kind = options.draft_quant
+    if kind not in DRAFT_QUANTS:
+        raise ValueError(f"--draft-quant {kind} is not one of {', '.join(DRAFT_QUANTS)}")
+    if kind == "none":
+        return None
+    if kind != "auto":
+        if dtype != "float32":
+            raise ValueError(f"--draft-quant {kind} quantises an fp32 draft graph; drop --dtype {options.dtype} "
+                             "or use --draft-quant none")
+        return kind
+    if options.quant:
+        return options.quant
+    return "int8" if dtype == "float32" and kv_layout == KV_SHARED else None
 
 
 def kv_layout_for(graph: str, dtype: str) -> str:
@@ -180,7 +209,7 @@ def check_options(options: ExportOptions) -> tuple[str, TreeConfig]:
     tree = (options.tree or DEFAULT_TREES[options.quant]).validate(options.graph_top_k)
     if options.quant and dtype != "float32":
         raise ValueError(f"--quant {options.quant} quantises an fp32 graph; drop --dtype {options.dtype}")
-    kv_layout_for(options.graph, dtype)
+    draft_quant_for(options, dtype, kv_layout_for(options.graph, dtype))
     return dtype, tree
 
 
@@ -299,23 +328,27 @@ def build_graphs(plan: ExportPlan, models: LoadedModels, options: ExportOptions,
 
 def quantise_graphs(target_entry: GraphEntry, draft_entry: DraftEntry, options: ExportOptions, tmp: Path,
                     progress=None) -> tuple[GraphEntry, DraftEntry, list[str]]:
-    """With options.quant, quantise the target graph (and, with quant_draft, the draft graph)
-    in `tmp`; returns the updated entries and the notes for the manifest."""
-    if not options.quant:
-        return target_entry, draft_entry, []
+    """With options.quant, quantise the target graph, and the draft graph as `draft_quant_for`
+    says, in `tmp`; returns the updated entries and the notes for the manifest."""
     from .quantize import quantize_graph
 
-    _say(progress, f"quantising the target graph ({options.quant})")
-    target_entry = quantize_graph(tmp, target_entry, options.quant, options.external_data)
-    notes = [f"target quantised to {options.quant}: losslessness holds with respect to the quantised target"]
-    if not target_entry.quant_info.batch_invariant:
-        notes.append("the quantised matmuls round activations to int8, which turns the last-bit differences between "
-                     "a one-token and a tree forward's attention into different logits: the runtime decodes this "
-                     "export row-exact by default (one-token forwards as two rows, depth-first trees), so greedy "
-                     "EAGLE output equals vanilla greedy")
-    if options.quant_draft:  # measured 6-30% faster draft steps with unchanged tau
-        _say(progress, f"quantising the draft graph ({options.quant})")
-        draft_entry = quantize_graph(tmp, draft_entry, options.quant, options.external_data)
+    notes = []
+    if options.quant:
+        _say(progress, f"quantising the target graph ({options.quant})")
+        target_entry = quantize_graph(tmp, target_entry, options.quant, options.external_data)
+        notes.append(f"target quantised to {options.quant}: losslessness holds with respect to the quantised target")
+        if not target_entry.quant_info.batch_invariant:
+            notes.append("the quantised matmuls round activations to int8, which turns the last-bit differences "
+                         "between a one-token and a tree forward's attention into different logits: the runtime "
+                         "decodes this export row-exact by default (one-token forwards as two rows, depth-first "
+                         "trees), so greedy EAGLE output equals vanilla greedy")
+    draft_kind = draft_quant_for(options, target_entry.dtype, target_entry.kv_layout)
+    if draft_kind:
+        _say(progress, f"quantising the draft graph ({draft_kind})")
+        draft_entry = quantize_graph(tmp, draft_entry, draft_kind, options.external_data)
+        if not options.quant:
+            notes.append(f"draft graph quantised to {draft_kind} (its proposals only: the target, and so every "
+                         "committed token, is unchanged)")
     return target_entry, draft_entry, notes
 
 

@@ -129,7 +129,7 @@ def tree_under_load(tree: TreeConfig, busy: int) -> TreeConfig:
     (about twice the configured tree's rows per batched verification), depth at most half of
     it and top_k below it (8/4/2: 3 busy 5/2/2, 4 busy 4/2/2, 8 busy 2/1/1). One or two busy
     slots keep `tree`; so do static (EAGLE-1) and root-only trees. Measured on SmolLM2 fp32
-    (default tree 8/4/2, 2 cores, 96 tokens, 4 / 8 code prompts): 4 slots 8/4/2 138 tokens/s
+    (tree 8/4/2, fp32 draft graph, 2 cores, 96 tokens, 4 / 8 code prompts): 4 slots 8/4/2 138 tokens/s
     -> 4/2/2 163 (vanilla 131); 8 slots 126 -> 2/1/1 179 (vanilla 155). The output does not
     depend on the tree (lossless); a seed's tokens do."""
     if tree.kind != "dynamic" or tree.total_tokens <= 2:
