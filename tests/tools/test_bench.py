@@ -123,6 +123,8 @@ def fake_llama_cpp(monkeypatch, tmp_path):
     mod = types.ModuleType("llama_cpp")
     mod.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
     mod.Llama = _FakeLlama
+    mod.__version__ = "0.0-fake"
+    mod.llama_print_system_info = lambda: b"CPU : AVX2 = 1 | "
     spec = types.ModuleType("llama_cpp.llama_speculative")
     spec.__spec__ = importlib.machinery.ModuleSpec("llama_cpp.llama_speculative", None)
     spec.LlamaPromptLookupDecoding = _FakeLookup
@@ -146,6 +148,11 @@ def test_llamacpp_path_with_a_fake_module(export_dir, tmp_path, fake_llama_cpp):
     assert plain.model_path == str(fake_llama_cpp) and plain.kw["draft_model"] is None
     assert isinstance(lookup.kw["draft_model"], _FakeLookup) and lookup.kw["draft_model"].num_pred_tokens == 10
     assert plain.kw["n_threads"] == 1 and plain.kw["n_ctx"] == 256
+    recorded = res["baselines"]["llamacpp"]  # what was run, for the JSON's reader
+    assert recorded["version"] == "0.0-fake" and recorded["build"] == "CPU : AVX2 = 1 |"
+    assert recorded["gguf"] == str(fake_llama_cpp) and recorded["runtime"] == {"n_threads": 1, "n_ctx": 256}
+    assert recorded["decoding"] == "greedy, vanilla"
+    assert res["baselines"]["llamacpp-lookup"]["decoding"] == "greedy, prompt lookup (10 tokens)"
     record = res["prompts"][0]
     tokens, kw = plain.calls[-1]
     assert tokens == record["prompt_ids"] and kw["temp"] == 0.0  # same prompt ids, greedy

@@ -123,7 +123,10 @@ class HfSystem:
 
 class LlamaCppSystem:
     """llama.cpp on the export's GGUF file through llama-cpp-python: plain decoding, or its
-    prompt-lookup speculation (`LlamaPromptLookupDecoding`)."""
+    prompt-lookup speculation (`LlamaPromptLookupDecoding`). `record` (the JSON's baseline
+    entry): package version, GGUF path, decoding, threads, and llama.cpp's own build line
+    (`llama_print_system_info`: the CPU features and backends it was compiled with, which set
+    its speed: a pip build compiles for the machine it runs on)."""
 
     def __init__(self, gguf: Path, eos_ids: list[int], threads: int, n_ctx: int, lookup: int = 0,
                  name: str = "llamacpp"):
@@ -135,6 +138,14 @@ class LlamaCppSystem:
         self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                                    draft_model=draft, verbose=False, seed=0)
         self.eos, self.name = set(eos_ids), name
+        info = getattr(llama_cpp, "llama_print_system_info", None)
+        build = info() if info is not None else None
+        version = getattr(llama_cpp, "__version__", None)
+        self.record = {"package": "llama-cpp-python", "version": version, "precision": f"GGUF {Path(gguf).name}",
+                       "command": f"pip install llama-cpp-python=={version} (compiled on the machine that runs it)",
+                       "gguf": str(gguf), "decoding": f"greedy, prompt lookup ({lookup} tokens)" if lookup
+                       else "greedy, vanilla", "runtime": {"n_threads": threads, "n_ctx": n_ctx},
+                       "build": build.decode(errors="replace").strip() if isinstance(build, bytes) else build}
 
     def run(self, ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int | None = 0) -> Run:
         self.llm.reset()  # no prompt-prefix reuse across requests (each request prefills, as the others do)
