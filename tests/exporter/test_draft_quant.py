@@ -141,3 +141,55 @@ def test_eagle3_draft_graph_quantises_too(eagle3, tmp_path):
         eagle = rt.generate(prompt, max_new_tokens=16)
         assert eagle.stats.draft_forwards > 0
         assert eagle.token_ids == rt.generate(prompt, max_new_tokens=16, mode="vanilla").token_ids
+
+
+@pytest.mark.parametrize("options, expected", [
+    (ExportOptions(), (6, 3, 2)),  # fp32 target, int8 draft (fused)
+    (ExportOptions(draft_quant="none"), (8, 4, 2)),  # the tree measured with an fp32 draft
+    (ExportOptions(dtype="fp16"), (8, 4, 2)),
+    (ExportOptions(graph="standard"), (8, 4, 2)),
+    (ExportOptions(quant="int4"), (2, 1, 1)),
+    (ExportOptions(quant="int8", draft_quant="none"), (4, 2, 2)),
+])
+def test_default_tree_follows_the_draft_graphs_quantisation(options, expected):
+    tree = check_options(options)[1]
+    assert (tree.total_tokens, tree.depth, tree.top_k) == expected
+
+
+def test_fused_fallback_keeps_an_fp32_draft_and_its_tree(tmp_path):
+    """A model the fused graph cannot hold (head dim 12) falls back to the standard graph: the
+    draft stays unquantised under "auto", the manifest gets that export's default tree, and the
+    progress line says so."""
+    from eagle_deploy.exporter.export import export
+    from tests import tiny
+
+    target = tiny.build_tiny_target(tmp_path / "t", gqa=True, seed=3, hidden_size=48)
+    head = tiny.build_tiny_head(tmp_path / "h", target, seed=4)
+    said = []
+    out = export(str(target), str(head), tmp_path / "x", ExportOptions(max_length=64, name="x"), progress=said.append)
+    m = Manifest.load(out)
+    assert m.target.kv_layout == KV_SEQ_MAJOR and m.draft.quant is None
+    assert (m.tree.total_tokens, m.tree.depth, m.tree.top_k) == (8, 4, 2)
+    assert any("standard graph (and an unquantised draft graph)" in s for s in said)
+
+
+def test_tensorrt_refuses_matmulnbits(gqa, tmp_path, capsys):
+    """--backend trt with --quant or an explicit --draft-quant is refused before anything is
+    exported; trt_build refuses an export whose graphs hold MatMulNBits (before any TensorRT
+    import)."""
+    from eagle_deploy.exporter import trt_build
+    from eagle_deploy.exporter.cli import graph_for, main
+
+    assert graph_for("auto", "trt", None, "auto") == "standard" and graph_for("auto", "trt", None, "none") == "standard"
+    for flags, said in ((["--draft-quant", "int8"], "--draft-quant int8"), (["--quant", "int4"], "--quant int4")):
+        rc = main(["--model", "unused", "--out", str(tmp_path / "cli"), "--backend", "trt", *flags])
+        assert rc == 2 and f"--backend trt cannot take {said}" in capsys.readouterr().err
+        assert not (tmp_path / "cli").exists()
+    from eagle_deploy.exporter.export import export
+
+    standard = export(str(gqa.target_dir), str(gqa.head_dir), tmp_path / "x",
+                      ExportOptions(max_length=64, name="s", graph="standard", draft_quant="int8"), progress=None)
+    with pytest.raises(ValueError, match="draft.onnx in .* MatMulNBits"):
+        trt_build.build_engines(standard)
+    with pytest.raises(SystemExit):  # the two draft flags exclude each other
+        main(["--model", "m", "--no-quant-draft", "--draft-quant", "int8"])

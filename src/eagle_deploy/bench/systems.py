@@ -142,7 +142,8 @@ class LlamaCppSystem:
         build = info() if info is not None else None
         version = getattr(llama_cpp, "__version__", None)
         self.record = {"package": "llama-cpp-python", "version": version, "precision": f"GGUF {Path(gguf).name}",
-                       "command": f"pip install llama-cpp-python=={version} (compiled on the machine that runs it)",
+                       "command": f"pip install llama-cpp-python{'==' + version if version else ''} (compiled on the "
+                                  "machine that runs it)",
                        "gguf": str(gguf), "decoding": f"greedy, prompt lookup ({lookup} tokens)" if lookup
                        else "greedy, vanilla", "runtime": {"n_threads": threads, "n_ctx": n_ctx},
                        "build": build.decode(errors="replace").strip() if isinstance(build, bytes) else build}

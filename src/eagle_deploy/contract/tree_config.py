@@ -91,21 +91,34 @@ class TreeConfig:
 
 
 
-# Default draft trees by target precision, measured on SmolLM2-135M on a 2-core x86 CPU.
-# fp32 (int8 draft graph, the default since 2026-12-01): 6 tokens / depth 3 / top-2, the best of
+# Default draft trees by target precision (and, for an fp32 target, whether the draft graph is
+# quantised: `default_tree`), measured on SmolLM2-135M on a 2-core x86 CPU.
+# fp32 target with an int8 draft graph (the default since 2026-12-01): 6 / 3 / 2, the best of
 # 4/2/2, 4/3/2, 4/3/1, 6/3/2, 8/4/2 in two runs (one process, trees interleaved, 6 HumanEval and
 # chat prompts, 128 tokens: 72.3 and 73.7 tok/s, 1.52-1.56x vanilla; 8/4/2 67.2 and 67.7, the
 # rest 69.5-72; `eagle-bench --tune --no-save` picked 4/2/2 at 81.6 tok/s, 1.55x, on its 4
-# calibration prompts, 8/4/2 77.0: all within about 6%). Before, with the fp32 draft graph, the
-# tuner chose 8/4/2 (70.1 tok/s, 1.23x vanilla). The tuner's other choices, on the fused-attention
+# calibration prompts, 8/4/2 77.0: all within about 6%). With an unquantised draft graph (fp16,
+# bf16, the standard graph, --draft-quant none) the tuner chose 8/4/2 (70.1 tok/s, 1.23x vanilla).
+# The tuner's other choices, on the fused-attention
 # graphs (2026-12-01; 4 calibration prompts): int8 4/2/2 (154.2 tok/s, 1.42x; 4/3/2 was
 # 1% faster, within noise), int4 2/1/1 (142.5 tok/s, 1.02x; the old 4/2/2 measured 0.88x: the
 # fused int4 one-token forward is now so cheap that a wider verification no longer pays at the
 # shipped head's int4 acceptance). Re-run `eagle-bench --tune` on your machine: it rewrites the
 # export's tree.
 DEFAULT_TREES = {
-    None: TreeConfig(kind="dynamic", total_tokens=6, depth=3, top_k=2),
+    None: TreeConfig(kind="dynamic", total_tokens=8, depth=4, top_k=2),  # unquantised target and draft
+    "draft-quantised": TreeConfig(kind="dynamic", total_tokens=6, depth=3, top_k=2),  # unquantised target
     "int8": TreeConfig(kind="dynamic", total_tokens=4, depth=2, top_k=2),
     "int4": TreeConfig(kind="dynamic", total_tokens=2, depth=1, top_k=1),
 }
-DEFAULT_TREE = DEFAULT_TREES[None]
+
+
+def default_tree(quant: str | None, draft_quant: str | None = None) -> TreeConfig:
+    """The default tree of an export whose target is quantised as `quant` (None | "int8" |
+    "int4") and whose draft graph as `draft_quant` (DEFAULT_TREES)."""
+    if quant:
+        return DEFAULT_TREES[quant]
+    return DEFAULT_TREES["draft-quantised" if draft_quant else None]
+
+
+DEFAULT_TREE = default_tree(None, "int8")  # the default export's (fp32 target, int8 draft)

@@ -41,12 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="graph precision (fp16/bf16 keep RMSNorm and softmax in fp32)")
     p.add_argument("--quant", default=None, choices=["int4", "int8"],
                    help="quantise the target graph for CPU (lossless w.r.t. the quantised target)")
-    p.add_argument("--draft-quant", default="auto", choices=list(DRAFT_QUANTS),
-                   help="quantise the draft graph's weights (never changes the committed tokens, only the proposals): "
-                        "'auto' = as --quant, else int8 for the fp32 onnxruntime graph (measured on SmolLM2: draft "
-                        "steps 1.8x faster, same tau); 'none' keeps it as exported")
-    p.add_argument("--no-quant-draft", dest="draft_quant", action="store_const", const="none",
-                   help="the same as --draft-quant none")
+    draft_quant = p.add_mutually_exclusive_group()
+    draft_quant.add_argument("--draft-quant", default="auto", choices=list(DRAFT_QUANTS),
+                             help="quantise the draft graph's weights (never changes the committed tokens, only the "
+                                  "proposals): 'auto' = as --quant, else int8 for the fp32 fused onnxruntime graph "
+                                  "(measured on SmolLM2: draft steps 1.8x faster, same tau); 'none' keeps it as "
+                                  "exported")
+    draft_quant.add_argument("--no-quant-draft", dest="draft_quant", action="store_const", const="none",
+                             help="the same as --draft-quant none")
     p.add_argument("--backend", default="ort", choices=["ort", "trt"],
                    help="'trt' also builds TensorRT engines (needs a GPU and TensorRT; implies --graph standard)")
     p.add_argument("--graph", default="auto", choices=["auto", "fused", "standard"],
@@ -76,11 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def graph_for(graph: str, backend: str) -> str:
+def graph_for(graph: str, backend: str, quant: str | None = None, draft_quant: str = "auto") -> str:
     """--graph for this --backend: TensorRT cannot run onnxruntime's contrib operators, so
-    --backend trt takes the standard graph (and refuses --graph fused)."""
+    --backend trt takes the standard graph (and refuses --graph fused, --quant and an explicit
+    --draft-quant int4|int8: MatMulNBits is one of them)."""
     if backend == "trt" and graph == "fused":
         raise ValueError("--backend trt needs --graph standard (TensorRT cannot run onnxruntime's contrib operators)")
+    if backend == "trt" and (quant or draft_quant not in ("auto", "none")):
+        flag = f"--quant {quant}" if quant else f"--draft-quant {draft_quant}"
+        raise ValueError(f"--backend trt cannot take {flag}: the quantised graphs use onnxruntime's MatMulNBits, "
+                         "which TensorRT cannot run")
     return "standard" if backend == "trt" else graph
 
 
@@ -106,7 +113,7 @@ def main(argv=None) -> int:
                                 draft_vocab=args.draft_vocab, tree=tree_from_args(args, None),
                                 external_data=args.external_data,
                                 quant=args.quant, draft_quant=args.draft_quant, name=args.name, force=args.force,
-                                graph=graph_for(args.graph, args.backend))
+                                graph=graph_for(args.graph, args.backend, args.quant, args.draft_quant))
         out = export(args.model, args.draft, args.out, options, progress=step)
         if args.backend == "trt":
             from .trt_build import build_engines

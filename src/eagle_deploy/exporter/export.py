@@ -23,7 +23,7 @@ from eagle_deploy.contract.manifest import (
     Sources,
 )
 from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED, TOKENIZER_DIR
-from eagle_deploy.contract.tree_config import DEFAULT_TREES, TreeConfig
+from eagle_deploy.contract.tree_config import TreeConfig, default_tree
 
 from .draft_head import HEAD_WEIGHT_FILES, load_head, random_head
 from .draft_vocab import default_size as default_draft_vocab
@@ -46,7 +46,7 @@ class ExportOptions:
     max_length: int | None = None
     graph_top_k: int = 10
     draft_vocab: int | None = None  # None: the alias's, else draft_vocab.default_size; 0: full vocabulary; N: N tokens
-    tree: TreeConfig | None = None  # None: DEFAULT_TREES[quant]
+    tree: TreeConfig | None = None  # None: tree_config.default_tree(quant, the draft's quantisation)
     external_data: str = "auto"
     quant: str | None = None
     draft_quant: str = "auto"  # DRAFT_QUANTS: "auto" = quant's kind, else int8 for an fp32 fused export
@@ -206,11 +206,16 @@ def check_options(options: ExportOptions) -> tuple[str, TreeConfig]:
     dtype = canonical_dtype(options.dtype)
     if dtype is None:
         raise ValueError(f"--dtype {options.dtype} is not one of {', '.join(CLI_DTYPES)}")
-    tree = (options.tree or DEFAULT_TREES[options.quant]).validate(options.graph_top_k)
     if options.quant and dtype != "float32":
         raise ValueError(f"--quant {options.quant} quantises an fp32 graph; drop --dtype {options.dtype}")
-    draft_quant_for(options, dtype, kv_layout_for(options.graph, dtype))
-    return dtype, tree
+    return dtype, tree_for(options, dtype, kv_layout_for(options.graph, dtype))
+
+
+def tree_for(options: ExportOptions, dtype: str, kv_layout: str) -> TreeConfig:
+    """options.tree, else the default tree for the target's and the draft graph's quantisation
+    (`default_tree`), validated. Raises ValueError (draft_quant_for) or TreeConfigError."""
+    draft = draft_quant_for(options, dtype, kv_layout)
+    return (options.tree or default_tree(options.quant, draft)).validate(options.graph_top_k)
 
 
 def resolve_inputs(model: str, draft: str | None, out_root: Path, options: ExportOptions, progress=None) -> ExportPlan:
@@ -307,7 +312,8 @@ def build_graphs(plan: ExportPlan, models: LoadedModels, options: ExportOptions,
         if options.graph == "fused":
             raise ValueError(f"--graph fused cannot export this model: {why}; use --graph standard")
         layout = KV_SEQ_MAJOR
-        _say(progress, f"the fused graph does not fit ({why}): exporting the standard graph")
+        unquantised = " (and an unquantised draft graph)" if options.draft_quant == "auto" and not options.quant else ""
+        _say(progress, f"the fused graph does not fit ({why}): exporting the standard graph{unquantised}")
     kind = "fused onnxruntime operators" if layout == KV_SHARED else "standard ONNX operators"
     _say(progress, f"exporting target graph ({plan.dtype}, {kind})")
     taps = models.head.cfg.feature_layers if isinstance(models.head, Eagle3Head) else None
@@ -409,6 +415,7 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
     tmp = Path(tempfile.mkdtemp(prefix=f".{plan.out.name}.partial-", dir=out_root))
     try:
         target_entry, draft_entry, tokenizer = build_graphs(plan, models, options, tmp, progress)
+        plan = replace(plan, tree=tree_for(options, plan.dtype, target_entry.kv_layout))  # the graph kind made
         target_entry, draft_entry, notes = quantise_graphs(target_entry, draft_entry, options, tmp, progress)
         shared = share_graph_weights(target_entry, draft_entry, models.dims, options, tmp, progress)
         write_manifest(plan, models, target_entry, draft_entry, tokenizer, notes, tmp, progress, shared)

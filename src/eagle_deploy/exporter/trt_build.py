@@ -285,8 +285,8 @@ def build_engines(export_folder, progress=None, options: TrtBuildOptions | None 
     manifest (`engines.trt`); returns that record. Works from any working directory
     (all paths are made absolute). Raises ExternalDataError / FileNotFoundError before any
     TensorRT import when a graph or its external data is missing, ImportError without
-    TensorRT, ValueError on profile settings the export's tree does not fit or on a fused
-    (onnxruntime contrib operator) export, EngineBuildError
+    TensorRT, ValueError on profile settings the export's tree does not fit or on a fused or
+    MatMulNBits-quantised (onnxruntime contrib operator) graph, EngineBuildError
     when TensorRT fails to parse or build a graph."""
     options = options or TrtBuildOptions()
     folder = Path(export_folder).expanduser().resolve()
@@ -296,6 +296,10 @@ def build_engines(export_folder, progress=None, options: TrtBuildOptions | None 
     if fused:
         raise ValueError(f"{', '.join(fused)} in {folder} use onnxruntime's fused contrib operators, which TensorRT "
                          "cannot run: re-export with --backend trt (or --graph standard)")
+    nbits = [g.path for g in graphs.values() if g.quant_info is not None and g.quant_info.method == "nbits"]
+    if nbits:
+        raise ValueError(f"{', '.join(nbits)} in {folder} hold onnxruntime's quantised MatMulNBits operator, which "
+                         "TensorRT cannot run: re-export without --quant / --draft-quant (or with --draft-quant none)")
     for which, graph in graphs.items():
         check_external_data(folder / graph.path)
     profiles = {which: compute_profiles(manifest, which, options) for which in graphs}
