@@ -374,3 +374,35 @@ def test_fused_torch_module_equals_the_standard_one(gqa):
     for new, buf in zip(want[2:], got[2:]):
         torch.testing.assert_close(buf[:, :, 7:7 + tree.size].permute(2, 0, 1, 3), new, rtol=0, atol=1e-5)
         assert bool((buf[:, :, 7 + tree.size:] == 7.0).all())
+
+
+def test_fused_norms_do_not_compute_unread_statistics(gqa, tmp_path):
+    """Every SkipSimplifiedLayerNormalization of the fused target and draft graphs leaves its
+    mean / inverse-std outputs empty (nothing reads them; onnxruntime then skips them), and the
+    graph with them named again gives bit-identical logits, features and KV."""
+    from eagle_deploy.exporter.fused import drop_unused_norm_statistics
+    from eagle_deploy.runtime.backends.ort import OrtBackend
+
+    for which in ("target", "draft"):
+        norms = [n for n in _graph(gqa, which).graph.node if n.op_type == "SkipSimplifiedLayerNormalization"]
+        assert norms and all(list(n.output[1:3]) == ["", ""] and n.output[0] and n.output[3] for n in norms), which
+    model = _graph(gqa)
+    for i, node in enumerate(n for n in model.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"):
+        node.output[1], node.output[2] = f"mean_{i}", f"inv_std_{i}"  # as the TorchScript exporter names them
+    kept = tmp_path / "target.onnx"
+    onnx.save(model, str(kept))
+    m = gqa.manifest
+    named = OrtBackend(tmp_path, m.target, m.dims, threads=1)
+    lean = gqa.backend("target")
+    prompt, tree = _rng_tokens(20, 5), DraftTree.from_paths(9, [[4, 7], [5], [4, 8, 2]])
+    outs = []
+    for be in (named, lean):
+        kv = be.allocate_kv(64)
+        first = prefill(be, kv, prompt)
+        outs.append([first[c.LOGITS], first[c.FEATURES], *run_tree(be, kv, tree, len(prompt)).values(),
+                     *kv_rows(kv, len(prompt) + tree.size)])
+    assert all(np.array_equal(a, b) for a, b in zip(*outs))
+    # an output something reads is kept
+    model.graph.output.append(onnx.helper.make_tensor_value_info("mean_0", onnx.TensorProto.FLOAT, None))
+    norms = [n for n in model.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"]
+    assert drop_unused_norm_statistics(model) == 2 * len(norms) - 1 and norms[0].output[1] == "mean_0"

@@ -21,6 +21,7 @@ from eagle_deploy.contract.manifest import DraftEntry, GraphEntry, HeadRecord
 from .draft_head import EagleHead, ExportableDraft
 from .eagle3 import Eagle3Head, ExportableDraft3
 from .external_data import use_external_data
+from .fused import drop_unused_norm_statistics
 from .target import ExportableTarget
 
 OPSET = 17
@@ -74,6 +75,7 @@ class OnnxFromModule:
                                   opset_version=OPSET, do_constant_folding=True, dynamo=False,
                                   custom_opsets={"com.microsoft": 1})  # fused graphs: onnxruntime contrib ops
             model = onnx.load(str(raw), load_external_data=True)
+        drop_unused_norm_statistics(model)  # fused graphs: the norms' unread optional outputs
         if external:
             onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                             location=path.name + ".data", size_threshold=1024)
