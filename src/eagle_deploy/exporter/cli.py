@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the export, write a Triton model repository serving it into this folder (model "
                         "'eagle', replaced if present; eagle-triton-repo has the other settings)")
     p.add_argument("--triton-instances", type=int, default=1, help="model instances for --triton-repo")
-    add_tree_args(p, "by target precision, measured on a 2-core CPU (contract/tree_config.py DEFAULT_TREES)")
+    add_tree_args(p, "by target precision and draft-graph quantisation, measured on a 2-core CPU "
+                     "(contract/tree_config.py default_tree)")
     return p
 
 
