@@ -244,6 +244,7 @@ def test_bad_head_fails_export_naming_the_tensor_and_writes_nothing(mha, tmp_pat
     assert not out_root.exists() or list(out_root.iterdir()) == []
 
 
+@pytest.mark.slow  # several seconds of child processes: in `make test`, not `make test-fast`
 def test_missing_fc_weight_cli_process_exits_nonzero(mha, tmp_path):
     """The installed `eagle-export` entry point, in its own process."""
     import subprocess

@@ -39,6 +39,7 @@ def _bench(export_dir, tmp_path, *extra, memory: bool = False) -> tuple[int, dic
     return rc, (json.loads(out.read_text()) if out.exists() else {})
 
 
+@pytest.mark.slow  # several seconds of child processes: in `make test`, not `make test-fast`
 def test_end_to_end_json_and_png(export_dir, tmp_path, capsys):
     rc, res = _bench(export_dir, tmp_path, "--no-baselines", "--temperatures", "0,0.8", "--json", memory=True)
     assert rc == 0
@@ -338,6 +339,7 @@ def test_default_run_is_quick_and_baselines_are_opt_in(export_dir, tmp_path, mon
     assert seen[1].limit == 0 and seen[1].baselines == []
 
 
+@pytest.mark.slow  # several seconds of child processes: in `make test`, not `make test-fast`
 def test_memory_probe_peak_is_the_child_process_own(export_dir):
     """Each mode's peak is its fresh process's own high-water mark (VmHWM), not the large
     parent's: Linux's ru_maxrss survives exec and would report the parent's peak."""

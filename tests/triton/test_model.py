@@ -111,6 +111,7 @@ def test_cancelled_request_stops_decoding_and_gets_a_bare_final_flag(served, mod
     assert ok.sent[0][0].error is None
 
 
+@pytest.mark.slow  # several seconds of child processes: in `make test`, not `make test-fast`
 def test_instances_have_their_own_worker_and_a_dead_worker_is_replaced(model_module, tiny, reference):
     a, b = model_module.TritonPythonModel(), model_module.TritonPythonModel()
     a.initialize(model_args(tiny))
