@@ -180,3 +180,47 @@ def test_one_backend_alternating_between_kv_buffers(model):
         fresh = fresh_be.allocate_kv(32)
         np.testing.assert_array_equal(prefill(fresh_be, fresh, prompt)[c.LOGITS], first[c.LOGITS])
         np.testing.assert_array_equal(prefill(fresh_be, fresh, [42], past=len(prompt))[c.LOGITS], step[c.LOGITS])
+
+
+def test_backend_rebinds_only_what_changed(model):
+    """OrtBackend keeps its input and output bindings between forwards (inputs are copied into
+    reused buffers): a vanilla decoding step after another rebinds only the attention mask (its
+    width grows), a forward of another size rebinds the rest, and the outputs stay a fresh
+    backend's bit for bit."""
+    be = model.backend()
+    kv = be.allocate_kv(64)
+    prompt = PROMPTS[0]
+    P = len(prompt)
+    prefill(be, kv, prompt)
+    real, calls = be._binding, []
+
+    class Spy:  # the IOBinding, recording the names bound
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def bind_input(self, name, *args):
+            calls.append(name)
+            return real.bind_input(name, *args)
+
+        def bind_output(self, name, *args):
+            calls.append(name)
+            return real.bind_output(name, *args)
+
+    be._binding = Spy()
+    outs = []
+    for i, token in enumerate([42, 7, 99]):
+        calls.clear()
+        outs.append({k: v.copy() for k, v in prefill(be, kv, [token], past=P + i).items()})
+        if i:
+            assert calls == [c.ATTENTION_MASK]
+    assert set(calls) == {c.ATTENTION_MASK}
+    calls.clear()
+    tree = run_tree(be, kv, _random_tree(5, seed=3), P + 3)
+    assert {c.INPUT_IDS, c.POSITION_IDS, c.ATTENTION_MASK, c.LOGITS} <= set(calls)
+    fresh_be = model.backend()
+    fresh = fresh_be.allocate_kv(64)
+    prefill(fresh_be, fresh, prompt)
+    for i, token in enumerate([42, 7, 99]):
+        np.testing.assert_array_equal(prefill(fresh_be, fresh, [token], past=P + i)[c.LOGITS], outs[i][c.LOGITS])
+    want = run_tree(fresh_be, fresh, _random_tree(5, seed=3), P + 3)
+    np.testing.assert_array_equal(tree[c.LOGITS], want[c.LOGITS])

@@ -77,6 +77,8 @@ class StepInputs:
         "shared" KV layout (fused GroupQueryAttention) apply a causal mask over the new tokens on
         top of `attention_mask`, so such a mask would be silently cut; trees in tree order
         (ancestors first) never need it."""
+        if self.attention_mask.shape[1] == 1:  # one new token: nothing later to look at
+            return
         new = self.attention_mask[:, :, past:]
         if np.triu(new, k=1).any():
             _, i, j = np.argwhere(np.triu(new, k=1))[0]

@@ -2,6 +2,7 @@
 of KV; outputs land in reused arrays)."""
 from __future__ import annotations
 
+import math
 import weakref
 from pathlib import Path
 
@@ -152,10 +153,13 @@ class OrtBackend:
         self.name = "ort-" + self.session.get_providers()[0].replace("ExecutionProvider", "").lower()
         self.kv_names = [(p, q) for p, q in c.kv_names(graph.num_kv_layers())]
         self.kv_dtype = numpy_dtype(graph.dtype)
-        self._outputs = [o for o in graph.outputs if not o.name.startswith("present.")]
+        self.kv_layout = graph.kv_layout  # read from the input specs: once, not per forward
+        self._outputs = [(o, numpy_dtype(o.dtype)) for o in graph.outputs if not o.name.startswith("present.")]
+        self._in_buffers: dict[str, np.ndarray] = {}
         self._out_buffers: dict[str, np.ndarray] = {}
         self._binding = self.session.io_binding()
         self._kv_bound: tuple | None = None  # shared layout: (KVBuffer, array ids) whose KV stays bound
+        self._bound: dict[str, tuple] = {}  # input/output name -> (buffer id, shape) bound now
 
     def allocate_kv(self, capacity: int, batch: int = 1) -> KVBuffer:
         """KV buffers in this graph's layout (graph.kv_layout), `capacity` rows each, for
@@ -163,19 +167,32 @@ class OrtBackend:
         return KVBuffer.allocate(self.kv_names, capacity, batch, self.dims.num_kv_heads, self.dims.head_dim,
                                  self.kv_dtype, layout=self.graph.kv_layout)
 
-    def _out_buffer(self, name: str, dtype, shape: tuple[int, ...]) -> np.ndarray:
-        """A reused output array at least `shape` large (grown, never shrunk)."""
-        need = int(np.prod(shape))
-        buf = self._out_buffers.get(name)
-        if buf is None or buf.size < need:
-            buf = np.empty(max(need, 2 * (0 if buf is None else buf.size)), dtype=dtype)
-            self._out_buffers[name] = buf
+    @staticmethod
+    def _buffer(store: dict[str, np.ndarray], name: str, dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A reused array of `shape` at the start of `store[name]` (grown, never shrunk; replaced
+        when the dtype differs), so that its address stays the same from call to call."""
+        need = math.prod(shape)
+        buf = store.get(name)
+        if buf is None or buf.size < need or buf.dtype != dtype:
+            grow = 0 if buf is None or buf.dtype != dtype else 2 * buf.size
+            buf = store[name] = np.empty(max(need, grow), dtype=dtype)
         return buf[:need].reshape(shape)
+
+    def _bind(self, name: str, arr: np.ndarray, output: bool) -> None:
+        """Bind `arr` (a reused buffer, `_buffer`) unless that address is bound with
+        this shape already: a binding outlives the forward, so a step whose shapes repeat
+        (vanilla decoding: all but the attention mask) makes no binding calls for them."""
+        key = (arr.ctypes.data, arr.shape)  # the address, not id(): a new buffer may reuse an old id
+        if self._bound.get(name) == key:
+            return
+        bind = self._binding.bind_output if output else self._binding.bind_input
+        bind(name, "cpu", 0, arr.dtype, arr.shape, key[0])
+        self._bound[name] = key
 
     def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
         (B, S), N = inputs.input_ids.shape, inputs.logits_indices.shape[1]
-        check_step(inputs, kv, past, self.graph.kv_layout)
-        shared = self.graph.kv_layout == c.KV_SHARED
+        check_step(inputs, kv, past, self.kv_layout)
+        shared = self.kv_layout == c.KV_SHARED
         b = self._binding
         # shared layout: the KV bindings (whole buffers, in and out) do not change from call to call,
         # so they are bound once per buffer and only the other inputs/outputs are rebound (a
@@ -184,7 +201,7 @@ class OrtBackend:
         if key is None or self._kv_bound is None or self._kv_bound[0] is not kv or self._kv_bound[1] != key[1]:
             b.clear_binding_inputs()
             b.clear_binding_outputs()
-            self._kv_bound = None
+            self._kv_bound, self._bound = None, {}
             shape_past = (past, B, self.dims.num_kv_heads, self.dims.head_dim)
             shape_new = (S,) + shape_past[1:]
             for (past_name, present_name), arr in zip(self.kv_names, kv.arrays):
@@ -195,14 +212,16 @@ class OrtBackend:
                 b.bind_input(past_name, "cpu", 0, self.kv_dtype, shape_past, arr.ctypes.data)
                 b.bind_output(present_name, "cpu", 0, self.kv_dtype, shape_new, arr[past:].ctypes.data)
             self._kv_bound = key
-        feeds = {name: np.ascontiguousarray(arr) for name, arr in inputs.feeds().items()}  # alive until run
-        for name, arr in feeds.items():
-            b.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+        # inputs are copied into reused buffers (a few hundred bytes) so that their bindings can persist
+        for name, arr in inputs.feeds().items():
+            buf = self._buffer(self._in_buffers, name, arr.dtype, arr.shape)
+            buf[...] = arr
+            self._bind(name, buf, output=False)
         sizes = {"batch": B, "seq": S, "num_logits": N, "vocab": self.dims.vocab, "hidden": self.dims.hidden}
         results = {}
-        for spec in self._outputs:
-            out = self._out_buffer(spec.name, numpy_dtype(spec.dtype), resolve_shape(spec.shape, sizes))
-            b.bind_output(spec.name, "cpu", 0, out.dtype, out.shape, out.ctypes.data)
+        for spec, dtype in self._outputs:
+            out = self._buffer(self._out_buffers, spec.name, dtype, resolve_shape(spec.shape, sizes))
+            self._bind(spec.name, out, output=True)
             results[spec.name] = out
         self.session.run_with_iobinding(b)
         return outputs_from_named(results)
