@@ -93,9 +93,9 @@ class KVBuffer:
         """Move rows start + rows[j] to start + j for every layer (accepted tree path ->
         contiguous). `rows` must be increasing with rows[j] >= j, which a root-to-node path in
         tree order always is."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if len(rows) == 0 or np.array_equal(rows, np.arange(len(rows))):
+        if all(int(r) == j for j, r in enumerate(rows)):  # already in place (vanilla decoding: [0]); no numpy
             return
+        rows = np.asarray(rows, dtype=np.int64)
         if np.any(np.diff(rows) <= 0) or rows[0] < 0:
             raise ValueError(f"compaction rows must be increasing and non-negative: {rows.tolist()}")
         self.check(start, int(rows[-1]) + 1)

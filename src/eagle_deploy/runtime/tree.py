@@ -135,6 +135,8 @@ class DraftTree:
 
     def children(self, node: int) -> np.ndarray:
         """Child node indices of `node`, best draft score first."""
+        if len(self.parents) == 1:  # the root-only tree of vanilla decoding
+            return self.parents[:0]
         kids = np.flatnonzero(self.parents == node)
         return kids[np.argsort(-self.scores[kids], kind="stable")]
 
