@@ -317,7 +317,9 @@ class _Captured(Exception):
     ([], [], 10),  # quick by default: EAGLE vs vanilla, 10 prompts of each built-in set
     (["--baselines", "hf,llamacpp"], ["hf", "llamacpp"], 10),
     (["--baselines", "all", "--limit", "0"], ["hf", "hf-lookup", "llamacpp", "llamacpp-lookup", "ort-genai-fp32",
-                                              "ort-genai-int4", "openvino-fp32", "openvino-int8", "openvino-int4"], 0),
+                                              "ort-genai-int4", "openvino-fp32", "openvino-int8", "openvino-int4",
+                                              "openvino-eagle3-fp32", "openvino-eagle3-int8",
+                                              "openvino-eagle3-int4"], 0),
     (["--baselines", "all", "--no-baselines"], [], 10),
 ])
 def test_default_run_is_quick_and_baselines_are_opt_in(export_dir, tmp_path, monkeypatch, flags, baselines, limit):

@@ -48,7 +48,9 @@ def _bench(export_dir, tmp_path, *extra) -> tuple[int, dict]:
     ("openvino-int4,hf,openvino", ["openvino-int4", "hf", "openvino-fp32", "openvino-int8"]),
     ("ort-genai-int4", ["ort-genai-int4"]),
     ("all", ["hf", "hf-lookup", "llamacpp", "llamacpp-lookup", "ort-genai-fp32", "ort-genai-int4", "openvino-fp32",
-             "openvino-int8", "openvino-int4"]),
+             "openvino-int8", "openvino-int4", "openvino-eagle3-fp32", "openvino-eagle3-int8",
+             "openvino-eagle3-int4"]),
+    ("openvino-eagle3", ["openvino-eagle3-fp32", "openvino-eagle3-int8", "openvino-eagle3-int4"]),
 ])
 def test_baselines_argument_expands_peer_families(text, expected):
     args = cli.build_parser().parse_args(["--engines", "x", "--baselines", text, "--extra-engines", "a",
@@ -256,6 +258,9 @@ def _fake_ov(monkeypatch, script):
     class GenerationConfig:
         pass
 
+    def draft_model(folder, device, **props):
+        return ("draft", folder, device, props)
+
     class LLMPipeline:
         instances: list = []
 
@@ -271,6 +276,7 @@ def _fake_ov(monkeypatch, script):
             return types.SimpleNamespace(tokens=[tokens])
 
     ovg.StreamerBase, ovg.GenerationConfig, ovg.LLMPipeline = StreamerBase, GenerationConfig, LLMPipeline
+    ovg.draft_model = draft_model
     ovg.StreamingStatus = types.SimpleNamespace(RUNNING="RUNNING")
     monkeypatch.setitem(sys.modules, "openvino", ov)
     monkeypatch.setitem(sys.modules, "openvino_genai", ovg)
@@ -292,6 +298,78 @@ def test_openvino_pipeline_gets_token_ids_and_greedy_config(monkeypatch, tmp_pat
     assert ids.dtype == np.int64 and ids.tolist() == [[9, 8, 7]]
     assert (config.max_new_tokens, config.do_sample, config.eos_token_id, config.stop_token_ids) == (3, False, 5, {5})
     assert run.token_ids == [21, 22, 5] and run.finish_reason == "stop" and run.ttft_ms is not None
+
+
+def _eagle3_head(folder: Path, archs=("LlamaForCausalLMEagle3",)) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": list(archs)}))
+    (folder / "model.safetensors").write_bytes(b"weights")
+    return folder
+
+
+def test_eagle3_head_checks_and_draft_command(cache, tmp_path):
+    assert "--eagle3-head DIR" in peers.eagle3_head_problem(None)
+    head = _eagle3_head(tmp_path / "head")
+    assert peers.eagle3_head_problem(head) is None
+    eagle2 = _eagle3_head(tmp_path / "eagle2", archs=("LlamaForCausalLM",))
+    assert "name no EAGLE-3 draft model" in peers.eagle3_head_problem(eagle2)
+    assert "no readable config.json" in peers.eagle3_head_problem(tmp_path / "missing")
+    assert peers.draft_command(head, Path("/o"), Path("/venv/bin/optimum-cli")) == [
+        "/venv/bin/optimum-cli", "export", "openvino", "--model", str(head), "--task", "text-generation-with-past",
+        "--weight-format", "fp32", "--trust-remote-code", "/o"]
+    folder = peers.draft_dir(head)
+    assert folder.parent == cache / "peers" / "eagle3-drafts" and folder.name.startswith("head-")
+    (head / "model.safetensors").write_bytes(b"other weights")  # another head: another cache entry
+    assert peers.draft_dir(head) != folder
+    hf = Path("/models/SmolLM2-hf")  # the EAGLE-3 peer runs the plain peer's converted model
+    assert peers.model_dir(hf, "openvino-eagle3-int4") == peers.model_dir(hf, "openvino-int4")
+
+
+def test_eagle3_peer_without_a_head_skips_with_a_note(export_dir, tmp_path, cache, monkeypatch, capsys):
+    _fake_ov(monkeypatch, [1])
+    rc, res = _bench(export_dir, tmp_path, "--baselines", "openvino-eagle3-fp32", "--limit", "1")
+    assert rc == 0
+    b = res["baselines"]["openvino-eagle3-fp32"]
+    assert b["status"] == "skipped" and b["note"].startswith("needs an EAGLE-3 draft head: eagle-bench --eagle3-head")
+    assert "note: baseline openvino-eagle3-fp32: needs an EAGLE-3 draft head" in capsys.readouterr().out
+    assert not (cache / "peers").exists()
+
+
+def test_eagle3_peer_drafts_with_the_converted_head(cache, tmp_path, monkeypatch):
+    """openvino-eagle3-int4: the openvino-int4 model plus the head's IR as OpenVINO GenAI's
+    draft_model, greedy with OV_EAGLE3's settings; both conversions cached and recorded."""
+    pipeline = _fake_ov(monkeypatch, [31, 32, 33])
+    head = _eagle3_head(tmp_path / "head")
+    hf = tmp_path / "hf-model"
+    calls = []
+
+    def convert(cmd, logfile):
+        calls.append(cmd)
+        (Path(cmd[-1]) / "openvino_model.xml").write_text("<net/>")
+        return 0
+
+    monkeypatch.setattr(peers, "_run_converter", convert)
+    monkeypatch.setattr(peers, "optimum_cli", lambda: Path("/venv/bin/optimum-cli"))
+    system = peers.make_peer("openvino-eagle3-int4", hf, [2], threads=2, eagle3_head=head)
+    main, draft = peers.model_dir(hf, "openvino-int4"), peers.draft_dir(head)
+    assert [c[c.index("--model") + 1] for c in calls] == [str(hf), str(head)]
+    pipe = pipeline.instances[-1]
+    assert pipe.folder == str(main) and pipe.props["draft_model"] == ("draft", str(draft), "CPU",
+                                                                      {"INFERENCE_NUM_THREADS": 2})
+    run = system.run([5, 6], max_new_tokens=2)
+    config = pipe.calls[-1][1]
+    assert run.token_ids == [31, 32] and config.do_sample is False
+    assert all(getattr(config, k) == v for k, v in peers.OV_EAGLE3.items())
+    r = system.record
+    assert r["model_dir"] == str(main) and "EAGLE-3" in r["decoding"]
+    drafted = " ".join(peers.draft_command(head, draft, Path("/venv/bin/optimum-cli")))
+    assert r["speculative"] == {"method": "EAGLE-3", "head": str(head), "draft_model_dir": str(draft),
+                                "draft_command": drafted, "generation_config": peers.OV_EAGLE3}
+    peers.make_peer("openvino-eagle3-int4", hf, [2], threads=2, eagle3_head=head)
+    assert len(calls) == 2  # both cached
+    plain = peers.make_peer("openvino-int4", hf, [2], threads=2)
+    assert plain.record["speculative"] == peers.NO_SPECULATION and "draft_model" not in pipeline.instances[-1].props
+    assert plain.speculative == {}
 
 
 def test_peer_record_in_the_json_and_the_table(export_dir, tmp_path, cache, monkeypatch, capsys):

@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-engines", type=Path, action="append", default=[],
                    help="another export of the same model (e.g. an int4 one), run interleaved on the first backend "
                         "as eagle@<folder name> and vanilla@<folder name>; repeatable")
+    p.add_argument("--eagle3-head", type=Path, default=None,
+                   help="EAGLE-3 draft head (config.json + model.safetensors in the EAGLE-3 reference layout, "
+                        "e.g. data/heads/smollm2-135m-eagle3) that the openvino-eagle3-* peers draft with "
+                        "(OpenVINO GenAI's own EAGLE-3 speculative decoding); without it they are skipped")
     p.add_argument("--no-baselines", action="store_true",
                    help="EAGLE and vanilla only (the default; overrides --baselines)")
     p.add_argument("--backends", type=_names(BACKENDS), default=["ort"],
@@ -125,7 +129,7 @@ def _bench(args, tree, say) -> int:
     limit = args.limit if args.limit is not None else (0 if args.prompts else DEFAULT_LIMIT)
     cfg = BenchConfig(args.engines, sets, limit, args.max_new_tokens, args.temperatures, baselines, args.backends,
                       args.threads, tree, args.seed, not args.no_warmup, memory=not args.no_memory,
-                      extra_engines=list(args.extra_engines))
+                      extra_engines=list(args.extra_engines), eagle3_head=args.eagle3_head)
     result = run_bench(cfg, log=(lambda m: None) if args.quiet else say)
     out = args.out or _default_out(args.engines)
     report.write_json(result, out)

@@ -10,6 +10,11 @@ folder and decoded greedily (vanilla, one token per forward) from the same promp
   `openvino_genai.LLMPipeline` on "CPU" with INFERENCE_NUM_THREADS; fp32 also sets f32
   inference and KV-cache precision (the CPU plugin otherwise picks bf16 / u8 on CPUs that
   have them), int8/int4 keep OpenVINO's defaults (recorded).
+- openvino-eagle3-{fp32,int8,int4}: OpenVINO GenAI's own EAGLE-3 speculative decoding (greedy,
+  lossless) over the openvino-<precision> model, drafting with an EAGLE-3 head in the reference
+  layout (`eagle-bench --eagle3-head DIR`) converted by `optimum-cli export openvino
+  --trust-remote-code` (fp32; OpenVINO GenAI feeds it the main model's embeddings and taps);
+  `OV_EAGLE3` holds its draft settings. Without a head the peers are skipped with a note.
 
 Converted models are cached under `<cache_root>/peers/<hf folder name>/<peer>-<version>-<precision>/`
 ($EAGLE_DEPLOY_CACHE, else ~/.cache/eagle-deploy) with a `peer.json` holding the exact command.
@@ -34,18 +39,24 @@ from pathlib import Path
 from .systems import PEERS, Run
 
 PEER_NAMES = tuple(f"{family}-{p}" for family, precisions in PEERS.items() for p in precisions)
-PACKAGES = {"ort-genai": ("onnxruntime_genai", "onnxruntime-genai"), "openvino": ("openvino_genai", "openvino-genai")}
+PACKAGES = {"ort-genai": ("onnxruntime_genai", "onnxruntime-genai"), "openvino": ("openvino_genai", "openvino-genai"),
+            "openvino-eagle3": ("openvino_genai", "openvino-genai")}
 INSTALL = "pip install -c constraints.txt -e '.[peers]'"
 OPTIMUM_VENV = "venvs/optimum-intel"  # under cache_root()
 OPTIMUM_INSTALL = ("python -m venv ~/.cache/eagle-deploy/venvs/optimum-intel && "
                    "~/.cache/eagle-deploy/venvs/optimum-intel/bin/pip install 'optimum-intel[openvino]==2.2.0' "
-                   "openvino==2026.4.1 openvino-tokenizers==2026.4.1.0 torch==2.13.0 && "
+                   "openvino==2026.4.1 openvino-tokenizers==2026.4.1.0 torch==2.13.0 "
+                   "einops==0.8.2 diffusers==0.39.0 'huggingface-hub<1.22' && "
                    "~/.cache/eagle-deploy/venvs/optimum-intel/bin/pip uninstall -y torchvision")
 OV_GROUP_SIZE = 32  # int4 group size for OpenVINO (must divide the hidden size 576)
-EAGLE3_NOTE = ("OpenVINO GenAI's own speculative decoding (EAGLE-3 with tree drafting on CPU) was not run: it needs "
-               "an EAGLE-3 draft model for this target converted to OpenVINO IR, and none exists (this project's "
-               "head is EAGLE-2 style: one layer over the target's last hidden state, not EAGLE-3's fused "
-               "low/mid/high features)")
+# OpenVINO GenAI's EAGLE-3 draft settings for the openvino-eagle3-* peers (GenerationConfig fields),
+# its best on SmolLM2-135M with the repository's CPU-trained EAGLE-3 head (2026-12-01, 2 HumanEval +
+# 2 chat prompts x 2, 128 tokens, 2 threads, interleaved; tokens/s fp32 / int4): vanilla 42.2 / 70.9,
+# 1 draft token 42.1 / 68.1, 2: 41.6 / 61.6, 3: 38.4 / 58.5, tree (4 tokens, depth 2, branching 2)
+# 42.8 / 65.4, tree (6, 3, 2) 35.8 / 55.0
+OV_EAGLE3 = {"num_assistant_tokens": 1}
+NO_SPECULATION = ("none: OpenVINO GenAI's own EAGLE-3 speculative decoding is the openvino-eagle3-* peer "
+                  "(eagle-bench --eagle3-head DIR)")
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -94,12 +105,56 @@ def optimum_cli() -> Path | None:
     return next((p for p in found if p.is_file()), None)
 
 
+def converted_peer(name: str) -> str:
+    """The peer whose converted model `name` runs: itself, or for openvino-eagle3-<p> the main
+    model of openvino-<p>."""
+    family, precision = split_name(name)
+    return f"openvino-{precision}" if family == "openvino-eagle3" else name
+
+
 def model_dir(hf_dir: Path, name: str) -> Path:
     """Where peer `name`'s converted model for checkpoint folder `hf_dir` is cached."""
     from eagle_deploy.exporter.models import cache_root
 
-    family, precision = split_name(name)
+    family, precision = split_name(converted_peer(name))
     return cache_root() / "peers" / Path(hf_dir).name / f"{family}-{version(PACKAGES[family][1])}-{precision}"
+
+
+def eagle3_head_problem(head: Path | None) -> str | None:
+    """Why `head` is no EAGLE-3 head optimum-cli can convert (None when it is one): a folder with
+    model.safetensors and a config.json whose architectures name an EAGLE-3 Llama draft."""
+    if head is None:
+        return ("needs an EAGLE-3 draft head: eagle-bench --eagle3-head DIR (this repository's: "
+                "data/heads/smollm2-135m-eagle3)")
+    try:
+        archs = json.loads((Path(head) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError) as err:
+        return f"--eagle3-head {head}: no readable config.json ({err})"
+    if not (Path(head) / "model.safetensors").is_file():
+        return f"--eagle3-head {head}: no model.safetensors"
+    if not any("eagle3" in str(a).lower() for a in archs):
+        return f"--eagle3-head {head}: config.json architectures {archs} name no EAGLE-3 draft model"
+    return None
+
+
+def draft_dir(head: Path) -> Path:
+    """Where the OpenVINO IR of EAGLE-3 head `head` is cached (keyed by its weights' digest)."""
+    import hashlib
+
+    from eagle_deploy.exporter.models import cache_root
+
+    digest = hashlib.sha256()
+    with (Path(head) / "model.safetensors").open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return (cache_root() / "peers" / "eagle3-drafts"
+            / f"{Path(head).resolve().name}-{digest.hexdigest()[:12]}-openvino-{version('openvino-genai')}")
+
+
+def draft_command(head: Path, out: Path, cli: Path | None = None) -> list[str]:
+    """optimum-cli's conversion of an EAGLE-3 head to OpenVINO IR (argv list; fp32 weights)."""
+    return [str(cli or "optimum-cli"), "export", "openvino", "--model", str(head), "--task",
+            "text-generation-with-past", "--weight-format", "fp32", "--trust-remote-code", str(out)]
 
 
 def convert_command(name: str, hf_dir: Path, out: Path, cli: Path | None = None) -> list[str]:
@@ -133,15 +188,21 @@ def _run_converter(cmd: list[str], logfile: Path) -> int:
                               check=False).returncode
 
 
-def unavailable(name: str, hf_dir: Path | None = None) -> str | None:
-    """Why peer `name` cannot run here (None when it can): a missing runtime package, or (for
-    OpenVINO, when its model is not cached yet) no optimum-cli to convert with."""
+def unavailable(name: str, hf_dir: Path | None = None, eagle3_head: Path | None = None) -> str | None:
+    """Why peer `name` cannot run here (None when it can): a missing runtime package, for the
+    EAGLE-3 peers no usable head, or (for OpenVINO, when a model is not cached yet) no
+    optimum-cli to convert with."""
     family, _ = split_name(name)
     module, dist = PACKAGES[family]
     if _import(module) is None:
         return f"{dist} is not installed ({INSTALL}): skipped"
-    if family == "openvino" and optimum_cli() is None and not (
-            hf_dir is not None and (model_dir(hf_dir, name) / "peer.json").is_file()):
+    if family == "openvino-eagle3":
+        problem = eagle3_head_problem(eagle3_head)
+        if problem:
+            return f"{problem}: skipped"
+    cached = hf_dir is not None and (model_dir(hf_dir, name) / "peer.json").is_file() and (
+        family != "openvino-eagle3" or (draft_dir(eagle3_head) / "peer.json").is_file())
+    if family.startswith("openvino") and optimum_cli() is None and not cached:
         return ("no optimum-cli to convert the model to OpenVINO IR (optimum-intel pins transformers < 5.6, so it "
                 f"lives in its own venv: {OPTIMUM_INSTALL}; or set EAGLE_DEPLOY_OPTIMUM_CLI): skipped")
     return None
@@ -149,23 +210,36 @@ def unavailable(name: str, hf_dir: Path | None = None) -> str | None:
 
 def ensure_model(name: str, hf_dir: Path, log=lambda m: None) -> tuple[Path, dict]:
     """The converted model folder of peer `name` (converted on first use; ~15 s for ort-genai,
-    ~1 min for OpenVINO int4 on 2 cores) and its build record {command, converter, seconds}.
-    Raises RuntimeError with the log's tail when the conversion fails."""
-    out = model_dir(hf_dir, name)
+    ~1 min for OpenVINO int4 on 2 cores; an openvino-eagle3 peer's is its openvino one's) and
+    its build record {command, converter, seconds}. Raises RuntimeError with the log's tail
+    when the conversion fails."""
+    name = converted_peer(name)
+    family, _ = split_name(name)
+    cli = optimum_cli() if family == "openvino" else None
+    return _converted(model_dir(hf_dir, name), lambda out: convert_command(name, hf_dir, out, cli), cli, name, log)
+
+
+def ensure_draft(head: Path, log=lambda m: None) -> tuple[Path, dict]:
+    """The OpenVINO IR of EAGLE-3 head `head` (converted on first use, ~15 s) and its build
+    record, as `ensure_model`."""
+    cli = optimum_cli()
+    return _converted(draft_dir(head), lambda out: draft_command(head, out, cli), cli, f"EAGLE-3 head {head}", log)
+
+
+def _converted(out: Path, command, cli: Path | None, what: str, log) -> tuple[Path, dict]:
+    """`out` with its record, converted first (into a temporary folder, published whole) by
+    `command(folder)` when it is not there yet."""
     record_file = out / "peer.json"
     if record_file.is_file():
         return out, json.loads(record_file.read_text())
-    family, _ = split_name(name)
-    cli = optimum_cli() if family == "openvino" else None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    cmd = convert_command(name, hf_dir, tmp, cli)
-    shown = " ".join(convert_command(name, hf_dir, out, cli)).replace(sys.executable, "python")
-    log(f"converting {name}: {shown}")
+    shown = " ".join(command(out)).replace(sys.executable, "python")
+    log(f"converting {what}: {shown}")
     t0 = time.perf_counter()
     logfile = tmp.parent / f"{tmp.name}.log"  # beside the folder the converter writes
     try:
-        status = _run_converter(cmd, logfile)
+        status = _run_converter(command(tmp), logfile)
         if status != 0:
             tail = logfile.read_text(errors="replace").strip().splitlines()[-5:]
             raise RuntimeError(f"{shown} failed (exit {status}): " + " | ".join(tail))
@@ -216,7 +290,10 @@ class OpenVinoSystem:
     """OpenVINO GenAI `LLMPipeline` greedy decoding of an optimum-cli export, fed token ids
     (an `ov.Tensor`, so no chat template is applied a second time)."""
 
-    def __init__(self, folder: Path, eos_ids: list[int], threads: int, precision: str, name: str):
+    def __init__(self, folder: Path, eos_ids: list[int], threads: int, precision: str, name: str,
+                 draft: Path | None = None):
+        """draft: an EAGLE-3 draft model's OpenVINO IR: the pipeline then decodes with OpenVINO
+        GenAI's EAGLE-3 speculative decoding (settings `OV_EAGLE3`), still greedy and lossless."""
         self.ovg, self.ov = importlib.import_module("openvino_genai"), importlib.import_module("openvino")
         self.properties = {"INFERENCE_NUM_THREADS": threads}
         if precision == "fp32":
@@ -224,7 +301,10 @@ class OpenVinoSystem:
         core = self.ov.Core()
         self.defaults = {k: core.get_property("CPU", k).to_string() for k in ("INFERENCE_PRECISION_HINT",
                                                                               "KV_CACHE_PRECISION")}
-        self.pipe = self.ovg.LLMPipeline(str(folder), "CPU", **self.properties)
+        speculative = {} if draft is None else {"draft_model": self.ovg.draft_model(str(draft), "CPU",
+                                                                                    **self.properties)}
+        self.pipe = self.ovg.LLMPipeline(str(folder), "CPU", **speculative, **self.properties)
+        self.speculative = {} if draft is None else dict(OV_EAGLE3)
         self.eos, self.name = [int(e) for e in eos_ids], name
         running = self.ovg.StreamingStatus.RUNNING
 
@@ -247,6 +327,8 @@ class OpenVinoSystem:
 
         config = self.ovg.GenerationConfig()
         config.max_new_tokens, config.do_sample = max_new_tokens, False
+        for key, value in self.speculative.items():
+            setattr(config, key, value)
         if self.eos:
             config.eos_token_id, config.stop_token_ids = self.eos[0], set(self.eos)
         streamer = self._streamer()
@@ -258,9 +340,11 @@ class OpenVinoSystem:
         return Run(self.name, tokens, seconds, None if streamer.at is None else (streamer.at - t0) * 1e3, reason)
 
 
-def make_peer(name: str, hf_dir: Path, eos_ids: list[int], threads: int, log=lambda m: None):
+def make_peer(name: str, hf_dir: Path, eos_ids: list[int], threads: int, log=lambda m: None,
+              eagle3_head: Path | None = None):
     """The loaded peer system; `.record` is its JSON record {package, version, precision,
-    model_dir, command, converter, decoding, runtime[, speculative]}."""
+    model_dir, command, converter, decoding, runtime[, speculative]}. The openvino-eagle3-*
+    peers draft with `eagle3_head` (ValueError when it is not an EAGLE-3 head)."""
     family, precision = split_name(name)
     folder, built = ensure_model(name, hf_dir, log)
     dist = PACKAGES[family][1]
@@ -270,9 +354,20 @@ def make_peer(name: str, hf_dir: Path, eos_ids: list[int], threads: int, log=lam
         system = OrtGenaiSystem(folder, eos_ids, threads, name)
         record["runtime"] = {"session_options": system.session_options, "onnxruntime": version("onnxruntime")}
     else:
-        system = OpenVinoSystem(folder, eos_ids, threads, precision, name)
+        draft, drafted = None, None
+        if family == "openvino-eagle3":
+            problem = eagle3_head_problem(eagle3_head)
+            if problem:
+                raise ValueError(problem)
+            draft, drafted = ensure_draft(eagle3_head, log)
+        system = OpenVinoSystem(folder, eos_ids, threads, precision, name, draft)
         record["runtime"] = {"properties": system.properties, "cpu_defaults": system.defaults,
                              "openvino": version("openvino")}
-        record["speculative"] = EAGLE3_NOTE
+        if draft is None:
+            record["speculative"] = NO_SPECULATION
+        else:
+            record["decoding"] = "greedy, EAGLE-3 speculative decoding (OpenVINO GenAI; lossless)"
+            record["speculative"] = {"method": "EAGLE-3", "head": str(eagle3_head), "draft_model_dir": str(draft),
+                                     "draft_command": drafted["command"], "generation_config": system.speculative}
     system.record = record
     return system

@@ -201,8 +201,11 @@ def format_summary(result: dict) -> str:
             same = (f"; greedy tokens = our vanilla on {g['identical_tokens']}/{g['prompts']} prompts"
                     + (f" (text {g['identical_text']}/{g['prompts']})" if g.get("identical_text") is not None else "")
                     if g.get("prompts") else "")
+            spec = b.get("speculative")
+            drafted = (f"; EAGLE-3 draft {spec['head']} ({spec['generation_config']}), converted with: "
+                       f"{spec['draft_command']}" if isinstance(spec, dict) else "")
             lines.append(f"peer {name}: {b['package']} {b['version']}, {b['precision']}{same}; built with: "
-                         f"{b['command']}")
+                         f"{b['command']}{drafted}")
     for note in result.get("notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)

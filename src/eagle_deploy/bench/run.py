@@ -47,6 +47,7 @@ class BenchConfig:
     warmup: bool = True
     memory: bool = True  # also measure EAGLE's and vanilla's peak memory, each in a fresh process
     extra_engines: list[Path] = field(default_factory=list)  # more exports (e.g. int4), on backends[0]
+    eagle3_head: Path | None = None  # the EAGLE-3 head the openvino-eagle3-* peers draft with
 
 
 def load_prompts(sets: list[str], limit: int = 0) -> list[dict]:
@@ -121,7 +122,7 @@ def load_systems(cfg: BenchConfig, manifest, result: dict, log: Callable) -> _Lo
     result["tree"] = loaded.engines[0].rt.tree.to_json()
     hf_model = None
     for name in cfg.baselines:
-        reason = baseline_unavailable(name, manifest)
+        reason = baseline_unavailable(name, manifest, cfg.eagle3_head)
         if reason is None and 0.0 not in cfg.temperatures:
             reason = "baselines run greedy only and --temperatures has no 0: skipped"
         if reason:
@@ -134,7 +135,7 @@ def load_systems(cfg: BenchConfig, manifest, result: dict, log: Callable) -> _Lo
                 from eagle_deploy.validate.reference import load_reference_target
 
                 hf_model = load_reference_target(manifest)
-            system = make_baseline(name, manifest, cfg.threads, hf_model, log)
+            system = make_baseline(name, manifest, cfg.threads, hf_model, log, cfg.eagle3_head)
             loaded.add(system, result["memory"], before)
             result["baselines"][name] = {"status": "ok", "note": "", **getattr(system, "record", {})}
         except Exception as err:  # a baseline failing must not lose the EAGLE numbers

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # peer runtimes (bench/peers.py): family -> precisions; "--baselines openvino" means every precision
-PEERS = {"ort-genai": ("fp32", "int4"), "openvino": ("fp32", "int8", "int4")}
+PEERS = {"ort-genai": ("fp32", "int4"), "openvino": ("fp32", "int8", "int4"),
+         "openvino-eagle3": ("fp32", "int8", "int4")}  # OpenVINO GenAI's own EAGLE-3 decoding (--eagle3-head)
 BASELINES = ("hf", "hf-lookup", "llamacpp", "llamacpp-lookup",
              *(f"{family}-{p}" for family, precisions in PEERS.items() for p in precisions))
 LOOKUP_TOKENS = 10  # draft tokens per prompt-lookup step (HF prompt_lookup_num_tokens, llama.cpp num_pred_tokens)
@@ -166,8 +167,9 @@ class LlamaCppSystem:
         return Run(self.name, tokens, seconds, None if first is None else (first - t0) * 1e3, reason)
 
 
-def baseline_unavailable(name: str, manifest) -> str | None:
-    """Why baseline `name` cannot run here (None when it can)."""
+def baseline_unavailable(name: str, manifest, eagle3_head: Path | None = None) -> str | None:
+    """Why baseline `name` cannot run here (None when it can). eagle3_head: the EAGLE-3 head
+    the openvino-eagle3-* peers draft with (bench --eagle3-head)."""
     from eagle_deploy.validate.reference import target_source
 
     if name.startswith("llamacpp"):
@@ -182,19 +184,21 @@ def baseline_unavailable(name: str, manifest) -> str | None:
 
         from . import peers
 
-        reason = peers.unavailable(name)
+        reason = peers.unavailable(name, eagle3_head=eagle3_head)
         if reason:
             return reason
         try:
-            return peers.unavailable(name, target_checkpoint_dir(manifest))
+            return peers.unavailable(name, target_checkpoint_dir(manifest), eagle3_head)
         except ReferenceError as err:
             return f"{err}: skipped"
     return None
 
 
-def make_baseline(name: str, manifest, threads: int, hf_model=None, log=lambda m: None):
+def make_baseline(name: str, manifest, threads: int, hf_model=None, log=lambda m: None,
+                  eagle3_head: Path | None = None):
     """A baseline system by name (see BASELINES). `hf_model` is loaded once and shared. A peer
-    (bench/peers.py) is converted on first use and carries its JSON record as `.record`."""
+    (bench/peers.py) is converted on first use and carries its JSON record as `.record`;
+    the openvino-eagle3-* peers draft with `eagle3_head`."""
     from eagle_deploy.validate.reference import target_checkpoint_dir, target_source
 
     eos = list(manifest.eos_token_ids)
@@ -208,5 +212,5 @@ def make_baseline(name: str, manifest, threads: int, hf_model=None, log=lambda m
     if name in BASELINES and name.startswith(tuple(PEERS)):
         from .peers import make_peer
 
-        return make_peer(name, target_checkpoint_dir(manifest), eos, threads, log)
+        return make_peer(name, target_checkpoint_dir(manifest), eos, threads, log, eagle3_head)
     raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
