@@ -333,6 +333,9 @@ def test_eagle3_peer_without_a_head_skips_with_a_note(export_dir, tmp_path, cach
     assert b["status"] == "skipped" and b["note"].startswith("needs an EAGLE-3 draft head: eagle-bench --eagle3-head")
     assert "note: baseline openvino-eagle3-fp32: needs an EAGLE-3 draft head" in capsys.readouterr().out
     assert not (cache / "peers").exists()
+    monkeypatch.setitem(sys.modules, "openvino_genai", None)  # and without the package: both said at once
+    assert peers.unavailable("openvino-eagle3-int4") == (
+        f"openvino-genai is not installed ({peers.INSTALL}); " + peers.eagle3_head_problem(None) + ": skipped")
 
 
 def test_eagle3_peer_drafts_with_the_converted_head(cache, tmp_path, monkeypatch):

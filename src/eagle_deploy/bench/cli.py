@@ -3,8 +3,10 @@
     eagle-bench --engines engines/smollm2-135m --limit 5 --max-new-tokens 64
     eagle-bench --engines engines/smollm2-135m --temperatures 0,0.7,1.0 --baselines hf,llamacpp
     eagle-bench --engines engines/smollm2-135m --backends ort,trt
-    eagle-bench --engines /tmp/eng/smollm2-135m --extra-engines /tmp/eng/smollm2-135m-int4 \
+    eagle-bench --engines /tmp/eng/smollm2-135m --extra-engines /tmp/eng/smollm2-135m-int4 \\
         --baselines ort-genai,openvino --limit 3 --threads 2     # peer CPU runtimes, README
+    eagle-bench --engines engines/smollm2-135m --baselines openvino-eagle3 \\
+        --eagle3-head data/heads/smollm2-135m-eagle3     # OpenVINO GenAI's own EAGLE-3 decoding
     eagle-bench --engines engines/smollm2-135m --tune       # pick the tree, write it to the manifest
     eagle-bench serve --url http://127.0.0.1:8000 --concurrency 1,2,4,8   # load mode: a running eagle-serve
 
@@ -17,12 +19,14 @@ same thread count): hf (transformers generate), hf-lookup (prompt_lookup_num_tok
 llamacpp and llamacpp-lookup (llama-cpp-python on the export's GGUF; skipped with a note
 when that package is absent), and the peer runtimes ort-genai (= ort-genai-fp32,
 ort-genai-int4: onnxruntime-genai's model builder) and openvino (= openvino-fp32, -int8,
--int4: optimum-cli export + OpenVINO GenAI LLMPipeline), converted from the export's HF
-checkpoint folder once and cached (bench/peers.py; skipped with a note naming the install
-command when a package is absent). On a 2-core CPU with SmolLM2-135M at 128 new tokens, EAGLE +
-vanilla take about 4 s per prompt, hf and hf-lookup about 5 s each more, llamacpp about 1 s
-and llamacpp-lookup 2 s (after a one-off ~6 min build of llama-cpp-python); by default 10
-prompts of each set are run, so the default run takes about 2 minutes.
+-int4: optimum-cli export + OpenVINO GenAI LLMPipeline) and openvino-eagle3 (= -fp32, -int8,
+-int4: OpenVINO GenAI's EAGLE-3 speculative decoding over those models, drafting with the
+EAGLE-3 head given by --eagle3-head), converted from the export's HF checkpoint folder once and
+cached (bench/peers.py; skipped with a note naming what is missing: a package, or the head).
+On a 2-core CPU with SmolLM2-135M at 128 new tokens, EAGLE + vanilla take about 4 s per
+prompt, hf and hf-lookup about 5 s each more, llamacpp about 1 s and llamacpp-lookup 2 s
+(after a one-off ~6 min build of llama-cpp-python); by default 10 prompts of each set are
+run, so the default run takes about 2 minutes.
 Writes a JSON file and a PNG plot beside it.
 """
 from __future__ import annotations

@@ -194,12 +194,11 @@ def unavailable(name: str, hf_dir: Path | None = None, eagle3_head: Path | None 
     optimum-cli to convert with."""
     family, _ = split_name(name)
     module, dist = PACKAGES[family]
-    if _import(module) is None:
-        return f"{dist} is not installed ({INSTALL}): skipped"
-    if family == "openvino-eagle3":
-        problem = eagle3_head_problem(eagle3_head)
-        if problem:
-            return f"{problem}: skipped"
+    missing = [f"{dist} is not installed ({INSTALL})"] if _import(module) is None else []
+    if family == "openvino-eagle3":  # say both at once when both are missing
+        missing += [p for p in [eagle3_head_problem(eagle3_head)] if p]
+    if missing:
+        return "; ".join(missing) + ": skipped"
     cached = hf_dir is not None and (model_dir(hf_dir, name) / "peer.json").is_file() and (
         family != "openvino-eagle3" or (draft_dir(eagle3_head) / "peer.json").is_file())
     if family.startswith("openvino") and optimum_cli() is None and not cached:
