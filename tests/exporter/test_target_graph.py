@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+import torch
 from onnx import numpy_helper
 
 from eagle_deploy.contract import onnx_io as c
@@ -122,17 +123,31 @@ def test_last_position_of_the_export(model):
 
 
 def test_no_rotary_table_sized_to_a_length(model):
-    """RoPE comes from positions in-graph: the only rotary constant is inv_freq [head_dim/2];
-    no float tensor is shaped like a cos/sin table [L, head_dim] or [L, head_dim/2]."""
+    """No rotary table frozen at the trace length. The standard graph computes RoPE from
+    positions in-graph (its only rotary constants: inv_freq [head_dim/2] and the rotate-half
+    permutation); the fused graphs carry one cos and one sin table covering every position the
+    model has, max_position_embeddings + ROTARY_SLACK rows, equal to transformers' own values."""
+    from eagle_deploy.exporter.fused import ROTARY_SLACK
+
     hd = model.manifest.dims.head_dim
     g = _graph(model).graph
     tensors = [numpy_helper.to_array(t) for t in g.initializer]
     tensors += [numpy_helper.to_array(a.t) for n in g.node if n.op_type == "Constant"
                 for a in n.attribute if a.type == onnx.AttributeProto.TENSOR]
     rotate = rotate_half_matrix(hd).numpy()  # the constant [hd, hd] rotate-half permutation, not a table
-    tables = [t.shape for t in tensors if t.dtype.kind == "f" and t.ndim >= 1 and t.shape[-1] in (hd, hd // 2)
+    tables = [t for t in tensors if t.dtype.kind == "f" and t.ndim >= 1 and t.shape[-1] in (hd, hd // 2)
               and t.size > hd and not (t.shape == rotate.shape and np.array_equal(t, rotate))]
-    assert tables == []
+    if model.manifest.target.kv_layout == c.KV_SEQ_MAJOR:
+        assert tables == []
+    else:
+        rows = model.manifest.dims.max_position_embeddings + ROTARY_SLACK
+        assert [t.shape for t in tables] == [(rows, hd // 2)] * 2
+        rotary = model.hf.model.rotary_emb
+        positions = torch.arange(rows)[None]
+        cos, sin = (x[0, :, : hd // 2].numpy() for x in rotary(torch.zeros(1, rows, hd), positions))
+        for table in tables:
+            want = cos if np.allclose(table[1], cos[1], atol=1e-6) else sin
+            np.testing.assert_allclose(table, want, rtol=0, atol=2e-6)
     consumers = [n for n in g.node if c.POSITION_IDS in n.input]
     assert consumers, "position_ids has no consumer"
 
@@ -308,7 +323,7 @@ def test_graph_kind_follows_the_kv_layout(model):
             assert contrib == {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"}
             # target: post-attention norm of each layer, input norm of layers 1.., final norm; draft: post norm
             assert ops.count("SkipSimplifiedLayerNormalization") == (2 * n if which == "target" else 1)
-            assert ops.count("Cos") == ops.count("Sin") == 1  # rotary rows built once per forward
+            assert ops.count("Cos") == ops.count("Sin") == 0  # a constant rotary table (test below)
         else:
             assert contrib == set() and ops.count("Softmax") == n
 

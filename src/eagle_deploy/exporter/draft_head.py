@@ -19,7 +19,7 @@ from torch import nn
 
 from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED
 
-from .fused import FusedDecoderLayer, fused_inputs
+from .fused import FusedDecoderLayer, as_float32, fused_inputs, gather_rows, rotary_rows
 from .layers import Rotary, gather_positions, mask_bias
 from .target import DecoderLayer, Dims, dims_of
 
@@ -310,12 +310,15 @@ class ExportableDraft(nn.Module):
     def forward(self, features, input_ids, position_ids, attention_mask, logits_indices, past_k, past_v):
         if self._fused_layer is None:
             x, k, v = self.head(features, input_ids, position_ids, attention_mask, past_k, past_v)
+            rows = gather_positions(x, logits_indices)
         else:
             x = self.head.fc_input(features, input_ids)
-            f = fused_inputs(position_ids, attention_mask, self.head.rotary, x.dtype)
+            f = fused_inputs(position_ids, attention_mask, self.head.rotary, x.dtype,
+                             rotary_rows(self.head.dims.max_position_embeddings))
             pending, x, k, v = self._fused_layer(None, x, f, past_k, past_v)
             x = x + pending
-        logits = torch.matmul(gather_positions(x, logits_indices), self.lm_weight.t()).float()  # (B, N, V')
+            rows = gather_rows(x, logits_indices)
+        logits = as_float32(torch.matmul(rows, self.lm_weight.t()))  # (B, N, V')
         logprobs, ids = torch.topk(torch.log_softmax(logits, dim=-1), self.top_k, dim=-1)
         if self.draft_vocab is not None:
             ids = self.draft_vocab[ids]

@@ -35,7 +35,7 @@ from eagle_deploy.contract.manifest import HeadRecord
 from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED
 
 from .draft_head import HeadCheckpointError, read_head_state
-from .fused import FusedAttention, fused_inputs, skip_rms_norm
+from .fused import FusedAttention, fused_inputs, gather_rows, rotary_rows, skip_rms_norm
 from .layers import STATIC_ROPE_TYPES, Attention, GatedMLP, Rotary, gather_positions, mask_bias, rms_norm
 from .target import Dims, dims_of
 
@@ -409,7 +409,8 @@ class _FusedEagle3Layer(nn.Module):
     def forward(self, h, input_ids, position_ids, attention_mask, past_k, past_v):
         head = self.head
         x, residual = head.attention_input(h, input_ids)
-        f = fused_inputs(position_ids, attention_mask, head.rotary, h.dtype)
+        f = fused_inputs(position_ids, attention_mask, head.rotary, h.dtype,
+                         rotary_rows(head.cfg.max_position_embeddings))
         attn, k, v = self.attn(x, f, past_k, past_v)
         normed, x = skip_rms_norm(attn, residual, head.midlayer.post_attention_layernorm.weight, head.cfg.rms_norm_eps)
         return x + head._mlp(normed), k, v
@@ -439,7 +440,8 @@ class ExportableDraft3(nn.Module):
         h = torch.cat((self.head.fuse(tapped_features), features), dim=1)
         layer = self.head.layer if self._fused_layer is None else self._fused_layer
         x, k, v = layer(h, input_ids, position_ids, attention_mask, past_k, past_v)
-        logits = self.head.logits(gather_positions(x, logits_indices))  # (B, N, draft_vocab)
+        gather = gather_positions if self._fused_layer is None else gather_rows
+        logits = self.head.logits(gather(x, logits_indices))  # (B, N, draft_vocab)
         logprobs, idx = torch.topk(torch.log_softmax(logits, dim=-1), self.top_k, dim=-1)
         return x, logprobs, self.draft_ids[idx], k, v
 

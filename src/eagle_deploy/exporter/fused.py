@@ -15,9 +15,12 @@ with standalone graphs against a numpy reference (max error <= 3e-7):
 - with an empty past it treats the call as a first prompt and uses only the first position
   id (positions assumed consecutive): a tree with an empty past came out wrong, unless
   `query_seqlens` is given, which is why it always is here;
-- `cos_cache` must have at least total_sequence_length rows, so the rows are computed per
-  forward for the positions of this call only (`fused_inputs`) and padded, instead of a table
-  sized to a length;
+- `cos_cache` must have at least total_sequence_length rows and a row for every position id
+  (it refuses others with an error naming the position); the graphs carry one constant table
+  of `rotary_rows` positions (`fused_inputs`). Computing the rows per forward for the call's
+  positions instead (earlier exports) took ~22 small nodes, and each small node costs a
+  one-token forward ~25 us on this CPU: SmolLM2 int4, 1 thread, the same graph with the table
+  and a one-node logits gather (`gather_rows`), 12.3 -> 11.4 ms per forward;
 - bfloat16 has no CPU kernel (float16 has).
 Measured on the SmolLM2-135M target against the standard-op graph (2 threads, P = 256 / 1024,
 S = 1-16): fp32 forwards 13-22% faster, int4 15-37%, on par with onnxruntime-genai's graph
@@ -94,15 +97,50 @@ def skip_rms_norm(x: torch.Tensor, skip: torch.Tensor, weight: torch.Tensor, eps
     return _SkipRmsNorm.apply(x, skip, weight, float(eps))
 
 
+ROTARY_SLACK = 1024  # table rows past max_position_embeddings: the KV rows runtimes add (trees, row-exact)
+
+
+def rotary_rows(max_position_embeddings: int) -> int:
+    """Positions a fused graph's rotary table holds (contract "shared" KV: position ids and
+    total_seq must stay below it)."""
+    return int(max_position_embeddings) + ROTARY_SLACK
+
+
+class _GatherRows(torch.autograd.Function):
+    """x [B, S, H], indices [B, N] -> x[b, indices[b, n]] [B, N, H] as one GatherND (batch_dims 1)."""
+
+    @staticmethod
+    def forward(ctx, x, indices):
+        return torch.gather(x, 1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+    @staticmethod
+    def symbolic(g, x, indices):
+        axes = g.op("Constant", value_t=torch.tensor([-1], dtype=torch.int64))
+        out = g.op("GatherND", x, g.op("Unsqueeze", indices, axes), batch_dims_i=1)
+        out.setType(_like(x, 3))
+        return out
+
+
+def gather_rows(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H], indices [B, N] int64 -> [B, N, H] (the rows of each batch entry), one node
+    in the graph (layers.gather_positions traces as ten with dynamic shapes)."""
+    return _GatherRows.apply(x, indices)
+
+
+def as_float32(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` in float32, with no Cast node when they already are (a graph output's Cast is
+    a copy onnxruntime cannot remove)."""
+    return logits if logits.dtype == torch.float32 else logits.float()
+
+
 @dataclass
 class FusedInputs:
     """What every layer's GroupQueryAttention takes besides its own q/k/v and KV, built once per
     forward from `position_ids` and `attention_mask`.
 
-    cos / sin [R, hd/2] (R >= total): rotary rows for positions base .. base + n - 1, where
-    base = min(position_ids) and n = max - base + 1, then padding up to R >= total rows (the
-    operator requires as many rows as total_sequence_length; padding rows are never read);
-    positions [B, S] int64 = position_ids - base (row indices into cos / sin); bias [B, 1, S, T]
+    cos / sin [R, hd/2]: the rotary table for positions 0 .. R - 1 (R = rotary_rows, a constant
+    of the graph; the operator requires R >= total_sequence_length); positions [B, S] int64 =
+    position_ids (row indices into cos / sin); bias [B, 1, S, T]
     (0 or MASK_VALUE, activation dtype); seqlens_k [B] int32 = past_b + S - 1: T - 1 for a lone
     row, and for each row of a batch of several its last new token's last visible column (rows
     may have different pasts, contract "Batched forwards"); total scalar int32 = T; query_lens
@@ -118,30 +156,26 @@ class FusedInputs:
 
 
 def fused_inputs(position_ids: torch.Tensor, attention_mask: torch.Tensor, rotary: Rotary,
-                 dtype: torch.dtype) -> FusedInputs:
-    """position_ids [B, S] int64, attention_mask [B, S, T] bool -> FusedInputs. The rotary rows
-    are computed exactly as `Rotary` computes them (fp32 position x inverse frequency, cos/sin,
-    attention scaling, then `dtype`), for this call's positions only."""
+                 dtype: torch.dtype, rows: int) -> FusedInputs:
+    """position_ids [B, S] int64, attention_mask [B, S, T] bool -> FusedInputs. The rotary table
+    has `rows` positions (rotary_rows) computed exactly as `Rotary` computes them (fp32 position
+    x inverse frequency, cos/sin, attention scaling, then `dtype`) from constants only, so the
+    exporter folds it into two initializers."""
     shape = torch._shape_as_tensor(attention_mask)  # (B, S, T), traced as Shape
-    base = position_ids.min()
-    n = position_ids.max() - base + 1
-    idx = torch.arange(n, device=position_ids.device) + base  # (n,) absolute positions
-    freqs = idx.float().unsqueeze(-1) * rotary.inv_freq.to(position_ids.device)  # (n, hd/2)
-    cos = (freqs.cos() * rotary.attention_scaling).to(dtype)
+    freqs = torch.arange(rows, dtype=torch.float32).unsqueeze(-1) * rotary.inv_freq.to(position_ids.device)
+    cos = (freqs.cos() * rotary.attention_scaling).to(dtype)  # (rows, hd/2)
     sin = (freqs.sin() * rotary.attention_scaling).to(dtype)
-    T = attention_mask.shape[-1]
-    cos = torch.cat((cos, cos[:1].expand(T, -1)))  # (n + T, hd/2): at least T rows
-    sin = torch.cat((sin, sin[:1].expand(T, -1)))
     zero = torch.zeros((), dtype=torch.float32)
     masked = torch.full((), MASK_VALUE, dtype=torch.float32)
     bias = torch.where(attention_mask, zero, masked).to(dtype)[:, None]  # (B, 1, S, T)
     ones = torch.ones_like(position_ids[:, 0], dtype=torch.int32)  # (B,)
     total = shape[2].to(torch.int32)
+    T = attention_mask.shape[-1]
     columns = torch.arange(T, device=attention_mask.device, dtype=torch.int32)
     last_seen = (attention_mask[:, -1, :].to(torch.int32) * columns).amax(-1)  # (B,): past_b + S - 1
     # a lone row: past = T - S whatever its mask (rows may see nothing); several: each its own
     seqlens = torch.where(shape[0] > 1, last_seen, ones * (total - 1))
-    return FusedInputs(cos, sin, position_ids - base, bias, seqlens, total, ones * shape[1].to(torch.int32))
+    return FusedInputs(cos, sin, position_ids, bias, seqlens, total, ones * shape[1].to(torch.int32))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch import nn
 from eagle_deploy.contract.manifest import Dims
 from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED, kv_names
 
-from .fused import FusedDecoderLayer, fused_inputs, skip_rms_norm
+from .fused import FusedDecoderLayer, as_float32, fused_inputs, gather_rows, rotary_rows, skip_rms_norm
 from .layers import STATIC_ROPE_TYPES, Attention, GatedMLP, Rotary, gather_positions, mask_bias, rms_norm
 
 
@@ -172,7 +172,8 @@ class ExportableTarget(nn.Module):
         """The same forward on fused operators (the residual addition of each layer fused into
         the next norm, the last one into the final norm)."""
         x = self.embed(input_ids)  # (B, S, H)
-        f = fused_inputs(position_ids, attention_mask, self.rotary, x.dtype)  # shared by all layers
+        f = fused_inputs(position_ids, attention_mask, self.rotary, x.dtype,  # shared by all layers
+                         rotary_rows(self.dims.max_position_embeddings))
         pending, presents, taps = None, [], []
         for i, layer in enumerate(self.layers):
             if i in self.feature_layers:  # the stream entering layer i: residual + pending
@@ -180,5 +181,5 @@ class ExportableTarget(nn.Module):
             pending, x, k, v = layer(pending, x, f, past[2 * i], past[2 * i + 1])
             presents += [k, v]
         features, _ = skip_rms_norm(pending, x, self.norm, self.dims.rms_norm_eps)
-        logits = self.lm_head(gather_positions(features, logits_indices)).float()
+        logits = as_float32(self.lm_head(gather_rows(features, logits_indices)))
         return (logits, features, *self._tapped(taps), *presents)
