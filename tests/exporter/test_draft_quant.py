@@ -166,7 +166,7 @@ def test_eagle3_draft_graph_quantises_too(eagle3, tmp_path):
     (ExportOptions(dtype="fp16"), (8, 4, 2)),
     (ExportOptions(graph="standard"), (8, 4, 2)),
     (ExportOptions(quant="int4"), (2, 1, 1)),
-    (ExportOptions(quant="int8", draft_quant="none"), (4, 2, 2)),
+    (ExportOptions(quant="int8", draft_quant="none"), (4, 3, 1)),
 ])
 def test_default_tree_follows_the_draft_graphs_quantisation(options, expected):
     tree = check_options(options)[1]

@@ -103,12 +103,17 @@ class TreeConfig:
 # graphs (2026-12-01; 4 calibration prompts): int8 4/2/2 (154.2 tok/s, 1.42x; 4/3/2 was
 # 1% faster, within noise), int4 2/1/1 (142.5 tok/s, 1.02x; the old 4/2/2 measured 0.88x: the
 # fused int4 one-token forward is now so cheap that a wider verification no longer pays at the
-# shipped head's int4 acceptance). Re-run `eagle-bench --tune` on your machine: it rewrites the
-# export's tree.
+# shipped head's int4 acceptance). On the slimmer fused graphs (constant rotary table, one-node
+# logits gather; 2026-12-01) the tuner kept int4 2/1/1 (138.9 tok/s; 4/2/2 112.7, vanilla 108.8)
+# and fp32 6/3/2 (68.9; 8/4/2 68.3, vanilla 44.7), and chose int8 4/3/1 (121.2; 4/2/2 107.9,
+# vanilla 95.2): row-exact decoding accepts only a tree's top path, so a chain verifies as many
+# useful rows as a wider tree. Confirmed in one process, both trees alternating on 6 prompts x 2:
+# 4/3/1 99.0 vs 4/2/2 88.1 tok/s (τ 1.89 vs 1.75), the same tokens. Re-run `eagle-bench --tune`
+# on your machine: it rewrites the export's tree.
 DEFAULT_TREES = {
     None: TreeConfig(kind="dynamic", total_tokens=8, depth=4, top_k=2),  # unquantised target and draft
     "draft-quantised": TreeConfig(kind="dynamic", total_tokens=6, depth=3, top_k=2),  # unquantised target
-    "int8": TreeConfig(kind="dynamic", total_tokens=4, depth=2, top_k=2),
+    "int8": TreeConfig(kind="dynamic", total_tokens=4, depth=3, top_k=1),
     "int4": TreeConfig(kind="dynamic", total_tokens=2, depth=1, top_k=1),
 }
 
