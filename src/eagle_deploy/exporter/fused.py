@@ -36,7 +36,7 @@ from torch import nn
 
 from eagle_deploy.contract.onnx_io import MASK_VALUE
 
-from .layers import GatedMLP, Rotary, rms_norm
+from .layers import GatedMLP, Rotary, gather_positions, rms_norm
 
 MS_DOMAIN = "com.microsoft"
 
@@ -111,7 +111,7 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, indices):
-        return torch.gather(x, 1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        return gather_positions(x, indices)
 
     @staticmethod
     def symbolic(g, x, indices):

@@ -159,7 +159,7 @@ class OrtBackend:
         self._out_buffers: dict[str, np.ndarray] = {}
         self._binding = self.session.io_binding()
         self._kv_bound: tuple | None = None  # shared layout: (KVBuffer, array ids) whose KV stays bound
-        self._bound: dict[str, tuple] = {}  # input/output name -> (buffer id, shape) bound now
+        self._bound: dict[str, tuple] = {}  # input/output name -> (address, shape) bound now
 
     def allocate_kv(self, capacity: int, batch: int = 1) -> KVBuffer:
         """KV buffers in this graph's layout (graph.kv_layout), `capacity` rows each, for
