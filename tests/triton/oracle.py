@@ -48,3 +48,28 @@ class OracleDrafter:
 def make_drafter(folder, manifest, tree, threads):
     """The worker's drafter factory: (export folder, Manifest, TreeConfig, threads) -> drafter."""
     return OracleDrafter(folder, manifest, max(tree.depth, 4), threads)
+
+
+class PacedDrafter:
+    """A vanilla step (root-only tree) every `pause_s` seconds: a 200-token request then takes at
+    least 200 x pause_s, so a client's cancel always reaches the worker mid-decode, however fast or
+    loaded the machine (the cancel test's drafter: the oracle finishes 200 tokens in ~50 ms, less
+    than the model's cancel poll)."""
+
+    def __init__(self, pause_s: float):
+        self.pause_s = pause_s
+        self.forwards = 0
+
+    def reset(self) -> None:
+        self.forwards = 0
+
+    def propose(self, request: DraftRequest) -> DraftTree:
+        import time
+
+        time.sleep(self.pause_s)
+        return DraftTree.root_only(int(request.committed[-1]))
+
+
+def make_paced_drafter(folder, manifest, tree, threads):
+    """The worker's drafter factory for the "paced" model: 20 ms per committed token."""
+    return PacedDrafter(0.02)

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import queue
+import re
 import socket
 import time
 import urllib.error
@@ -55,8 +56,11 @@ def server(tiny, tmp_path_factory):
     triton_repo.write_repo(tiny, repo, name="eagle", instances=2, threads=1)
     triton_repo.write_repo(tiny, repo, name="oracle", instances=1, threads=1,
                            drafter="tests.triton.oracle:make_drafter", worker_pythonpath=str(ROOT))
+    triton_repo.write_repo(tiny, repo, name="paced", instances=1, threads=1,
+                           drafter="tests.triton.oracle:make_paced_drafter", worker_pythonpath=str(ROOT))
     srv = TritonServer(repo, root / "triton.log", timeout=240,
-                       extra=["--model-control-mode=explicit", "--load-model=eagle", "--load-model=oracle"])
+                       extra=["--model-control-mode=explicit", "--load-model=eagle", "--load-model=oracle",
+                              "--load-model=paced"])
     srv.start()
     yield srv
     srv.stop()
@@ -258,31 +262,30 @@ def http_stream_then_hang_up(server, model: str, **body) -> bytes:
 
 @pytest.mark.parametrize("client", ["grpc", "http"])
 def test_client_gone_stops_decoding_and_the_instance_serves_on(server, reference, client):
-    # a prompt whose first text comes early in a long generation, so the cancel lands mid-decode
+    # the "paced" model commits one token per 20 ms (tests/triton/oracle.py: PacedDrafter), so a
+    # 200-token request lasts >= 4 s: the cancel (polled every 50 ms) lands mid-decode on any machine
     prompt = next(p for p in PROMPTS if len(next(iter(reference.stream(p, max_new_tokens=200)), "")) > 0)
+    full = reference.generate(prompt, max_new_tokens=200).text
     marker = "request cancelled by the client"
-    # on a loaded machine the oracle's 200 tokens can all be decoded before the cancel reaches the
-    # worker (the request then simply completes): up to three requests, one must be cancelled
-    for _ in range(3):
-        before = server.log_path.read_text(errors="replace").count(marker)
-        if client == "grpc":  # tritonclient's stop_stream(cancel_requests=True)
-            got = grpc_stream(server, prompt, "oracle", cancel_after=1, max_tokens=200, stream=True)
-            assert len(got) == 1 and not got[0][1]
-        else:  # an SSE client that hangs up after the first event
-            assert b"data: " in http_stream_then_hang_up(server, "oracle", text_input=prompt, max_tokens=200,
-                                                         stream=True)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            log = server.log_path.read_text(errors="replace")
-            if log.count(marker) > before:
-                break
-            time.sleep(0.2)
+    before = server.log_path.read_text(errors="replace").count(marker)
+    if client == "grpc":  # tritonclient's stop_stream(cancel_requests=True)
+        got = grpc_stream(server, prompt, "paced", cancel_after=1, max_tokens=200, stream=True)
+        assert len(got) == 1 and not got[0][1]
+    else:  # an SSE client that hangs up after the first event
+        assert b"data: " in http_stream_then_hang_up(server, "paced", text_input=prompt, max_tokens=200, stream=True)
+    deadline = time.monotonic() + 30
+    log = ""
+    while time.monotonic() < deadline:
+        log = server.log_path.read_text(errors="replace")
         if log.count(marker) > before:
             break
-    assert log.count(marker) > before, "three requests finished before their cancel took effect"
+        time.sleep(0.1)
+    assert log.count(marker) > before, "the request was not cancelled"
     line = [x for x in log.splitlines() if marker in x][-1]
-    assert "oracle" in line and "decoding stopped" in line, line
-    assert generate(server, "oracle", text_input="hi", max_tokens=5)["new_tokens"] == 5
+    assert "paced" in line and "decoding stopped after" in line, line
+    characters = int(re.search(r"after (\d+) characters", line).group(1))
+    assert characters < len(full), (characters, len(full))  # it stopped mid-decode, not at the end
+    assert generate(server, "paced", text_input="hi", max_tokens=5)["new_tokens"] == 5
 
 
 def test_served_config_is_decoupled_with_the_written_parameters(server, tiny):
