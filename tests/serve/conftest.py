@@ -60,13 +60,18 @@ class OracleDrafter:
 
 class Faults:
     """The server's round hook: users "fail-*" raise at their first round; users "slow-*"
-    sleep 5 ms per round; per-job rounds and rounds seen after cancellation are recorded."""
+    sleep 5 ms per round; users "hold-*" wait in every round until `release` is set (or the
+    job is cancelled; 60 s at most), so a test decides when their slot frees; users "later-*"
+    wait so from their second round on (their first chunk is delivered first); per-job rounds
+    and rounds seen after cancellation are recorded."""
 
     def __init__(self):
         self.rounds = defaultdict(int)
         self.after_cancel = defaultdict(int)
         self.users = {}
         self.slots = {}  # job -> the engine slot that decoded it
+        self.release = threading.Event()
+        self.held = threading.Semaphore(0)  # released once per hold-* round that starts waiting
 
     def __call__(self, job) -> None:
         user = job.work.user or ""
@@ -79,6 +84,11 @@ class Faults:
             raise RuntimeError("injected fault")
         if user.startswith("slow-"):
             time.sleep(0.005)
+        if user.startswith("hold-") or (user.startswith("later-") and self.rounds[job.seq] > 1):
+            self.held.release()
+            deadline = time.monotonic() + 60
+            while not (self.release.wait(0.01) or job.cancelled or time.monotonic() > deadline):
+                pass
 
 
 class ServerThread:
@@ -149,9 +159,11 @@ def faults(server) -> Faults:
     return server.faults
 
 
-def make_server(folder: Path, faults=None, oracle_refs=None, reference=None, slots: int = 1, **runtime_kw):
-    """A started ServerThread over `folder` (SlotScheduler with `slots` slots + create_app);
-    with `oracle_refs`, every slot drafts with an OracleDrafter around its EAGLE drafter."""
+def make_server(folder: Path, faults=None, oracle_refs=None, reference=None, slots: int = 1, app_kw=None,
+                **runtime_kw):
+    """A started ServerThread over `folder` (SlotScheduler with `slots` slots + create_app with
+    `app_kw`); with `oracle_refs`, every slot drafts with an OracleDrafter around its EAGLE
+    drafter."""
     from eagle_deploy.contract.manifest import Manifest
     from eagle_deploy.runtime.backends import load_backend
     from eagle_deploy.runtime.drafter import EagleDrafter
@@ -173,7 +185,7 @@ def make_server(folder: Path, faults=None, oracle_refs=None, reference=None, slo
         else:
             kw["drafters"] = lambda slot, inner: oracle(inner)
     scheduler = SlotScheduler.load(folder, slots=slots, max_queue=32, round_hook=faults, **kw)
-    srv = ServerThread(create_app(scheduler, poll_s=0.02)).start()
+    srv = ServerThread(create_app(scheduler, poll_s=0.02, **(app_kw or {}))).start()
     srv.faults = faults
     return srv
 

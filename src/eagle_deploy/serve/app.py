@@ -3,10 +3,17 @@
     POST /v1/chat/completions, POST /v1/completions   (stream and non-stream)
     GET  /v1/models, /health, /metrics (Prometheus text format)
 
-A request is parsed, validated and tokenised here (its own tokenizer instance, used on the
-event-loop thread only) before it reaches the engine: an invalid one gets a 400 and never
-touches it. A streamed response starts once the engine has produced the first text (or
-finished): a request that fails before that gets a plain 500; one that fails later gets an
+A request's body is read up to `max_body_mb` (413 beyond), then parsed, validated and
+tokenised here, on the frontend's own thread (its own tokenizer instance, so a long prompt
+never stalls the event loop: other streams and /health go on), before it reaches the engine:
+an invalid one gets a 400 and never touches it. With `api_key` every route but /health and
+/metrics (those too with `protect_health_metrics`) needs `Authorization: Bearer <key>` (401).
+A request's deadline (`request_timeout_s`, shortened by the request's own field) is counted
+from its arrival: past it the job is cancelled and the client gets a 408 `request_timeout`
+(or, once streaming, an SSE error event with that code).
+
+A streamed response starts once the engine has produced the first text (or finished): a
+request that fails before that gets a JSON 500; one that fails later gets an
 SSE event `data: {"error": {...}}` and the stream ends. Either way only that request fails.
 While waiting for the engine the handler polls `request.is_disconnected()` every `poll_s`
 seconds (and the streaming generator's `finally` cancels the job when the server closes it),
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib import metadata
 from pathlib import Path
@@ -29,7 +37,8 @@ from eagle_deploy.runtime.api import check_request
 from eagle_deploy.runtime.text import encode_chat, encode_user
 
 from .engine import Event, Job, QueueFull, Scheduler, Work, engine_info, fingerprint, stats_info
-from .metrics import ServeMetrics
+from .guard import OPEN_PATHS, BearerAuth, read_body
+from .metrics import ServeMetrics, SpecCounts
 from .protocol import (
     CHAT,
     DONE,
@@ -45,6 +54,8 @@ from .protocol import (
 )
 
 POLL_S = 0.05  # seconds between disconnect checks while a request waits for the engine
+MAX_BODY_MB = 8.0  # request body size limit (--max-body-mb)
+PREFIX_CHARS_PER_TOKEN = 16  # a text over max_length * this many characters is first counted on that prefix
 
 
 def package_version() -> str:
@@ -57,10 +68,16 @@ def package_version() -> str:
 class Frontend:
     """Prompt -> token ids on the HTTP side, with the checks that need the tokenizer: a chat
     template exists, token ids lie in [0, vocab), the prompt leaves room for one output token
-    in the KV capacity (max_length rows). Raises ApiError (400)."""
+    in the KV capacity (max_length rows). Raises ApiError (400). Runs on `executor` (one
+    thread: the tokenizer is used by one thread at a time), off the event loop.
+
+    A text longer than max_length * PREFIX_CHARS_PER_TOKEN characters is first tokenised on
+    that prefix alone: if the prefix already passes the capacity (with a margin for the word
+    the cut splits) the request is refused without tokenising the rest."""
 
     def __init__(self, tokenizer, max_length: int, vocab: int):
         self.tokenizer, self.max_length, self.vocab = tokenizer, max_length, vocab
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="eagle-frontend")
 
     @classmethod
     def for_runtime(cls, runtime) -> "Frontend":
@@ -77,9 +94,24 @@ class Frontend:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
+    def _too_long(self, n: int, param: str, at_least: bool = False) -> ApiError:
+        return invalid(param, f"the prompt has {'at least ' if at_least else ''}{n} tokens; this model's KV capacity "
+                              f"is {self.max_length} tokens, so at most {self.max_length - 1} prompt tokens fit (one "
+                              "row is left for output)", "context_length_exceeded")
+
+    def _check_prefix(self, text: str, param: str) -> None:
+        """Refuse a text whose first max_length * PREFIX_CHARS_PER_TOKEN characters alone
+        encode to more tokens than fit (+ 8 for the cut), without tokenising the rest."""
+        cut = self.max_length * PREFIX_CHARS_PER_TOKEN
+        if len(text) > cut:
+            n = len(self.tokenizer.encode(text[:cut], add_special_tokens=False))
+            if n >= self.max_length + 8:
+                raise self._too_long(n - 8, param, at_least=True)
+
     def prompt_ids(self, req: CompletionRequest) -> list[int]:
         param = req.prompt_param
         if req.messages is not None:
+            self._check_prefix("\n".join(m["content"] for m in req.messages), param)
             if not self.has_chat_template:
                 raise invalid("messages", "this model has no chat template: use /v1/completions", "unsupported_value")
             try:
@@ -87,6 +119,7 @@ class Frontend:
             except Exception as err:  # the template's own checks (e.g. role order)
                 raise invalid("messages", f"the chat template rejected these messages: {err}") from None
         elif isinstance(req.prompt, str):
+            self._check_prefix(req.prompt, param)
             ids = encode_user(self.tokenizer, req.prompt, chat=False)
         else:
             ids = list(req.prompt or ())
@@ -96,9 +129,7 @@ class Frontend:
         if not ids:
             raise invalid(param, "the prompt encodes to no tokens")
         if len(ids) >= self.max_length:
-            raise invalid(param, f"the prompt has {len(ids)} tokens; this model's KV capacity is {self.max_length} "
-                                 f"tokens, so at most {self.max_length - 1} prompt tokens fit (one row is left for "
-                                 "output)", "context_length_exceeded")
+            raise self._too_long(len(ids), param)
         return ids
 
 
@@ -112,17 +143,27 @@ def engine_error(error: BaseException | None) -> ApiError:
                     "engine_error", "server_error")
 
 
+def timed_out(limit: float) -> ApiError:
+    return ApiError(408, f"the request ran past its deadline of {limit:g} s (--request-timeout-s or the request's "
+                         "request_timeout_s) and was stopped", None, "request_timeout", "timeout_error")
+
+
 def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_mode: str = "eagle",
-               frontend: Frontend | None = None, poll_s: float = POLL_S) -> FastAPI:
+               frontend: Frontend | None = None, poll_s: float = POLL_S, max_body_mb: float = MAX_BODY_MB,
+               request_timeout_s: float | None = None, api_key: str | None = None,
+               protect_health_metrics: bool = False) -> FastAPI:
     """The app over `scheduler` (started and closed by the app's lifespan). model_name: the id
     clients must send as `model` (default: the export's manifest name); default_mode: "eagle"
-    or "vanilla" for requests that do not set the `mode` extension field."""
+    or "vanilla" for requests that do not set the `mode` extension field; max_body_mb: the
+    request body limit; request_timeout_s: the deadline of every request (None: none; a
+    request may set a shorter one); api_key: required as a Bearer token (None: open)."""
     runtime = scheduler.runtime
     manifest = runtime.manifest
     model_name = model_name or manifest.name
     frontend = frontend or Frontend.for_runtime(runtime)
-    metrics = ServeMetrics()
+    metrics = ServeMetrics(model_name)
     metrics.bind(scheduler)
+    max_body = int(max_body_mb * 2**20)
     version = package_version()
     started = int(time.time())
 
@@ -133,14 +174,22 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
             yield
         finally:
             scheduler.close()
+            frontend.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="eagle-serve", version=version, lifespan=lifespan)
     app.state.scheduler, app.state.metrics, app.state.frontend = scheduler, metrics, frontend
+    if api_key is not None:
+        app.add_middleware(BearerAuth, key=api_key, open_paths=() if protect_health_metrics else OPEN_PATHS)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found" if exc.status_code == 404 else None
         return error_response(ApiError(exc.status_code, str(exc.detail), None, kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):  # a bug: still one JSON line, never a traceback page
+        return error_response(ApiError(500, f"internal error ({type(exc).__name__}: {exc})", None, "internal_error",
+                                       "server_error"))
 
     @app.get("/health")
     async def health():
@@ -167,13 +216,24 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
     async def completions(request: Request):
         return await _complete(request, "completion", parse_completion, "completions")
 
+    def _prepare(raw: bytes, parse) -> tuple[CompletionRequest, list[int]]:
+        """Body -> (request, prompt ids), on the frontend's thread. Raises ApiError."""
+        req = parse(parse_json(raw))
+        if req.model != model_name:
+            raise invalid("model", f"the model {req.model!r} does not exist; this server serves {model_name!r} "
+                                   "(GET /v1/models)", "model_not_found")
+        return req, frontend.prompt_ids(req)
+
+    def _deadline(t0: float, req: CompletionRequest) -> tuple[float, float] | None:
+        """(monotonic deadline, its length in s) of a request that arrived at t0, or None."""
+        limits = [t for t in (request_timeout_s, req.request_timeout_s) if t is not None]
+        return (t0 + min(limits), min(limits)) if limits else None
+
     async def _complete(request: Request, kind: str, parse, endpoint: str):
+        t0 = time.monotonic()
         try:
-            req = parse(parse_json(await request.body()))
-            if req.model != model_name:
-                raise invalid("model", f"the model {req.model!r} does not exist; this server serves {model_name!r} "
-                                       "(GET /v1/models)", "model_not_found")
-            ids = frontend.prompt_ids(req)
+            raw = await read_body(request, max_body)
+            req, ids = await asyncio.get_running_loop().run_in_executor(frontend.executor, _prepare, raw, parse)
             mode = req.mode or default_mode
             max_tokens = req.max_tokens if req.max_tokens is not None else manifest.max_length
             try:  # the runtime's own checks, so nothing it would refuse reaches the engine
@@ -192,45 +252,63 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
                                            "server_busy"))
         info = engine_info(scheduler.acceptance, scheduler.threshold, mode)
         env = Envelope(kind, model_name, fingerprint(version, info))
-        first = await _next(job, request)
+        deadline = _deadline(t0, req)
+        first = await _next(job, request, deadline)
         if first is None or first.kind == "cancelled":
             metrics.requests.labels(endpoint, "cancelled").inc()
             return Response(status_code=499)  # the client has gone; nobody reads this
+        if first.kind == "timeout":
+            metrics.requests.labels(endpoint, "timeout").inc()
+            return error_response(timed_out(deadline[1]))
         if first.kind == "error":
             metrics.requests.labels(endpoint, "error").inc()
             return error_response(engine_error(first.error))
         if req.stream:
-            return StreamingResponse(_stream(job, request, env, req, first, info, endpoint),
+            return StreamingResponse(_stream(job, request, env, req, first, info, endpoint, deadline),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                      background=BackgroundTask(job.cancel))  # also when the stream never started
         ev = first
         while ev is not None and ev.kind == "delta":
-            ev = await _next(job, request)
+            ev = await _next(job, request, deadline)
         if ev is None or ev.kind == "cancelled":
             metrics.requests.labels(endpoint, "cancelled").inc()
             return Response(status_code=499)
+        if ev.kind == "timeout":
+            metrics.requests.labels(endpoint, "timeout").inc()
+            return error_response(timed_out(deadline[1]))
         if ev.kind == "error":
             metrics.requests.labels(endpoint, "error").inc()
             return error_response(engine_error(ev.error))
         result = ev.result
         metrics.finished(endpoint, job, result)
-        body = env.response(result.text, result.finish_reason, usage(len(ids), len(result.token_ids)),
+        body = env.response(result.text, result.finish_reason, _usage(len(ids), result),
                             {"eagle": {**info, **stats_info(result)}})
         return JSONResponse(body)
 
-    async def _next(job: Job, request: Request) -> Event | None:
-        """The job's next event, or None (job cancelled) once the client has disconnected."""
+    def _usage(prompt_tokens: int, result) -> dict:
+        return {**usage(prompt_tokens, len(result.token_ids)),
+                "speculative": SpecCounts.from_stats(result.stats).usage()}
+
+    async def _next(job: Job, request: Request, deadline: tuple[float, float] | None) -> Event | None:
+        """The job's next event; None (job cancelled) once the client has disconnected; an
+        Event "timeout" (job cancelled) once the deadline has passed."""
         while True:
+            wait = poll_s if deadline is None else min(poll_s, deadline[0] - time.monotonic())
             try:
-                return await job.next_event(poll_s)
+                if wait <= 0:
+                    raise TimeoutError
+                return await job.next_event(wait)
             except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline[0]:
+                    job.cancel()
+                    return Event("timeout")
                 if await request.is_disconnected():
                     job.cancel()
                     return None
 
     async def _stream(job: Job, request: Request, env: Envelope, req: CompletionRequest, first: Event, info: dict,
-                      endpoint: str):
+                      endpoint: str, deadline: tuple[float, float] | None):
         nulls = req.include_usage  # with include_usage every chunk carries "usage": null, then a usage chunk
         ended = False
         last_check = time.monotonic()
@@ -246,7 +324,7 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
                     yield sse(env.chunk(None, result.finish_reason, usage_null=nulls,
                                         extra={"eagle": {**info, **stats_info(result)}}))
                     if req.include_usage:
-                        yield sse(env.usage_chunk(usage(len(job.work.prompt_ids), len(result.token_ids))))
+                        yield sse(env.usage_chunk(_usage(len(job.work.prompt_ids), result)))
                     yield DONE
                     metrics.finished(endpoint, job, result)
                     ended = True
@@ -256,13 +334,18 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
                     ended = True
                     yield sse(engine_error(ev.error).body())
                     return
+                elif ev.kind == "timeout":
+                    metrics.requests.labels(endpoint, "timeout").inc()
+                    ended = True
+                    yield sse(timed_out(deadline[1]).body())
+                    return
                 else:
                     return
                 if time.monotonic() - last_check >= poll_s:  # events may never pause long enough for _next to poll
                     last_check = time.monotonic()
                     if await request.is_disconnected():
                         return
-                ev = await _next(job, request)
+                ev = await _next(job, request, deadline)
                 if ev is None:
                     return
         finally:

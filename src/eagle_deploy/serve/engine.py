@@ -85,10 +85,14 @@ class Job:
         self.t_start: float | None = None
         self.t_first: float | None = None
         self.t_done: float | None = None
+        self._dequeue: Callable[["Job"], None] | None = None  # set by the scheduler that queues it
 
     def cancel(self) -> None:
-        """Ask the worker to drop this job (a no-op once it has finished). Thread-safe."""
+        """Ask the worker to drop this job (a no-op once it has finished); a job still queued
+        leaves the queue at once (its scheduler's dequeue callback). Thread-safe."""
         self._cancel.set()
+        if self._dequeue is not None:
+            self._dequeue(self)
 
     @property
     def cancelled(self) -> bool:
@@ -221,7 +225,7 @@ class SlotScheduler:
 
     @property
     def queued(self) -> int:
-        """Jobs waiting for a worker (cancelled ones included until a worker drops them)."""
+        """Jobs waiting for a worker (a cancelled one leaves the queue when it is cancelled)."""
         return len(self._jobs)
 
     @property
@@ -263,9 +267,19 @@ class SlotScheduler:
                 raise QueueFull(f"the queue holds {len(self._jobs)} requests (--max-queue {self.max_queue})")
             self.submitted += 1
             job = Job(work, loop, self.submitted)
+            job._dequeue = self._dequeue
             self._jobs.append(job)
             self._lock.notify_all()
         return job
+
+    def _dequeue(self, job: Job) -> None:
+        """Drop a cancelled job that no worker has taken yet, so its place is free at once."""
+        with self._lock:
+            try:
+                self._jobs.remove(job)
+            except ValueError:  # taken by a worker (which stops it) or already ended
+                return
+        self._end(job, "cancelled", Event("cancelled"))
 
     def _take(self, b: int) -> Job | None:
         """The next job for slot b, given only to the lowest idle slot (busy slots stay packed

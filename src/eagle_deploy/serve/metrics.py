@@ -12,13 +12,54 @@
     eagle_serve_batched_forwards                      gauge: forwards run for 2+ slots at once, since start
     eagle_serve_solo_forwards                         gauge: forwards of a batching engine run for one slot alone
                                                       (prefills, a lone busy slot); both 0 with --slots 1
+
+and vLLM's speculative-decoding counters, named and labelled as vLLM names them (labels
+model_name, engine = "0"), from each finished request's `Stats` (see `SpecCounts`):
+
+    vllm:spec_decode_num_drafts_total                 rounds that verified at least one draft token
+    vllm:spec_decode_num_draft_tokens_total           draft positions proposed (tree depth per round)
+    vllm:spec_decode_num_accepted_tokens_total        draft tokens accepted (committed - 1 per round)
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{position}   rounds that accepted position p (0-based)
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(frozen=True)
+class SpecCounts:
+    """One request's speculative figures, vLLM's definitions mapped onto EAGLE trees:
+    rounds: verification forwards; drafts: rounds whose tree had depth >= 1 (a root-only tree
+    proposed nothing); draft_tokens: the tree depth summed over those rounds (a tree of depth d
+    proposes d positions along any path, whatever its width: vLLM's num_speculative_tokens per
+    draft); accepted_tokens: tokens committed per round minus the bonus token, summed;
+    accepted_per_pos[p]: rounds that accepted at least p + 1 draft tokens; mean_accept_len:
+    tau, tokens committed per round, bonus included (1 + accepted / rounds)."""
+
+    rounds: int
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_pos: tuple[int, ...]
+    mean_accept_len: float
+
+    @classmethod
+    def from_stats(cls, stats) -> "SpecCounts":
+        accepted = [max(n - 1, 0) for n in stats.accepted_per_round]
+        depths = [d for d in stats.tree_depth_per_round if d >= 1]
+        per_pos = tuple(sum(a > p for a in accepted) for p in range(max(depths, default=0)))
+        return cls(len(accepted), len(depths), sum(depths), sum(accepted), per_pos, round(stats.mean_accept_len, 4))
+
+    def usage(self) -> dict:
+        """The `usage.speculative` field of a response."""
+        return {"rounds": self.rounds, "drafts": self.drafts, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos),
+                "mean_accept_len": self.mean_accept_len}
 
 
 class ServeMetrics:
@@ -27,7 +68,7 @@ class ServeMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self):
+    def __init__(self, model_name: str = ""):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("eagle_serve_requests", "Requests by endpoint and outcome",
@@ -46,6 +87,17 @@ class ServeMetrics:
         self.batched = Gauge("eagle_serve_batched_forwards", "Forwards run for two or more slots at once",
                              registry=r)
         self.solo = Gauge("eagle_serve_solo_forwards", "Forwards run for one slot alone", registry=r)
+        vllm = ["model_name", "engine"]
+        self.spec_labels = (model_name, "0")
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", vllm, registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", vllm,
+                                         registry=r)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", vllm,
+                                     registry=r)
+        self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.", [*vllm, "position"], registry=r)
+        for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
+            c.labels(*self.spec_labels)  # exported as 0 from the start
 
     def bind(self, scheduler) -> None:
         self.queue_length.set_function(lambda: scheduler.queued)
@@ -68,6 +120,14 @@ class ServeMetrics:
         n = len(result.token_ids)
         if n > 1 and job.t_first is not None and job.t_done is not None:
             self.tpot.observe((job.t_done - job.t_first) / (n - 1))
+        self.speculative(SpecCounts.from_stats(s))
+
+    def speculative(self, spec: SpecCounts) -> None:
+        self.spec_drafts.labels(*self.spec_labels).inc(spec.drafts)
+        self.spec_draft_tokens.labels(*self.spec_labels).inc(spec.draft_tokens)
+        self.spec_accepted.labels(*self.spec_labels).inc(spec.accepted_tokens)
+        for pos, count in enumerate(spec.accepted_per_pos):
+            self.spec_per_pos.labels(*self.spec_labels, str(pos)).inc(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

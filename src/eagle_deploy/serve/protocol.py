@@ -13,13 +13,17 @@ only), `user` (kept as the request's tag); extensions: `top_k` (0 = off) and `mo
 ("eagle" | "vanilla", the decoding mode of this request; default: the server's). Fields that
 would change the output in ways this server does not implement (`logprobs`, `tools`,
 penalties, `logit_bias`, `echo`, `suffix`, `best_of` > 1, a non-text `response_format`) are
-rejected rather than ignored; other unknown fields are ignored.
+rejected rather than ignored; other unknown fields are ignored. Text that reaches the tokenizer
+(prompt, message contents, stop strings) must be valid Unicode (no lone surrogates such as
+`"\\ud800"`); at most MAX_STOPS stop strings of at most MAX_STOP_CHARS characters each.
+`request_timeout_s` (extension) shortens the server's per-request deadline for this request.
 """
 from __future__ import annotations
 
 import json
 import math
 import numbers
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,6 +31,8 @@ from dataclasses import dataclass, field
 CHAT, COMPLETION = "chat", "completion"
 ROLES = {"system", "developer", "user", "assistant"}
 MODES = ("eagle", "vanilla")
+MAX_STOPS = 16  # stop strings per request (OpenAI allows 4)
+MAX_STOP_CHARS = 256  # characters per stop string
 
 
 class ApiError(Exception):
@@ -66,6 +72,7 @@ class CompletionRequest:
     include_usage: bool = False
     mode: str | None = None
     user: str | None = None
+    request_timeout_s: float | None = None
     extras: dict = field(default_factory=dict)
 
     @property
@@ -80,6 +87,9 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise invalid(None, f"the request body is not valid JSON ({err})", "invalid_json") from None
+    except RecursionError:
+        raise invalid(None, "the request body is JSON nested too deeply to parse (about "
+                            f"{sys.getrecursionlimit()} levels at most)", "invalid_json") from None
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object", "invalid_json")
     return body
@@ -129,7 +139,20 @@ def _common(body: dict, req: CompletionRequest) -> CompletionRequest:
     if user is not None and not isinstance(user, str):
         raise invalid("user", "user must be a string", "invalid_type")
     req.user = user
+    if body.get("request_timeout_s") is not None:
+        req.request_timeout_s = _number(body, "request_timeout_s", None, minimum=0.0, open_min=True)
     return req
+
+
+def _text(value: str, param: str) -> str:
+    """`value` unchanged if it is valid Unicode (encodable as UTF-8); raises ApiError naming
+    `param` if it holds a lone surrogate (JSON allows "\\ud800"; no tokenizer does)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise invalid(param, f"{param} is not valid Unicode: a lone surrogate "
+                             f"\\u{ord(value[err.start]):04x} at character {err.start}") from None
+    return value
 
 
 def _model(body: dict) -> str:
@@ -155,7 +178,8 @@ def _messages(body: dict) -> list[dict]:
         if role not in ROLES:
             raise invalid(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, "
                                                  f"got {role!r} (tools are not supported)")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), i)})
+        content = _text(_content(m.get("content"), i), f"messages[{i}].content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 
 
@@ -184,7 +208,7 @@ def _prompt(body: dict) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("prompt", "the prompt is empty")
-        return prompt
+        return _text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return [int(t) for t in prompt]
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
@@ -199,6 +223,13 @@ def _stop(body: dict) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or any(not isinstance(s, str) or s == "" for s in stops):
         raise invalid("stop", "stop must be a non-empty string or a list of non-empty strings", "invalid_type")
+    if len(stops) > MAX_STOPS:
+        raise invalid("stop", f"at most {MAX_STOPS} stop strings are allowed, got {len(stops)}")
+    for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_CHARS:
+            raise invalid("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters; stop[{i}] has "
+                                  f"{len(s)}")
+        _text(s, "stop")
     return tuple(stops)
 
 
