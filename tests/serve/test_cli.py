@@ -63,3 +63,103 @@ def test_bad_settings_exit_2(serve_export, argv, capsys):
 
 def test_missing_export_exits_2(tmp_path, capsys):
     assert cli.main(["--engines", str(tmp_path / "nope")]) == 2
+
+
+def start_server(serve_export, *flags) -> tuple[subprocess.Popen, int]:
+    """eagle-serve in a subprocess on a free port, once /health answers."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "eagle_deploy.serve.cli", "--engines", str(serve_export),
+                             "--port", str(port), "--threads", "1", "--log-level", "warning", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while True:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        try:
+            httpx2.get(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc, port
+        except httpx2.TransportError:
+            assert time.monotonic() < deadline, "eagle-serve did not come up"
+            time.sleep(0.2)
+
+
+def hang_a_request(port: int) -> socket.socket:
+    """A request whose body never finishes arriving: the server drains it forever. Returns
+    once a later request has been answered (so the server is already reading this one)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"model\": ")
+    assert httpx2.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+    return sock
+
+
+def refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return False
+    except OSError:
+        return True
+
+
+def test_shutdown_timeout_bounds_the_drain(serve_export):
+    proc, port = start_server(serve_export, "--shutdown-timeout-s", "1")
+    sock = hang_a_request(port)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)  # without the bound: never (the request never completes)
+    finally:
+        sock.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert "timeout graceful shutdown exceeded" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_second_signal_exits_at_once(serve_export, sig):
+    proc, port = start_server(serve_export, "--shutdown-timeout-s", "600")
+    sock = hang_a_request(port)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while not refused(port):  # the first signal was taken: no new connections, draining
+            assert time.monotonic() < deadline, "the server kept listening after SIGTERM"
+            time.sleep(0.05)
+        assert proc.poll() is None  # still draining the hung request (for up to 600 s)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        sock.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + sig
+    assert f"eagle-serve: second {signal.Signals(sig).name}: exiting now" in err
+
+
+def test_limits_and_access_reach_uvicorn_and_the_app(monkeypatch):
+    from eagle_deploy.serve.cli import api_key, build_parser, uvicorn_config
+
+    args = build_parser().parse_args(["--engines", "x", "--keep-alive-s", "7", "--max-connections", "40",
+                                      "--shutdown-timeout-s", "12.5", "--max-body-mb", "2"])
+    config = uvicorn_config(args, app=None)
+    assert (config.timeout_keep_alive, config.limit_concurrency, config.timeout_graceful_shutdown) == (7, 40, 12.5)
+    defaults = uvicorn_config(build_parser().parse_args(["--engines", "x"]), app=None)
+    assert (defaults.timeout_keep_alive, defaults.limit_concurrency, defaults.timeout_graceful_shutdown) == \
+        (5, None, 30.0)
+    monkeypatch.delenv("EAGLE_SERVE_API_KEY", raising=False)
+    assert api_key(args) is None
+    monkeypatch.setenv("EAGLE_SERVE_API_KEY", "from-env")
+    assert api_key(args) == "from-env"
+    assert api_key(build_parser().parse_args(["--engines", "x", "--api-key", "flag"])) == "flag"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-body-mb", "0"], "--max-body-mb must be > 0, got 0.0"),
+    (["--request-timeout-s", "-1"], "--request-timeout-s must be > 0, got -1.0"),
+    (["--shutdown-timeout-s", "0"], "--shutdown-timeout-s must be > 0, got 0.0"),
+    (["--keep-alive-s", "0"], "--keep-alive-s must be >= 1, got 0"),
+    (["--max-connections", "0"], "--max-connections must be >= 1, got 0"),
+    (["--api-key", " "], "the API key (--api-key / EAGLE_SERVE_API_KEY) is empty"),
+])
+def test_bad_limits_exit_2(serve_export, argv, message, capsys):
+    assert cli.main(["--engines", str(serve_export), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eagle-serve: error:") and message in err and len(err.strip().splitlines()) == 1

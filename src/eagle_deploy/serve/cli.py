@@ -7,11 +7,17 @@
 With --slots N (default 1) up to N requests are decoded at once, their forwards batched
 (continuous batching; each request's output is what it gets alone). Endpoints: POST /v1/chat/completions,
 /v1/completions; GET /v1/models, /health, /metrics (Prometheus).
+
+With --api-key KEY (or EAGLE_SERVE_API_KEY) every endpoint but /health and /metrics needs
+`Authorization: Bearer KEY`. SIGTERM / Ctrl-C drain the requests in flight for at most
+--shutdown-timeout-s seconds; a second SIGTERM / Ctrl-C exits at once.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 
 from eagle_deploy.contract.cli_args import (
@@ -46,8 +52,62 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for the engine at most; more get HTTP 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g = p.add_argument_group("limits and access")
+    g.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit; larger bodies get 413")
+    g.add_argument("--request-timeout-s", type=float, default=None,
+                   help="deadline of every request from its arrival (queue wait included); past it the request is "
+                        "stopped and answered 408 request_timeout; a request may set a shorter request_timeout_s "
+                        "(default: none)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (401 otherwise); default: the EAGLE_SERVE_API_KEY "
+                        "environment variable, else no key")
+    g.add_argument("--protect-health-metrics", action="store_true",
+                   help="with an API key, require it for /health and /metrics too (default: open, for probes)")
+    g.add_argument("--shutdown-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM / Ctrl-C, wait this long for requests in flight, then stop them; a second "
+                        "signal exits at once")
+    g.add_argument("--keep-alive-s", type=int, default=5,
+                   help="close an idle keep-alive connection after this many seconds")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at most; more get HTTP 503 (default: no limit)")
     add_tree_args(p, "the export's manifest")
     return p
+
+
+def serve(config) -> None:
+    """Run uvicorn with `config` until a signal: the first SIGTERM / SIGINT starts the
+    graceful drain (bounded by config.timeout_graceful_shutdown); a second one of either kind
+    exits at once, status 128 + signal (uvicorn itself forces an exit only on a second SIGINT)."""
+    import uvicorn
+
+    server = uvicorn.Server(config)
+    drain = server.handle_exit
+
+    def handle_exit(sig, frame):
+        if server.should_exit:
+            print(f"eagle-serve: second {signal.Signals(sig).name}: exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + sig)
+        drain(sig, frame)
+
+    server.handle_exit = handle_exit  # uvicorn installs the instance's handler for both signals
+    server.run()
+
+
+def uvicorn_config(args, app):
+    """The uvicorn.Config of `args` (host, port, log level, keep-alive, connection limit, drain
+    timeout)."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          timeout_keep_alive=args.keep_alive_s, limit_concurrency=args.max_connections,
+                          timeout_graceful_shutdown=args.shutdown_timeout_s)
+
+
+def api_key(args) -> str | None:
+    key = args.api_key if args.api_key is not None else os.environ.get("EAGLE_SERVE_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError("the API key (--api-key / EAGLE_SERVE_API_KEY) is empty")
+    return key
 
 
 @interruptible("eagle-serve")
@@ -58,9 +118,15 @@ def main(argv=None) -> int:
     from eagle_deploy.runtime.tree import TreeConfigError
 
     try:
-        for flag, value in (("--max-queue", args.max_queue), ("--slots", args.slots), ("--threads", args.threads)):
+        for flag, value in (("--max-queue", args.max_queue), ("--slots", args.slots), ("--threads", args.threads),
+                            ("--keep-alive-s", args.keep_alive_s), ("--max-connections", args.max_connections)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        for flag, value in (("--max-body-mb", args.max_body_mb), ("--request-timeout-s", args.request_timeout_s),
+                            ("--shutdown-timeout-s", args.shutdown_timeout_s)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{flag} must be > 0, got {value}")
+        key = api_key(args)
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
         check_acceptance(args.acceptance, args.threshold)
@@ -68,7 +134,7 @@ def main(argv=None) -> int:
         tree = tree_from_args(args, manifest.tree)
         if not manifest.tokenizer:
             raise ValueError(f"{args.engines} has no tokenizer; eagle-serve needs one")
-        import uvicorn
+        import uvicorn  # noqa: F401  (a missing serve extra fails here, before loading)
 
         from .app import create_app
         from .engine import SlotScheduler
@@ -76,7 +142,9 @@ def main(argv=None) -> int:
         scheduler = SlotScheduler.load(args.engines, slots=args.slots, max_queue=args.max_queue,
                                        shrink_trees=not args.fixed_tree, backend=args.backend, tree=tree,
                                        threads=args.threads, acceptance=args.acceptance, threshold=args.threshold)
-        app = create_app(scheduler, model_name=args.model_name, default_mode="vanilla" if args.vanilla else "eagle")
+        app = create_app(scheduler, model_name=args.model_name, default_mode="vanilla" if args.vanilla else "eagle",
+                         max_body_mb=args.max_body_mb, request_timeout_s=args.request_timeout_s, api_key=key,
+                         protect_health_metrics=args.protect_health_metrics)
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
         print("eagle-serve: error: " + " ".join(str(err).split()), file=sys.stderr)
         return 2
@@ -94,9 +162,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     print(f"eagle-serve: serving {args.model_name or manifest.name!r} on "
           f"http://{args.host}:{args.port}/v1 ({args.slots} request{'s' if args.slots > 1 else ''} at a time; "
-          f"--max-queue {args.max_queue})",
+          f"--max-queue {args.max_queue}{'; API key required' if key else ''})",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    serve(uvicorn_config(args, app))
     return 0
 
 
