@@ -15,7 +15,9 @@ bundled libraries (libcudart, ...) through its RPATH `$ORIGIN/../../../../nvidia
 which resolves from the symlink's target. No Debian packages are needed (all libraries are
 bundled; CUDA / NVML / DCGM warnings at start are harmless on a CPU machine).
 
-Arguments after `--` go to tritonserver unchanged. The launcher replaces itself with
+The launcher listens on 127.0.0.1 unless `--address` widens it (tritonserver itself listens
+on every interface by default, and has no auth of its own: docs/triton-auth.md). Arguments
+after `--` go to tritonserver unchanged. The launcher replaces itself with
 tritonserver (exec), so signals reach the server directly. `TritonServer` is the same setup as
 a context manager for tests and benchmarks (free loopback ports, readiness wait, log file).
 """
@@ -197,7 +199,9 @@ def main(argv=None) -> int:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--address", default=None, help="bind to this address only (default: all interfaces)")
+    p.add_argument("--address", default="127.0.0.1",
+                   help="address HTTP, gRPC and metrics listen on (default: 127.0.0.1, this machine only; 0.0.0.0 "
+                        "for every interface: put auth in front first, docs/triton-auth.md)")
     p.add_argument("--print-command", action="store_true", help="print the tritonserver command instead of running it")
     args = p.parse_args(argv)
     try:
