@@ -62,8 +62,8 @@ class Faults:
     """The server's round hook: users "fail-*" raise at their first round; users "slow-*"
     sleep 5 ms per round; users "hold-*" wait in every round until `release` is set (or the
     job is cancelled; 60 s at most), so a test decides when their slot frees; users "later-*"
-    wait so from their second round on (their first chunk is delivered first); per-job rounds
-    and rounds seen after cancellation are recorded."""
+    wait so in every round after their first text delta was emitted; per-job rounds and
+    rounds seen after cancellation are recorded."""
 
     def __init__(self):
         self.rounds = defaultdict(int)
@@ -84,7 +84,7 @@ class Faults:
             raise RuntimeError("injected fault")
         if user.startswith("slow-"):
             time.sleep(0.005)
-        if user.startswith("hold-") or (user.startswith("later-") and self.rounds[job.seq] > 1):
+        if user.startswith("hold-") or (user.startswith("later-") and job.t_first is not None):
             self.held.release()
             deadline = time.monotonic() + 60
             while not (self.release.wait(0.01) or job.cancelled or time.monotonic() > deadline):
@@ -151,6 +151,13 @@ def reference(serve_export):
 def oracle_refs(reference) -> dict[str, list[int]]:
     """Oracle prompt -> its reference greedy continuation (vanilla decoding, up to EOS)."""
     return {p: reference.generate(p, REF_TOKENS, chat=False, mode="vanilla").token_ids for p in ORACLE_PROMPTS}
+
+
+@pytest.fixture(scope="session")
+def long_prompt(oracle_refs) -> str:
+    """A registered prompt whose reference runs 50 tokens or more before EOS: a request on it
+    runs verification rounds (and a test's round hook sees them) whatever its max_tokens."""
+    return next(p for p in ORACLE_PROMPTS if len(oracle_refs[p]) >= 50)
 
 
 @pytest.fixture

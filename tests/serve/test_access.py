@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from eagle_deploy.serve.guard import BearerAuth
-from tests.serve.conftest import ORACLE_PROMPTS, Faults, make_server
+from tests.serve.conftest import Faults, make_server
 
 KEY = "sk-test-0123456789"
 MODEL = "tiny"
@@ -37,9 +37,9 @@ def test_missing_or_wrong_key_gets_401(locked, headers):
     assert locked.app.state.scheduler.submitted == submitted
 
 
-def test_right_key_is_served_and_health_metrics_stay_open(locked):
+def test_right_key_is_served_and_health_metrics_stay_open(locked, long_prompt):
     ok = openai.OpenAI(base_url=locked.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-    r = ok.completions.create(model=MODEL, prompt=ORACLE_PROMPTS[0], max_tokens=3, temperature=0)
+    r = ok.completions.create(model=MODEL, prompt=long_prompt, max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3
     assert httpx2.get(locked.url + "/v1/models", headers={"authorization": f"bearer {KEY}"}).status_code == 200
     with pytest.raises(openai.AuthenticationError):
@@ -72,14 +72,14 @@ def test_protected_health_and_metrics():
         BearerAuth(inner, "")
 
 
-def test_server_deadline_applies_and_a_request_cannot_lengthen_it(locked):
+def test_server_deadline_applies_and_a_request_cannot_lengthen_it(locked, long_prompt):
     faults = locked.faults
     faults.release.clear()
     headers = {"Authorization": f"Bearer {KEY}"}
     for extra in ({}, {"request_timeout_s": 100}):
         r = httpx2.post(locked.url + "/v1/completions", headers=headers, timeout=60,
-                        json={"model": MODEL, "prompt": ORACLE_PROMPTS[2], "max_tokens": 40, "user": "hold-x",
-                              **extra})
+                        json={"model": MODEL, "prompt": long_prompt, "max_tokens": 40, "temperature": 0,
+                              "user": "hold-x", **extra})
         assert r.status_code == 408 and "0.4 s" in r.json()["error"]["message"], r.text
     faults.release.set()
     metrics = httpx2.get(locked.url + "/metrics").text

@@ -148,6 +148,12 @@ def timed_out(limit: float) -> ApiError:
                          "request_timeout_s) and was stopped", None, "request_timeout", "timeout_error")
 
 
+def timeout_response(limit: float) -> JSONResponse:
+    """The 408, with `x-should-retry: false`: the openai clients retry a 408 by default, and
+    the same request would only run out the same deadline again."""
+    return JSONResponse(timed_out(limit).body(), status_code=408, headers={"x-should-retry": "false"})
+
+
 def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_mode: str = "eagle",
                frontend: Frontend | None = None, poll_s: float = POLL_S, max_body_mb: float = MAX_BODY_MB,
                request_timeout_s: float | None = None, api_key: str | None = None,
@@ -259,7 +265,7 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
             return Response(status_code=499)  # the client has gone; nobody reads this
         if first.kind == "timeout":
             metrics.requests.labels(endpoint, "timeout").inc()
-            return error_response(timed_out(deadline[1]))
+            return timeout_response(deadline[1])
         if first.kind == "error":
             metrics.requests.labels(endpoint, "error").inc()
             return error_response(engine_error(first.error))
@@ -276,7 +282,7 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
             return Response(status_code=499)
         if ev.kind == "timeout":
             metrics.requests.labels(endpoint, "timeout").inc()
-            return error_response(timed_out(deadline[1]))
+            return timeout_response(deadline[1])
         if ev.kind == "error":
             metrics.requests.labels(endpoint, "error").inc()
             return error_response(engine_error(ev.error))

@@ -16,7 +16,7 @@ which resolves from the symlink's target. No Debian packages are needed (all lib
 bundled; CUDA / NVML / DCGM warnings at start are harmless on a CPU machine).
 
 The launcher listens on 127.0.0.1 unless `--address` widens it (tritonserver itself listens
-on every interface by default, and has no auth of its own: docs/triton-auth.md). Arguments
+on every interface by default; access control: docs/triton-auth.md). Arguments
 after `--` go to tritonserver unchanged. The launcher replaces itself with
 tritonserver (exec), so signals reach the server directly. `TritonServer` is the same setup as
 a context manager for tests and benchmarks (free loopback ports, readiness wait, log file).
