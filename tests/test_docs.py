@@ -81,6 +81,8 @@ def flags_of(line: str) -> tuple[str, list[str]] | None:
     for word in words:
         if word in {"|", "||", "&&", ";", "&"} or word.startswith((">", "<", "2>")):
             break  # the rest of the line is another command or a redirection
+        if word == "--":
+            break  # the rest goes to the program the command runs (eagle-triton-serve: tritonserver)
         word = word.strip("[]")
         if word.startswith("-") and word != "-" and not re.fullmatch(r"-[\d.]+", word):
             flags.append(word.split("=", 1)[0])

@@ -1,6 +1,6 @@
 """Prometheus metrics of eagle-serve (`GET /metrics`), in a registry of their own per app.
 
-    eagle_serve_requests_total{endpoint, outcome}     outcome: ok | invalid | rejected | error | cancelled
+    eagle_serve_requests_total{endpoint, outcome}     outcome: ok | invalid | rejected | error | cancelled | timeout
     eagle_serve_prompt_tokens_total                   prompt tokens of finished requests
     eagle_serve_completion_tokens_total               tokens delivered by finished requests
     eagle_serve_acceptance_length{mode}               histogram of tau per request (tokens per target forward)
