@@ -24,6 +24,7 @@ from onnx import numpy_helper
 
 from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.contract.onnx_io import KV_SHARED
+from eagle_deploy.contract.verify import rerecord_files
 from eagle_deploy.exporter.models import sha256_file
 from eagle_deploy.exporter.quantize import constant_matmuls, quantize_graph
 from tests import tiny
@@ -169,6 +170,7 @@ def test_batch_invariance_flag_matches_the_kernels(exports, tmp_path):
         m = Manifest.load(folder)
         m = replace(m, target=quantize_graph(folder, m.target, "int8", **options))  # returns the updated entry
         m.save(folder)
+        rerecord_files(folder)  # the graph changed on purpose
         be = _runtime(folder).decoder.target
         kv = be.allocate_kv(64)
         prefill(be, kv, tokens[:5])
@@ -194,6 +196,7 @@ def test_external_data_and_option_errors(exports, tmp_path):
         m = replace(m, draft=quantize_graph(folder, m.draft, "int8", external_data="always"))  # --quant-draft
         assert (folder / "draft.onnx.data").exists() and m.draft.quant == "int8"
         m.save(folder)
+        rerecord_files(folder)  # the graphs changed on purpose
         assert _runtime(folder).generate(PROMPTS[0], max_new_tokens=8).token_ids  # loads and runs
     with pytest.raises(ValueError, match="int2"):
         quantize_graph(folder, m.target, "int2")

@@ -103,6 +103,22 @@ def test_chunked_body_over_the_limit_gets_413(server):
     assert health(server)["status"] == "ok"
 
 
+def cancelled_count(server, endpoint: str) -> float:
+    for line in httpx2.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(f'eagle_serve_requests_total{{endpoint="{endpoint}",outcome="cancelled"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_client_gone_before_its_body_arrived_is_a_cancel(server):
+    before = cancelled_count(server, "completions")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"model\": ")
+        assert health(server)["status"] == "ok"  # answered after the server began reading that body
+    wait_for(lambda: cancelled_count(server, "completions") == before + 1, what="counted as cancelled")
+
+
 def test_tokenising_runs_off_the_event_loop(server, monkeypatch):
     """While one request's prompt is being tokenised, /health and other requests answer."""
     frontend = server.app.state.frontend

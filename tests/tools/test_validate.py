@@ -76,12 +76,23 @@ def _perturb_one_initializer(model_path: Path) -> str:
 def test_fails_with_a_table_when_an_initializer_is_perturbed(export_dir, tmp_path, capsys):
     bad = copy_export(export_dir, tmp_path / "bad")
     _perturb_one_initializer(bad / "target.onnx")
-    rc = v.main(["--engines", str(bad), "--work", str(tmp_path / "work"), "--graphs", "target"])
+    # the graph was edited on purpose: the numerics are under test, not the files (--verify off)
+    rc = v.main(["--engines", str(bad), "--work", str(tmp_path / "work"), "--graphs", "target", "--verify", "off"])
     out = capsys.readouterr().out
     assert rc == 1
     assert "FAILED" in out and "FAIL (" in out
     failing = [ln for ln in out.splitlines() if ln.startswith("target") and "FAIL" in ln]
     assert any(" logits " in ln for ln in failing)
+
+
+def test_an_edited_graph_is_refused_before_validation_unless_verify_is_off(export_dir, tmp_path, capsys):
+    """eagle-validate first checks the files against the manifest (contract/verify.py)."""
+    bad = copy_export(export_dir, tmp_path / "bad")
+    _perturb_one_initializer(bad / "target.onnx")
+    rc = v.main(["--engines", str(bad), "--work", str(tmp_path / "work"), "--graphs", "target"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"eagle-validate: error: {bad / 'target.onnx'} ")
+    assert err[0].endswith("; re-export") and not (tmp_path / "work").exists()
 
 
 def test_missing_export_is_a_usage_error(tmp_path, capsys):
@@ -253,7 +264,8 @@ def test_quantised_weight_that_matches_no_checkpoint_weight_fails(quant_export, 
     packed.reshape(-1)[:8] ^= 0x77  # a few quantised values moved by several steps
     init.CopyFrom(numpy_helper.from_array(packed, init.name))
     onnx.save(model, str(bad / "draft.onnx"))
-    assert v.main(["--engines", str(bad), "--work", str(tmp_path / "work"), "--graphs", "draft"]) == 1
+    rc = v.main(["--engines", str(bad), "--work", str(tmp_path / "work"), "--graphs", "draft", "--verify", "off"])
+    assert rc == 1
     out = capsys.readouterr().out
     failing = [ln for ln in out.splitlines() if ln.startswith("draft") and "FAIL" in ln]
     assert any(node.name in ln and "matches no weight of the checkpoint" in ln for ln in failing), out
@@ -277,6 +289,6 @@ def test_eagle3_export_passes_against_an_independent_reference(eagle3, tmp_path,
 def test_eagle3_draft_graph_with_a_perturbed_weight_fails(eagle3, tmp_path, capsys):
     bad = copy_export(eagle3.export_dir, tmp_path / "bad")
     name = _perturb_one_initializer(bad / "draft.onnx")
-    rc = v.main(["--engines", str(bad), "--work", str(tmp_path / "work"), "--graphs", "draft"])
+    rc = v.main(["--engines", str(bad), "--work", str(tmp_path / "work"), "--graphs", "draft", "--verify", "off"])
     out = capsys.readouterr().out
     assert rc == 1 and "FAIL" in out, (name, out[-2000:])

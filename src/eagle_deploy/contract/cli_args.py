@@ -1,14 +1,16 @@
 """Command-line pieces shared by every CLI (eagle-export, eagle-run, eagle-bench, eagle-eval,
-eagle-train, eagle-validate): the draft-tree flags, the help formatter and the Ctrl-C
-handling. Imports nothing heavy."""
+eagle-train, eagle-validate): the draft-tree flags, --verify, the help formatter, the Ctrl-C
+handling and the one-line report of a disk failure. Imports nothing heavy."""
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from pathlib import Path
 
-from .tree_config import DEFAULT_TREE, STATIC_TREES, TreeConfig, TreeConfigError
+from .errors import DISK_ERRORS, disk_errno
+from .tree_config import DEFAULT_DRAFTER, DEFAULT_TREE, DRAFTER_KINDS, STATIC_TREES, TreeConfig, TreeConfigError
 
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
@@ -95,11 +97,40 @@ LOSSY = "NOT LOSSLESS"
 BACKEND_NAMES = ("ort", "ort-cuda", "trt")  # engine backends, as `runtime.backends.load_backend` knows them
 
 
+VERIFY_CHOICES = ("fast", "full", "off")  # contract.verify.VERIFY_LEVELS (not imported: it needs the manifest)
+
+
+def add_verify_arg(parser: argparse.ArgumentParser) -> None:
+    """--verify, for every command that reads an export folder (eagle-run, eagle-serve,
+    eagle-validate): how its files are checked against the manifest before use
+    (contract/verify.py)."""
+    parser.add_argument("--verify", default="fast", choices=VERIFY_CHOICES,
+                        help="check the export's files against its manifest before loading: 'fast' = graph "
+                             "inputs/outputs, file sizes, sha256 of files up to 16 MiB and sampled blocks of larger "
+                             "ones (milliseconds); 'full' = the sha256 of every file (about 1 s per GB); 'off'")
+
+
+def add_drafter_args(parser: argparse.ArgumentParser) -> None:
+    """--drafter and --always-draft, for every command that decodes (eagle-run, eagle-serve,
+    eagle-triton-repo): where draft tokens come from, and whether each round's draft is sized by
+    its expected tokens per second (runtime/planner.py) or is the configured tree every round."""
+    parser.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTER_KINDS,
+                        help="hybrid = the EAGLE head's tree plus context-lookup branches (tokens copied from the "
+                             "prompt and output) in one tree; eagle = the head alone; lookup = context lookup alone "
+                             "(no draft graph). Every choice is lossless")
+    parser.add_argument("--always-draft", action="store_true",
+                        help="draft the configured tree every round (by default each round drafts what pays on this "
+                             "machine, down to a plain vanilla step; then seeded sampling repeats within a process, "
+                             "and across processes after eagle-bench --tune)")
+
+
 def add_engine_args(parser: argparse.ArgumentParser, threshold_effect: str) -> None:
     """The flags of every command that decodes over an export (eagle-run, eagle-serve): --engines,
-    --backend, --threads, --acceptance, --threshold. `threshold_effect` ends the --acceptance help
-    (what the command says about lossy output)."""
+    --drafter, --always-draft, --verify, --backend, --threads, --acceptance, --threshold. `threshold_effect` ends the
+    --acceptance help (what the command says about lossy output)."""
     parser.add_argument("--engines", type=Path, required=True, help="an export folder written by eagle-export")
+    add_drafter_args(parser)
+    add_verify_arg(parser)
     parser.add_argument("--backend", default="ort", choices=BACKEND_NAMES,
                         help="ort = onnxruntime CPU; ort-cuda and trt need a CUDA GPU "
                              "(trt: engines from eagle-export --backend trt)")
@@ -110,3 +141,13 @@ def add_engine_args(parser: argparse.ArgumentParser, threshold_effect: str) -> N
     parser.add_argument("--threshold", type=float, default=0.3,
                         help=f"probability threshold for --acceptance threshold ({LOSSY})")
 
+
+
+def disk_error(err: BaseException, where=None) -> str | None:
+    """One line for a write failure (errors.disk_errno: read-only, full, not permitted),
+    naming the path (the error's, else `where`) and what to do; None for any other error."""
+    code, path = disk_errno(err)
+    if code is None:
+        return None
+    path = path or where
+    return f"cannot write {'into ' + str(path) if path else 'a file'}: {os.strerror(code)} ({DISK_ERRORS[code]})"

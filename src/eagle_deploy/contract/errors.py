@@ -1,7 +1,9 @@
 """Error-message helpers shared by the exporter and the runtime (standard library only)."""
 from __future__ import annotations
 
+import errno
 import importlib
+import os
 
 
 def first_line(err: BaseException) -> str:
@@ -20,3 +22,28 @@ def import_tensorrt(purpose: str = ""):
     except ImportError as err:  # also a library that fails to load surfaces as ImportError
         hint = f"on a CUDA host run `pip install '.[gpu]'`{' ' + purpose if purpose else ''}"
         raise ImportError(f"TensorRT is not installed or cannot load ({err}); {hint}") from None
+
+
+# errno -> what to do, for the write failures every writing command reports in one line
+DISK_ERRORS = {errno.EROFS: "the file system is read-only: choose a writable folder",
+               errno.ENOSPC: "the disk is full: free space or choose a folder on another disk",
+               errno.EDQUOT: "the disk quota is exceeded: free space or choose another folder",
+               errno.EACCES: "permission denied: choose a folder you can write to",
+               errno.EPERM: "permission denied: choose a folder you can write to"}
+
+
+def disk_errno(err: BaseException | None) -> tuple[int | None, str | None]:
+    """(errno, path or None) when `err`, or an exception it was raised from, is a write failure
+    of DISK_ERRORS: an OSError with that errno, or a library's own error whose message carries
+    it (safetensors: "No space left on device (os error 28)"); (None, None) otherwise."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in DISK_ERRORS:
+            return err.errno, err.filename
+        text = str(err)
+        for code in DISK_ERRORS:
+            if f"(os error {code})" in text or (code != errno.EPERM and os.strerror(code) in text):
+                return code, None
+        err = err.__cause__ or err.__context__
+    return None, None

@@ -260,6 +260,22 @@ class SharedWeights:
 
 
 @dataclass(frozen=True)
+class FileRecord:
+    """One file of the export folder (JSON: `files`, keyed by its '/'-separated path inside
+    the folder): size in bytes, sha256, and for a file larger than `verify.SMALL_FILE` the
+    sha256 of a sample of its blocks (`verify.sampled_digest`), which the runtime checks on
+    every load (contract/verify.py). Written by eagle-export for every file but the manifest."""
+
+    size: int
+    sha256: str
+    sampled_sha256: str | None = None
+
+    def to_json(self) -> dict:
+        out = {"size": self.size, "sha256": self.sha256}
+        return out if self.sampled_sha256 is None else {**out, "sampled_sha256": self.sampled_sha256}
+
+
+@dataclass(frozen=True)
 class SourceRecord:
     """Where one model came from: the spec given to eagle-export, the resolved path, the
     sha256 of each weight file; `trained` for the draft head only (None for the target)."""
@@ -375,6 +391,8 @@ class Manifest:
     notes: tuple[str, ...] = ()
     format_version: int = FORMAT_VERSION
     shared_weights: SharedWeights | None = None  # weights both graphs use, stored once (None: each holds its own)
+    # every file of the folder but the manifest (empty in exports made before it was recorded)
+    files: Mapping[str, FileRecord] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"name": self.name, "dims": self.dims.to_json(), "max_length": self.max_length,
@@ -382,7 +400,8 @@ class Manifest:
                 "eos_token_ids": list(self.eos_token_ids), "tokenizer": self.tokenizer,
                 "chat_template": self.chat_template, "sources": self.sources.to_json(), "tools": dict(self.tools),
                 "engines": self.engines.to_json(), "notes": list(self.notes), "format_version": self.format_version,
-                **({"shared_weights": self.shared_weights.to_json()} if self.shared_weights else {})}
+                **({"shared_weights": self.shared_weights.to_json()} if self.shared_weights else {}),
+                **({"files": {k: v.to_json() for k, v in self.files.items()}} if self.files else {})}
 
     def graph_dims(self, which: str) -> Dims:
         """The dims graph `which` ("target" | "draft") runs with: the target's, except that an
@@ -564,7 +583,29 @@ def _read_manifest(data, source: str) -> Manifest:
         eos_token_ids=tuple(eos), tokenizer=top.string("tokenizer", optional=True),
         chat_template=top.boolean("chat_template"), sources=sources,
         tools=top.str_map("tools"), engines=_read_engines(top.obj("engines", default={}), draft.graph_top_k),
-        notes=tuple(notes), format_version=version, shared_weights=shared)
+        notes=tuple(notes), format_version=version, shared_weights=shared,
+        files=_read_files(top.obj("files")) if "files" in data else {})
+
+
+def _read_files(o: _Obj) -> dict[str, FileRecord]:
+    records = {}
+    for path in o.data:
+        parts = path.split("/")
+        if path == MANIFEST_FILE or "\\" in path or any(p in ("", ".", "..") for p in parts):
+            _fail(o.source, f"{o.where}[{path!r}]", "a relative file path inside the export folder ('/'-separated)",
+                  path)
+        f = o.obj(path)
+        f.only([x.name for x in fields(FileRecord)])
+        records[path] = FileRecord(size=f.integer("size", minimum=0), sha256=_hex(f, "sha256"),
+                                   sampled_sha256=_hex(f, "sampled_sha256") if "sampled_sha256" in f.data else None)
+    return records
+
+
+def _hex(o: _Obj, key: str) -> str:
+    value = o.data.get(key, _MISSING)
+    if not (isinstance(value, str) and len(value) == 64 and all(ch in "0123456789abcdef" for ch in value)):
+        o.fail(key, "a sha256 (64 lowercase hex digits)", value)
+    return value
 
 
 def _read_shared(o: _Obj, target: GraphEntry, draft: GraphEntry) -> SharedWeights:

@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import HelpFormatter, add_tree_args, interruptible, tree_from_args
+from eagle_deploy.contract.cli_args import HelpFormatter, add_tree_args, disk_error, interruptible, tree_from_args
 from eagle_deploy.contract.dtypes import CLI_NAMES as CLI_DTYPES
 from eagle_deploy.contract.manifest import DRAFT_QUANTS
 
@@ -92,6 +92,9 @@ def graph_for(graph: str, backend: str, quant: str | None = None, draft_quant: s
     return "standard" if backend == "trt" else graph
 
 
+DISK_FAILURE = 4  # exit status: the export could not be written (read-only, full, not permitted)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -128,7 +131,15 @@ def main(argv=None) -> int:
             ValueError) as err:
         print(f"eagle-export: error: {err}", file=sys.stderr)
         return 2
-    except (ImportError, RuntimeError) as err:  # TensorRT missing, or its engine build failed
+    except (OSError, RuntimeError) as err:  # a destination that cannot be written, even when a library wrapped it
+        line = disk_error(err, args.out)
+        if line is None and not isinstance(err, OSError):
+            print(f"eagle-export: error: {err}", file=sys.stderr)  # TensorRT's engine build failed
+            return 3
+        line = line or f"cannot write the export ({type(err).__name__}: {err})"
+        print(f"eagle-export: error: {line}; nothing was left behind", file=sys.stderr)
+        return DISK_FAILURE
+    except ImportError as err:  # TensorRT missing
         print(f"eagle-export: error: {err}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:

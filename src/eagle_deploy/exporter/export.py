@@ -1,6 +1,7 @@
 """`export()`: a checkpoint and its EAGLE head -> an export folder (graphs, tokenizer,
 manifest), written to a private temporary folder and renamed into place only when complete,
-so a failed export leaves nothing half-written."""
+so a failed export leaves nothing half-written. While it runs it holds a lock on its
+destination (exporter/publish.py), so a second export of the same name fails at once."""
 from __future__ import annotations
 
 import platform
@@ -24,12 +25,14 @@ from eagle_deploy.contract.manifest import (
 )
 from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED, TOKENIZER_DIR
 from eagle_deploy.contract.tree_config import TreeConfig, default_tree
+from eagle_deploy.contract.verify import file_records
 
 from .draft_head import HEAD_WEIGHT_FILES, load_head, random_head
 from .draft_vocab import default_size as default_draft_vocab
 from .draft_vocab import draft_vocab_ids
 from .eagle3 import Eagle3Head
-from .models import Checkpoint, publish_folder, resolve_draft, resolve_model, sha256_file
+from .models import Checkpoint, resolve_draft, resolve_model, sha256_file
+from .publish import destination_lock, publish_folder
 from .steps import TORCH_DTYPES, DraftOnnxFromHead, TargetOnnxFromHF, TokenizerFromHF
 from .target import UnsupportedModelError, dims_of, supported_families
 
@@ -380,9 +383,10 @@ def share_graph_weights(target_entry: GraphEntry, draft_entry: DraftEntry, dims:
 def write_manifest(plan: ExportPlan, models: LoadedModels, target_entry: GraphEntry, draft_entry: DraftEntry,
                    tokenizer, notes: list[str], tmp: Path, progress=None,
                    shared: SharedWeights | None = None) -> Manifest:
-    """Hash the sources and graphs, write `tmp/manifest.json` and read it back (the runtime's
-    own validation), so a manifest the runtime would refuse is never published. `shared`: the
-    weights both graphs take from the shared file (share_graph_weights)."""
+    """Hash the sources and every file of `tmp` (the manifest's `files`, which the runtime
+    checks on load: contract/verify.py), write `tmp/manifest.json` and read it back (the
+    runtime's own validation), so a manifest the runtime would refuse is never published.
+    `shared`: the weights both graphs take from the shared file (share_graph_weights)."""
     _say(progress, "hashing sources and writing manifest")
     checkpoint, head_dir = plan.checkpoint, plan.head_dir
     sources = Sources(
@@ -391,16 +395,17 @@ def write_manifest(plan: ExportPlan, models: LoadedModels, target_entry: GraphEn
                            sha256={n: sha256_file(head_dir / n) for n in HEAD_WEIGHT_FILES
                                    if head_dir and (head_dir / n).exists()},
                            trained=head_dir is not None))
+    files = file_records(tmp)
     if head_dir is None:
         notes = ["draft head is RANDOMLY INITIALISED (untrained): expect acceptance near 1 token per round", *notes]
     manifest = Manifest(
         name=plan.out.name, dims=models.dims, max_length=models.max_length,
-        target=replace(target_entry, sha256=sha256_file(tmp / target_entry.path)),
-        draft=replace(draft_entry, sha256=sha256_file(tmp / draft_entry.path)),
+        target=replace(target_entry, sha256=files[target_entry.path].sha256),
+        draft=replace(draft_entry, sha256=files[draft_entry.path].sha256),
         tree=plan.tree, eos_token_ids=tuple(_eos_ids(checkpoint.hf_dir, models.hf.config, tokenizer)),
         tokenizer=TOKENIZER_DIR if tokenizer is not None else None,
         chat_template=bool(getattr(tokenizer, "chat_template", None)), sources=sources,
-        tools=_tool_versions(), notes=tuple(notes), shared_weights=shared)
+        tools=_tool_versions(), notes=tuple(notes), shared_weights=shared, files=files)
     manifest.save(tmp)
     Manifest.load(tmp)
     return manifest
@@ -413,21 +418,26 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
     Steps: resolve_inputs (options checked, nothing loaded) -> load_models (sizes checked,
     nothing written) -> build_graphs -> quantise_graphs -> share_graph_weights -> write_manifest,
     all in a private temporary folder under `out_root` -> publish_folder (renamed into place).
-    A failure at any step leaves no partial folder.
+    From the start to the rename it holds the destination's lock (publish.destination_lock);
+    --force (options.force) is checked again at the rename, and an old folder is deleted only
+    once the new one is in place. A failure at any step leaves no partial folder.
 
     Raises ModelNotAvailableError, UnsupportedModelError, HeadCheckpointError, ValueError,
-    FileExistsError (folder exists and not options.force)."""
+    FileExistsError (folder exists and not options.force, also when it appeared meanwhile),
+    DestinationBusyError (a FileExistsError: another process is exporting the same folder),
+    OSError (a destination that cannot be written: read-only, full; contract.cli_args.disk_error)."""
     plan = resolve_inputs(model, draft, out_root, options, progress)
-    models = load_models(plan, options, progress)
     Path(out_root).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{plan.out.name}.partial-", dir=out_root))
-    try:
-        target_entry, draft_entry, tokenizer = build_graphs(plan, models, options, tmp, progress)
-        plan = replace(plan, tree=tree_for(options, plan.dtype, target_entry.kv_layout))  # the graph kind made
-        target_entry, draft_entry, notes = quantise_graphs(target_entry, draft_entry, options, tmp, progress)
-        shared = share_graph_weights(target_entry, draft_entry, models.dims, options, tmp, progress)
-        write_manifest(plan, models, target_entry, draft_entry, tokenizer, notes, tmp, progress, shared)
-        publish_folder(tmp, plan.out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with destination_lock(plan.out):  # before the models load: a busy or read-only destination fails at once
+        models = load_models(plan, options, progress)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{plan.out.name}.partial-", dir=out_root))
+        try:
+            target_entry, draft_entry, tokenizer = build_graphs(plan, models, options, tmp, progress)
+            plan = replace(plan, tree=tree_for(options, plan.dtype, target_entry.kv_layout))  # the graph kind made
+            target_entry, draft_entry, notes = quantise_graphs(target_entry, draft_entry, options, tmp, progress)
+            shared = share_graph_weights(target_entry, draft_entry, models.dims, options, tmp, progress)
+            write_manifest(plan, models, target_entry, draft_entry, tokenizer, notes, tmp, progress, shared)
+            publish_folder(tmp, plan.out, replace=options.force)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return plan.out

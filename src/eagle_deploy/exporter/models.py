@@ -14,13 +14,20 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle_deploy.contract.errors import first_line
+from eagle_deploy.contract.cache import cache_root  # noqa: F401  (converted checkpoints live there)
+from eagle_deploy.contract.errors import disk_errno, first_line
+
+from .publish import publish_folder  # noqa: F401 (re-exported: bench/peers.py imports it from here)
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "data" / "heads"
 
 
 class ModelNotAvailableError(RuntimeError):
     """A checkpoint is not on this machine; the message says what to download."""
+
+
+class CacheWriteError(ModelNotAvailableError):
+    """The conversion cache (`cache_root`) cannot be written: read-only, full, not ours."""
 
 
 @dataclass(frozen=True)
@@ -61,11 +68,6 @@ class Checkpoint:
     default_draft: str | None
     max_length: int | None
     draft_vocab: int | None = None  # None: draft_vocab.default_size; 0: full
-
-
-def cache_root() -> Path:
-    """Where converted checkpoints live: $EAGLE_DEPLOY_CACHE or ~/.cache/eagle-deploy."""
-    return Path(os.environ.get("EAGLE_DEPLOY_CACHE", Path.home() / ".cache" / "eagle-deploy"))
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -122,7 +124,8 @@ def convert_gguf(gguf: Path) -> Path:
     """Dequantise a GGUF checkpoint to an fp32 transformers folder, cached by content hash.
 
     The first call takes ~20-40 s (tokenizer conversion); later calls return the cache.
-    Raises UnsupportedModelError for a corrupt file or an unsupported architecture.
+    Raises UnsupportedModelError for a corrupt file or an unsupported architecture,
+    CacheWriteError when the cache cannot be written (nothing half-written is left).
     """
     digest = sha256_file(gguf)[:16]
     out = cache_root() / "gguf" / f"{gguf.stem}-{digest}"
@@ -146,24 +149,25 @@ def convert_gguf(gguf: Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    tmp = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         publish_folder(tmp, out)
+    except Exception as err:  # OSError, or the error safetensors raises for a full disk
+        code = disk_errno(err)[0]
+        if code is None:
+            raise
+        raise CacheWriteError(f"cannot write the converted checkpoint into the cache {out.parent} "
+                              f"({os.strerror(code)}): set "
+                              "EAGLE_DEPLOY_CACHE to a writable folder with room for the fp32 checkpoint; nothing "
+                              "was left behind") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def publish_folder(tmp: Path, out: Path) -> None:
-    """Move a completely written temporary folder into place (replacing `out`), so readers
-    never see a half-written one."""
-    tmp.chmod(0o755)  # mkdtemp makes it private
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
 
 
 def resolve_model(spec: str) -> Checkpoint:

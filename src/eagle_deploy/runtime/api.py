@@ -10,16 +10,26 @@ stream as many requests as you like.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import numbers
+import os
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Generator, Sequence
 
+import numpy as np
+
+from eagle_deploy.contract.cache import cache_root
 from eagle_deploy.contract.manifest import Manifest, ManifestError
+from eagle_deploy.contract.verify import VerifyReport, verify_export
 
 from .backends import Backend, load_backend
 from .decode import Decoder, RoundObserver, Stats, TokenStopper
 from .drafter import Drafter, EagleDrafter
+from .hybrid import MAX_LOOKUP, check_drafter_kind, head_of, make_drafter
+from .planner import CostModel, measure_costs
 from .sampling import SamplingParams, whole_number
 from .text import TextStream, encode_chat
 from .tree import TreeConfig
@@ -88,6 +98,68 @@ def load_tokenizer(folder: Path, manifest: Manifest):
     return tokenizer
 
 
+def device_costs(manifest: Manifest, tree: TreeConfig, target: Backend, draft: Backend | None,
+                 folder: Path | None = None, threads: int | None = None) -> CostModel:
+    """The cost model a planned drafter plans with: the curves of the export's last
+    `eagle-bench --tune` when the manifest has them; else the costs measured for this export,
+    tree, backend, thread count and CPU once and cached (`costs_cache_path`), so every process
+    on this machine plans alike (and a seed gives the same tokens); else measured now
+    (planner.measure_costs: the tree sizes the planner can choose, one draft expansion of
+    top_k rows) and cached. A cache that cannot be written is skipped."""
+    tuning = manifest.engines.tuning
+    costs = CostModel.from_tuning(tuning.details) if tuning is not None else None
+    if costs is not None:
+        return costs
+    path = costs_cache_path(folder, tree, target, draft, threads) if folder is not None else None
+    if path is not None and path.is_file():
+        try:
+            return CostModel.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError, AttributeError, OSError):
+            pass  # a damaged or older cache entry is measured again
+    full = tree.total_tokens + MAX_LOOKUP
+    sizes = [s for s in (1, 2, 4, 8, 16, 32) if s < full] + [full]
+    head = manifest.draft.head
+    eagle3 = manifest.draft.head_kind == "eagle3"
+    widths = (head.hidden, head.tapped_width(manifest.dims.hidden)) if eagle3 else None
+    room = max(0, manifest.max_length - full - 1)
+    pasts = sorted({min(64, room), min(1024, room)})
+    costs = measure_costs(target, draft, sizes, max(tree.top_k, 1), manifest.dims.vocab,
+                          head.hidden if eagle3 else manifest.dims.hidden, np.dtype(manifest.draft.dtype), widths,
+                          pasts)
+    if path is not None:  # the first process to finish measuring wins; every process then plans with its costs
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(costs.to_json()))
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            costs = CostModel.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # no cache here: plan with this process's own measurement
+        finally:
+            tmp.unlink(missing_ok=True)
+    return costs
+
+
+def costs_cache_path(folder: Path, tree: TreeConfig, target: Backend, draft: Backend | None,
+                     threads: int | None) -> Path:
+    """<cache_root>/costs/<export>-<digest>.json, the digest over the export's manifest, the
+    tree, the backends, the thread count and the CPU model."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    key = json.dumps([hashlib.sha256((Path(folder) / "manifest.json").read_bytes()).hexdigest(), tree.to_json(),
+                      MAX_LOOKUP, getattr(target, "name", "?"), getattr(draft, "name", None), threads, cpu,
+                      os.cpu_count()])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "costs" / f"{Path(folder).resolve().name}-{digest}.json"
+
+
 def row_exact_default(manifest: Manifest) -> bool:
     """Row-exact decoding (decode.Decoder) by default for quantised targets: their greedy EAGLE
     output then equals their vanilla greedy output token for token (measured on SmolLM2:
@@ -105,32 +177,59 @@ class EagleRuntime:
 
     def __init__(self, folder: Path, manifest: Manifest, target, draft, tokenizer, tree: TreeConfig,
                  acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None,
-                 round_observers: Sequence[RoundObserver] = (), row_exact: bool | None = None):
+                 round_observers: Sequence[RoundObserver] = (), row_exact: bool | None = None,
+                 drafter_kind: str = "eagle", planned: bool = False, costs: CostModel | None = None):
         """target / draft: Backends (draft None with a custom `drafter`); row_exact: see
         Decoder (None: on for quantised targets, `row_exact_default`); round_observers: see
-        Decoder. Raises ValueError on a bad acceptance setting."""
+        Decoder. drafter_kind: "eagle" (the EAGLE head's tree), "hybrid" (head + context lookup
+        in one tree) or "lookup" (hybrid.make_drafter); planned: size each round's draft by its
+        expected tokens per second (planner.DraftPlanner), else draft the configured tree every
+        round. The API's default is the plain EAGLE tree (`eagle`, unplanned: every round the
+        same tree, so a seed gives the same tokens in every process); the commands default to
+        hybrid.DEFAULT_DRAFTER, planned. costs: the device's CostModel (default: `device_costs`).
+        Raises ValueError on a bad acceptance setting or drafter kind."""
         self.folder, self.manifest, self.tokenizer, self.tree = Path(folder), manifest, tokenizer, tree
-        if drafter is None and draft is not None:
-            drafter = EagleDrafter.for_export(draft, tree, manifest)
+        self.drafter_kind, self.planned = check_drafter_kind(drafter_kind), planned
+        self.costs = costs
         row_exact = row_exact_default(manifest) if row_exact is None else row_exact
-        self.decoder = Decoder(target, drafter, manifest.max_length, acceptance, threshold, round_observers, row_exact)
+        self.decoder = Decoder(target, None, manifest.max_length, acceptance, threshold, round_observers, row_exact)
+        if drafter is None and (draft is not None or drafter_kind == "lookup"):
+            drafter = self._drafter(draft)
+        self.decoder.drafter = drafter
         self.eos_ids = list(manifest.eos_token_ids)
         self._requests = 0  # requests started on this instance (see _stream)
         self._open_draft: Callable[[], Backend] | None = None  # set by load(with_draft=False)
+        self.verification: VerifyReport | None = None  # what load's verify_export checked
+
+    def _drafter(self, draft: Backend | None) -> Drafter:
+        """The drafter of this runtime's kind over the draft-graph backend `draft` (a planned
+        one measures the device's costs first, once: `device_costs`)."""
+        head = None if draft is None else EagleDrafter.for_export(draft, self.tree, self.manifest)
+        if self.planned and self.costs is None and not (self.drafter_kind == "eagle" and head is None):
+            self.costs = device_costs(self.manifest, self.tree, self.decoder.target, draft, self.folder,
+                                      getattr(self.decoder.target, "threads", None))
+        return make_drafter(self.drafter_kind, head, self.tree, self.planned, self.costs)
 
     @classmethod
     def load(cls, folder, backend: str = "ort", tree: TreeConfig | None = None, threads: int | None = None,
              acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None,
              wrap_backend: Callable[[Backend], Backend] | None = None,
-             round_observers: Sequence[RoundObserver] = (), with_draft: bool = True,
-             row_exact: bool | None = None) -> "EagleRuntime":
+             round_observers: Sequence[RoundObserver] = (), with_draft: bool = True, verify: str = "fast",
+             row_exact: bool | None = None, drafter_kind: str = "eagle",
+             planned: bool = False) -> "EagleRuntime":
         """Load `folder` (an eagle-export output). backend: "ort" (CPU), "ort-cuda", "trt".
         wrap_backend: applied to each loaded backend (target, draft) before use, e.g. a timing
         wrapper; round_observers: see Decoder. with_draft=False: open the target graph only
         (vanilla decoding, e.g. to measure its memory alone) until `load_draft()`.
-        Raises ManifestError, TreeConfigError, FileNotFoundError."""
+        verify: "fast" | "full" | "off", how the folder's files are checked against the manifest
+        before any graph is opened (contract.verify.verify_export: a mismatch raises
+        ManifestError); its report is `self.verification`.
+        drafter_kind / planned: see __init__ ("lookup" opens no draft graph).
+        Raises ManifestError, TreeConfigError, FileNotFoundError, ValueError."""
         folder = Path(folder)
+        check_drafter_kind(drafter_kind)
         manifest = Manifest.load(folder)
+        verification = verify_export(folder, manifest, verify)
         tree = (tree or manifest.tree).validate(manifest.draft.graph_top_k)
         wrap = wrap_backend or (lambda b: b)
         target = wrap(load_backend(backend, folder, manifest, "target", threads, tree=tree))
@@ -139,13 +238,14 @@ class EagleRuntime:
         def open_draft() -> Backend:
             return wrap(load_backend(backend, folder, manifest, "draft", threads, tree=tree))
 
-        if drafter is None and with_draft:
+        if drafter is None and with_draft and drafter_kind != "lookup":
             draft = open_draft()
         tokenizer = load_tokenizer(folder, manifest)
         rt = cls(folder, manifest, target, draft, tokenizer, tree, acceptance, threshold, drafter, round_observers,
-                 row_exact)
-        if drafter is None and not with_draft:
+                 row_exact, drafter_kind, planned)
+        if drafter is None and not with_draft and drafter_kind != "lookup":
             rt._open_draft = open_draft
+        rt.verification = verification
         return rt
 
     def load_draft(self) -> None:
@@ -155,7 +255,7 @@ class EagleRuntime:
             return
         backend = self._open_draft()
         self._open_draft = None
-        self.decoder.drafter = EagleDrafter.for_export(backend, self.tree, self.manifest)
+        self.decoder.drafter = self._drafter(backend)
 
     def set_tree(self, tree: TreeConfig) -> None:
         """Use another draft tree from the next request on (a new drafter over the same draft
@@ -164,11 +264,14 @@ class EagleRuntime:
         if self._open_draft is not None:  # the draft graph is not open yet: load_draft uses the tree
             self.tree = tree.validate(self.manifest.draft.graph_top_k)
             return
-        if not isinstance(drafter, EagleDrafter):
+        head = head_of(drafter)
+        if self.drafter_kind == "lookup":
+            self.tree = tree.validate(self.manifest.draft.graph_top_k)
+            return
+        if not isinstance(head, EagleDrafter):
             raise TypeError("set_tree needs the EAGLE drafter (this runtime uses a custom drafter)")
-        tree = tree.validate(self.manifest.draft.graph_top_k)
-        self.decoder.drafter = EagleDrafter.for_export(drafter.backend, tree, self.manifest)
-        self.tree = tree
+        self.tree = tree.validate(self.manifest.draft.graph_top_k)
+        self.decoder.drafter = self._drafter(head.backend)
 
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Prompt -> token ids. A string is wrapped in the chat template when the export has

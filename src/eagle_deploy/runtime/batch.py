@@ -68,12 +68,14 @@ from eagle_deploy.contract.dtypes import numpy_dtype
 from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.contract.onnx_io import KV_SHARED
 from eagle_deploy.contract.profiles import draft_kv_capacity
+from eagle_deploy.contract.verify import verify_export
 
-from .api import EagleRuntime, Prompt, load_tokenizer, row_exact_default
+from .api import EagleRuntime, Prompt, device_costs, load_tokenizer, row_exact_default
 from .backends import load_backend
 from .backends.base import StepInputs, StepOutputs
 from .decode import RoundObserver, target_kv_capacity
 from .drafter import Drafter, EagleDrafter
+from .hybrid import make_drafter
 from .kv import KVBuffer
 from .memory import available_mb
 from .tree import TreeConfig
@@ -247,13 +249,13 @@ class BatchEngine:
                  backend: str = "ort", acceptance: str = "lossless", threshold: float = 0.0,
                  round_observers: Callable[[int], Sequence[RoundObserver]] | None = None,
                  row_exact: bool | None = None, drafters: Callable[[int, EagleDrafter], Drafter] | None = None,
-                 shrink_trees: bool = True):
+                 shrink_trees: bool = True, drafter_kind: str = "eagle", planned: bool = False):
         """backends: {"target": Backend, "draft": Backend} (batch-capable, see check_batchable);
         round_observers(b): slot b's round observers (see Decoder); drafters(b, drafter): the
         drafter slot b uses, given its EAGLE drafter over the batched draft graph (tests wrap
         it to force trees); shrink_trees: draft `tree_under_load` of the busy slots each round
-        (False: `tree` always, so a seed gives the same tokens batched as alone). Raises
-        BatchError."""
+        (False: `tree` always, so a seed gives the same tokens batched as alone); drafter_kind /
+        planned: as for EagleRuntime (the slots share one CostModel). Raises BatchError."""
         check_batchable(manifest, slots, backend)
         self._row_exact = row_exact_default(manifest) if row_exact is None else row_exact
         check_kv_fits(manifest, tree, slots, self._row_exact)
@@ -271,32 +273,44 @@ class BatchEngine:
         observers = round_observers or (lambda b: ())
         wrap = drafters or (lambda b, drafter: drafter)
 
+        self.costs = None
+        if planned:
+            self.costs = device_costs(manifest, tree, backends["target"], backends.get("draft")
+                                      if drafter_kind != "lookup" else None, folder,
+                                      getattr(backends["target"], "threads", None))
+
         def drafter(b: int) -> Drafter:
-            eagle = EagleDrafter.for_export(SlotBackend(self, "draft", b), tree, manifest)
-            return wrap(b, _LoadTrees(eagle, self) if shrink_trees else eagle)
+            eagle = None
+            if drafter_kind != "lookup":
+                eagle = EagleDrafter.for_export(SlotBackend(self, "draft", b), tree, manifest)
+                eagle = _LoadTrees(eagle, self) if shrink_trees else eagle
+            return wrap(b, make_drafter(drafter_kind, eagle, tree, planned, self.costs))
 
         self.runtimes = [EagleRuntime(folder, manifest, SlotBackend(self, "target", b), None, tokenizer, tree,
-                                      acceptance, threshold, drafter(b), observers(b), row_exact)
+                                      acceptance, threshold, drafter(b), observers(b), row_exact, drafter_kind,
+                                      planned, self.costs)
                          for b in range(slots)]
 
     @classmethod
     def load(cls, folder, slots: int, backend: str = "ort", tree: TreeConfig | None = None, threads: int | None = None,
+             verify: str = "fast",
              acceptance: str = "lossless", threshold: float = 0.0,
              round_observers: Callable[[int], Sequence[RoundObserver]] | None = None,
              row_exact: bool | None = None, drafters: Callable[[int, EagleDrafter], Drafter] | None = None,
-             shrink_trees: bool = True) -> "BatchEngine":
+             shrink_trees: bool = True, drafter_kind: str = "eagle", planned: bool = False) -> "BatchEngine":
         """Load `folder` once for `slots` sequences (keywords as for EagleRuntime.load and
         __init__). Raises BatchError (check_batchable, check_kv_fits: before any graph is
         opened), and what EagleRuntime.load raises."""
         folder = Path(folder)
         manifest = Manifest.load(folder)
+        verify_export(folder, manifest, verify)  # verify: as for EagleRuntime.load
         check_batchable(manifest, slots, backend)
         tree = (tree or manifest.tree).validate(manifest.draft.graph_top_k)
         check_kv_fits(manifest, tree, slots, row_exact_default(manifest) if row_exact is None else row_exact)
         backends = {which: load_backend(backend, folder, manifest, which, threads, tree=tree)
                     for which in ("target", "draft")}
         return cls(folder, manifest, backends, load_tokenizer(folder, manifest), tree, slots, backend, acceptance,
-                   threshold, round_observers, row_exact, drafters, shrink_trees)
+                   threshold, round_observers, row_exact, drafters, shrink_trees, drafter_kind, planned)
 
     # -- KV ------------------------------------------------------------------------------------
 

@@ -66,13 +66,14 @@ def main(argv=None) -> int:
         # the target graph first: vanilla decoding runs before the draft graph is opened, so the
         # process peak after it is vanilla's own (and --vanilla never opens the draft graph)
         rt = EagleRuntime.load(args.engines, backend=args.backend, tree=tree, threads=args.threads,
-                               acceptance=args.acceptance, threshold=args.threshold, with_draft=False)
+                               acceptance=args.acceptance, threshold=args.threshold, with_draft=False,
+                               verify=args.verify, drafter_kind=args.drafter, planned=not args.always_draft)
         memory["rss_target_loaded_mb"] = rss_mb()
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, stop=args.stop, chat=False if args.raw else None)
         mode = "vanilla" if args.vanilla else "eagle"
         rt.prompt_ids(args.prompt, kw["chat"])  # an empty or too long prompt fails before any note or forward
-        for note in manifest.notes:
+        for note in (*manifest.notes, *filter(None, [rt.verification.note])):
             print(f"note: {note}", file=sys.stderr)
         if args.acceptance != "lossless":
             print(f"note: --acceptance {args.acceptance} is {LOSSY}: output does not follow the target distribution",

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from eagle_deploy.runtime.api import check_request
 from eagle_deploy.runtime.text import encode_chat, encode_user
@@ -252,6 +253,9 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
         except ApiError as err:
             metrics.requests.labels(endpoint, "invalid").inc()
             return error_response(err)
+        except ClientDisconnect:  # gone before its body had arrived
+            metrics.requests.labels(endpoint, "cancelled").inc()
+            return Response(status_code=499)
         except QueueFull as err:
             metrics.requests.labels(endpoint, "rejected").inc()
             return error_response(ApiError(429, f"the server is busy: {err}; retry later", None, "queue_full",

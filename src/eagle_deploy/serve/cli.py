@@ -141,7 +141,9 @@ def main(argv=None) -> int:
 
         scheduler = SlotScheduler.load(args.engines, slots=args.slots, max_queue=args.max_queue,
                                        shrink_trees=not args.fixed_tree, backend=args.backend, tree=tree,
-                                       threads=args.threads, acceptance=args.acceptance, threshold=args.threshold)
+                                       verify=args.verify,
+                                       threads=args.threads, acceptance=args.acceptance, threshold=args.threshold,
+                                       drafter_kind=args.drafter, planned=not args.always_draft)
         app = create_app(scheduler, model_name=args.model_name, default_mode="vanilla" if args.vanilla else "eagle",
                          max_body_mb=args.max_body_mb, request_timeout_s=args.request_timeout_s, api_key=key,
                          protect_health_metrics=args.protect_health_metrics)

@@ -41,8 +41,10 @@ import time
 from pathlib import Path
 from typing import IO, Callable
 
+from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER
+
 DEFAULTS = {"backend": "auto", "threads": 0, "tree": None, "acceptance": "lossless", "threshold": 0.3,
-            "drafter": "", "name": "eagle"}
+            "drafter": "", "name": "eagle", "drafter_kind": DEFAULT_DRAFTER, "planned": True}
 
 
 class Cancelled(Exception):
@@ -64,7 +66,8 @@ class CancelCheck:
 
 def load_runtime(config: dict, host=None, round_observers=()):
     """-> (EagleRuntime, backend, reason) for a worker config (keys as DEFAULTS plus
-    "engines", an export folder). threads 0 = onnxruntime's default. drafter "module:callable"
+    "engines", an export folder). threads 0 = onnxruntime's default. drafter_kind / planned: as
+    EagleRuntime.load's (default: the commands' hybrid, planned). drafter "module:callable"
     replaces the EAGLE head: callable(folder, manifest, tree, threads) -> a runtime Drafter.
     round_observers: passed to the runtime (e.g. a CancelCheck).
     Raises ValueError (bad setting, backend unavailable), ManifestError, FileNotFoundError."""
@@ -86,7 +89,9 @@ def load_runtime(config: dict, host=None, round_observers=()):
         factory = getattr(importlib.import_module(module), attr or "make_drafter")
         drafter = factory(folder, manifest, (tree or manifest.tree), threads)
     rt = EagleRuntime.load(folder, backend=backend, tree=tree, threads=threads, acceptance=config["acceptance"],
-                           threshold=float(config["threshold"]), drafter=drafter, round_observers=round_observers)
+                           threshold=float(config["threshold"]), drafter=drafter, round_observers=round_observers,
+                           drafter_kind=str(config["drafter_kind"]), planned=bool(config["planned"]),
+                           verify=str(config.get("verify", "fast")))  # contract/verify.py: files vs manifest
     return rt, backend, reason
 
 

@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from eagle_deploy.contract import onnx_io as c
-from eagle_deploy.contract.cli_args import interruptible
+from eagle_deploy.contract.cli_args import add_verify_arg, interruptible
 from eagle_deploy.contract.profiles import ProfileSpec
 
 REFERENCE = "torch-reference"
@@ -393,19 +393,26 @@ def quantised_reference(folder: Path, manifest, refs: dict) -> list[Row]:
     return rows
 
 
-def run_validation(folder: Path, work: Path | None = None, graphs=("target", "draft"), log=print) -> dict:
-    """Validate an export folder; returns {"passed", "rows", "notes", "commands", ...}."""
+def run_validation(folder: Path, work: Path | None = None, graphs=("target", "draft"), log=print,
+                   verify: str = "fast") -> dict:
+    """Validate an export folder; returns {"passed", "rows", "notes", "commands", ...}. verify:
+    how its files are first checked against the manifest (contract.verify.verify_export).
+    Raises ManifestError (a file that is not the one the manifest describes, ...)."""
     import torch
     from polygraphy.logger import G_LOGGER
 
     from eagle_deploy.bench import feeds as fd
     from eagle_deploy.contract.manifest import Manifest
+    from eagle_deploy.contract.verify import verify_export
 
     from .reference import load_reference_head, load_reference_target, reference_backends
 
     G_LOGGER.module_severity = G_LOGGER.CRITICAL  # the table reports; Polygraphy's own failures still raise
     folder = Path(folder)
     manifest = Manifest.load(folder)
+    note = verify_export(folder, manifest, verify).note
+    if note:
+        log(f"note: {note}")
     work = Path(work) if work else folder / "validate"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -456,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graphs", default="target,draft", help="comma-separated: target, draft")
     p.add_argument("--all-outputs", action="store_true", help="one table row per KV output instead of one per feed")
     p.add_argument("--json", type=Path, default=None, help="also write the full report here")
+    add_verify_arg(p)
     return p
 
 
@@ -472,7 +480,7 @@ def main(argv=None) -> int:
         return 2
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        report = run_validation(args.engines, args.work, graphs, log=say)
+        report = run_validation(args.engines, args.work, graphs, log=say, verify=args.verify)
     except (ManifestError, ReferenceError, FileNotFoundError, ValueError, ImportError) as err:
         print(f"eagle-validate: error: {err}", file=sys.stderr)
         return 2
