@@ -51,13 +51,17 @@ def test_end_to_end_json_and_png(export_dir, tmp_path, capsys):
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(res["prompts"]) == 2 * len(PROMPTS)
     for r in res["prompts"]:
-        assert set(r["runs"]) == {"eagle", "vanilla"}
+        assert set(r["runs"]) == {"eagle", "vanilla", "eagle-hybrid"}  # --drafters' default adds the hybrid
         assert RUN_KEYS <= set(r["runs"]["eagle"]) and {"mean_accept_len", "time_ms"} <= set(r["runs"]["eagle"])
-        assert "speedup_vs_vanilla" in r["runs"]["eagle"]
+        assert "speedup_vs_vanilla" in r["runs"]["eagle"] and "speedup_vs_vanilla" in r["runs"]["eagle-hybrid"]
+        assert {"tree_size_per_round", "draft_rounds"} <= set(r["runs"]["eagle-hybrid"])
         assert ("greedy" in r) == (r["temperature"] == 0)
+        if r["temperature"] == 0:
+            assert r["runs"]["eagle-hybrid"]["identical_to_vanilla"] is True
     # interleaved, alternating order
     orders = [r["order"] for r in res["prompts"]]
-    assert ["eagle", "vanilla"] in orders and ["vanilla", "eagle"] in orders
+    assert ["eagle", "vanilla", "eagle-hybrid"] in orders and ["eagle-hybrid", "vanilla", "eagle"] in orders
+    assert "eagle-hybrid_vs_vanilla" in res["aggregate"]["0"]["all"]["speedup"]
     agg = res["aggregate"]
     assert set(agg) == {"0", "0.8"}
     assert set(agg["0"]) == {"all", "code", "chat"}
@@ -91,7 +95,7 @@ def test_hf_baselines_and_visible_llamacpp_skip(export_dir, tmp_path, capsys):
     assert res["baselines"]["llamacpp"]["status"] == "skipped"
     assert res["baselines"]["hf"]["status"] == "ok" and res["baselines"]["hf-lookup"]["status"] == "ok"
     for r in res["prompts"]:
-        assert {"eagle", "vanilla", "hf", "hf-lookup"} == set(r["runs"])
+        assert {"eagle", "vanilla", "eagle-hybrid", "hf", "hf-lookup"} == set(r["runs"])
         assert r["runs"]["hf"]["new_tokens"] >= 1
     assert "eagle_vs_hf" in res["aggregate"]["0"]["all"]["speedup"]
 
@@ -357,3 +361,50 @@ def test_memory_probe_peak_is_the_child_process_own(export_dir):
     for mode in ("vanilla", "eagle"):
         assert 0 < modes[mode]["peak_rss_mb"] < parent - 400, (modes[mode], parent)
         assert modes[mode]["rss_loaded_mb"] >= modes[mode]["rss_before_load_mb"]
+
+
+def _specbench_file(tmp_path, per_task: int = 3) -> Path:
+    rows, qid = [], 0
+    tasks = ["writing", "roleplay", "coding", "translation", "summarization", "qa", "math_reasoning", "rag"]
+    for task in tasks:
+        for i in range(per_task):
+            qid += 1
+            second = ["and a second turn"] if task in ("writing", "roleplay", "coding") else []
+            turns = [f"{task} question {i}"] + second
+            rows.append({"question_id": qid, "category": task, "turns": turns})
+    path = tmp_path / "question.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_specbench_questions_become_tasks(tmp_path):
+    from eagle_deploy.bench.run import load_prompts, specbench_prompts
+
+    path = _specbench_file(tmp_path)
+    rows = specbench_prompts(path)
+    tasks = {r["category"] for r in rows}
+    assert tasks == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
+    assert sum(r["category"] == "mt_bench" for r in rows) == 9 and rows[0]["prompt"] == "writing question 0"
+    limited = specbench_prompts(path, limit=3)
+    mt = [r["prompt"].split()[0] for r in limited if r["category"] == "mt_bench"]
+    assert mt == ["writing", "roleplay", "coding"]  # the limit spreads over MT-bench's categories
+    assert sum(r["category"] == "rag" for r in limited) == 3
+    assert {r["set"] for r in load_prompts([], 2, path)} == {"specbench"}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "turns": ["x"]}\n')
+    with pytest.raises(ValueError, match="line 1 is not a Spec-Bench question"):
+        specbench_prompts(bad)
+
+
+def test_specbench_run_reports_every_task(export_dir, tmp_path, capsys):
+    out = tmp_path / "spec.json"
+    rc = cli.main(["--engines", str(export_dir), "--specbench", str(_specbench_file(tmp_path, 1)), "--limit", "1",
+                   "--max-new-tokens", "8", "--threads", "1", "--out", str(out), "-q", "--no-memory"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    agg = res["aggregate"]["0"]
+    assert set(agg) == {"all", "mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
+    assert {"eagle", "eagle-hybrid", "vanilla"} == set(agg["rag"]["systems"])
+    text = capsys.readouterr().out
+    assert "per category: tokens/s (tau) [x vanilla]" in text and "math_reasoning" in text
+    assert all(r["set"] == "specbench" for r in res["prompts"])  # --specbench alone: no humaneval / chat

@@ -117,7 +117,7 @@ def test_missing_peer_packages_skip_with_a_visible_note(export_dir, tmp_path, ca
         assert b["status"] == "skipped"
         assert b["note"] == f"{dist} is not installed (pip install -c constraints.txt -e '.[peers]'): skipped"
         assert f"note: baseline {name}: {dist} is not installed" in out  # printed with the table
-    assert set(res["prompts"][0]["runs"]) == {"eagle", "vanilla"}
+    assert set(res["prompts"][0]["runs"]) == {"eagle", "vanilla", "eagle-hybrid"}
     assert not (cache / "peers").exists()  # nothing converted for a skipped peer
 
 
@@ -423,11 +423,13 @@ def test_extra_engines_run_interleaved_beside_the_first(export_dir, tmp_path):
     assert rc == 0
     assert res["config"]["extra_engines"] == [str(other)]
     for r in res["prompts"]:
-        assert set(r["runs"]) == {"eagle", "vanilla", "eagle@tiny-b", "vanilla@tiny-b"}
+        assert set(r["runs"]) == {"eagle", "vanilla", "eagle-hybrid", "eagle@tiny-b", "vanilla@tiny-b",
+                                  "eagle-hybrid@tiny-b"}
         assert r["runs"]["vanilla@tiny-b"]["token_ids"] == r["runs"]["vanilla"]["token_ids"]  # the same export
         assert set(r["greedy"]) == {"ort", "tiny-b"}
     assert res["greedy_identity"]["tiny-b"]["identical"] == 2 == len(res["prompts"])
     assert "eagle@tiny-b_vs_vanilla@tiny-b" in res["aggregate"]["0"]["all"]["speedup"]
+    assert "eagle-hybrid@tiny-b_vs_vanilla@tiny-b" in res["aggregate"]["0"]["all"]["speedup"]
 
 
 # --------------------------------------------------------------------------- real peers (slow)

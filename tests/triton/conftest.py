@@ -27,10 +27,12 @@ def tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def reference(tiny):
-    """An in-process EagleRuntime over the tiny export: what a served request must reproduce."""
+    """An in-process EagleRuntime over the tiny export with the served default drafter (hybrid,
+    planned; the device costs come from the same cache as the workers'): what a served request
+    must reproduce."""
     from eagle_deploy.runtime.api import EagleRuntime
 
-    return EagleRuntime.load(tiny, threads=1)
+    return EagleRuntime.load(tiny, threads=1, drafter_kind="hybrid", planned=True)
 
 
 # ------------------------------------------------------------------ a fake triton_python_backend_utils

@@ -44,6 +44,7 @@ from .peers import expand
 from .systems import BASELINES, PEERS
 
 DEFAULT_BASELINES = ""  # none: the quick default is EAGLE vs vanilla on the export's engine; baselines are opt-in
+SETS_DEFAULT = "humaneval,chat"
 DEFAULT_LIMIT = 10  # prompts per built-in set by default: 20 prompts, about 2 min at 128 tokens on 2 CPU cores
 
 
@@ -71,12 +72,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=Path, required=True, help="export folder written by eagle-export")
-    p.add_argument("--sets", default="humaneval,chat", help="prompt sets: humaneval, chat (comma-separated)")
+    p.add_argument("--sets", default=None,
+                   help=f"prompt sets: humaneval, chat (comma-separated; default: {SETS_DEFAULT}; "
+                        "none with --specbench)")
     p.add_argument("--prompts", type=Path, action="append", default=[],
                    help="a JSONL prompt file ({\"prompt\": ...} per line); replaces --sets")
     p.add_argument("--limit", type=int, default=None,
                    help=f"first N prompts of each set, 0 = all (default: {DEFAULT_LIMIT} of each built-in set, "
                         "all of a --prompts file; humaneval has 164 prompts, chat 48)")
+    p.add_argument("--specbench", type=Path, default=None, metavar="QUESTION_JSONL",
+                   help="also run Spec-Bench (hemingkx/Spec-Bench's question.jsonl, given by path; not shipped): "
+                        "reported per task (mt_bench, translation, summarization, qa, math_reasoning, rag); "
+                        "--limit applies per task; first turns only")
+    p.add_argument("--drafters", type=_names(("hybrid", "lookup")), default=["hybrid"],
+                   help="more systems per engine beside plain EAGLE (the configured tree every round) and vanilla: "
+                        "eagle-hybrid (head + context lookup in one tree, cost-aware: the commands' default), "
+                        "eagle-lookup; comma-separated")
+    p.add_argument("--no-drafters", action="store_true", help="plain EAGLE and vanilla only (no --drafters systems)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=_floats, default=[0.0], help="comma-separated, 0 = greedy (e.g. 0,0.7,1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampled runs use seed + prompt index")
@@ -129,11 +141,13 @@ def _bench(args, tree, say) -> int:
 
     chosen = args.baselines if args.baselines is not None else [b for b in DEFAULT_BASELINES.split(",") if b]
     baselines = [] if args.no_baselines else chosen
-    sets = [str(p) for p in args.prompts] or [s.strip() for s in args.sets.split(",") if s.strip()]
+    names = args.sets if args.sets is not None else ("" if args.specbench is not None else SETS_DEFAULT)
+    sets = [str(p) for p in args.prompts] or [s.strip() for s in names.split(",") if s.strip()]
     limit = args.limit if args.limit is not None else (0 if args.prompts else DEFAULT_LIMIT)
     cfg = BenchConfig(args.engines, sets, limit, args.max_new_tokens, args.temperatures, baselines, args.backends,
                       args.threads, tree, args.seed, not args.no_warmup, memory=not args.no_memory,
-                      extra_engines=list(args.extra_engines), eagle3_head=args.eagle3_head)
+                      extra_engines=list(args.extra_engines), eagle3_head=args.eagle3_head,
+                      drafters=[] if args.no_drafters else args.drafters, specbench=args.specbench)
     result = run_bench(cfg, log=(lambda m: None) if args.quiet else say)
     out = args.out or _default_out(args.engines)
     report.write_json(result, out)
@@ -154,7 +168,7 @@ def _tune(args, tree, say) -> int:
     from .run import load_prompts
     from .tune import TuneConfig, tune
 
-    sets = [str(p) for p in args.prompts] or [s.strip() for s in args.sets.split(",") if s.strip()]
+    sets = [str(p) for p in args.prompts] or [s.strip() for s in (args.sets or SETS_DEFAULT).split(",") if s.strip()]
     prompts = load_prompts(sets, 0)
     cfg = TuneConfig(args.engines, prompts, calib=args.calib, max_new_tokens=min(args.max_new_tokens, 64),
                      repeats=args.repeats, threads=args.threads, backend=args.backends[0], save=not args.no_save)

@@ -72,7 +72,7 @@ def _speedups(stats: dict, prompts: list[dict]) -> dict:
     for system in stats:
         if not system.startswith("eagle"):
             continue
-        vanilla = "vanilla" + system[len("eagle"):]
+        vanilla = "vanilla" + (system[system.index("@"):] if "@" in system else "")
         for other in stats:
             if other.startswith("eagle"):
                 continue
@@ -159,6 +159,29 @@ def memory_lines(modes: dict) -> list[str]:
     return lines
 
 
+def category_lines(cats: dict) -> list[str]:
+    """Per category (e.g. Spec-Bench task): tokens/s and tau of every system, and each EAGLE
+    system's ratio to its engine's vanilla; nothing with one category."""
+    names = [c for c in cats if c != "all"]
+    if len(names) < 2:
+        return []
+    lines = ["per category: tokens/s (tau) [x vanilla]", f"{'system':<26}" + "".join(f"{c[:16]:>24}" for c in names)]
+    for system in cats["all"]["systems"]:
+        cells = []
+        for c in names:
+            s = cats[c]["systems"].get(system)
+            vanilla = cats[c]["systems"].get("vanilla" + (system[system.index("@"):] if "@" in system else ""))
+            if s is None:
+                cells.append(f"{'-':>24}")
+                continue
+            tau = "" if s.get("tau") is None else f" ({s['tau']:.2f})"
+            ratio = (f" [{s['tokens_per_s'] / vanilla['tokens_per_s']:.2f}x]"
+                     if vanilla and system.startswith("eagle") else "")
+            cells.append(f"{s['tokens_per_s']:.1f}{tau}{ratio}".rjust(24))
+        lines.append(f"{system:<26}" + "".join(cells))
+    return lines
+
+
 def format_summary(result: dict) -> str:
     """The human-readable table of the aggregate (category "all"); "x vanilla" = tokens/s over
     our (first engine's) vanilla decoding in the same run. Then one line per peer runtime."""
@@ -180,6 +203,7 @@ def format_summary(result: dict) -> str:
         for key, sp in block["speedup"].items():
             lines.append(f"speed-up {key}: {sp['aggregate']:.2f}x"
                          + (f" (per-prompt mean {sp['mean_per_prompt']:.2f}x)" if "mean_per_prompt" in sp else ""))
+        lines += category_lines(cats)
     proc = result["memory"].get("process")
     if proc:
         lines.append(f"process peak RSS {proc['peak_rss_mb']} MiB (all systems loaded together; "

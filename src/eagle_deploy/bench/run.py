@@ -48,14 +48,55 @@ class BenchConfig:
     memory: bool = True  # also measure EAGLE's and vanilla's peak memory, each in a fresh process
     extra_engines: list[Path] = field(default_factory=list)  # more exports (e.g. int4), on backends[0]
     eagle3_head: Path | None = None  # the EAGLE-3 head the openvino-eagle3-* peers draft with
+    drafters: list[str] = field(default_factory=list)  # more drafters per engine: "hybrid", "lookup" (planned)
+    specbench: Path | None = None  # Spec-Bench's question.jsonl, run as the set "specbench"
 
 
-def load_prompts(sets: list[str], limit: int = 0) -> list[dict]:
+SPECBENCH_MT = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+def specbench_prompts(path: Path, limit: int = 0) -> list[dict]:
+    """Spec-Bench (hemingkx/Spec-Bench, Apache-2.0) questions from its `question.jsonl` at
+    `path`: [{id, category, prompt}], category = the Spec-Bench task (mt_bench for MT-bench's
+    eight categories, translation, summarization, qa, math_reasoning, rag); the first turn of
+    each question; the first `limit` of each task (0 = all), spread over MT-bench's categories.
+    Raises ValueError on a file that is not Spec-Bench's layout."""
+    import json
+
+    by_task: dict[str, list[dict]] = {}
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                q = json.loads(line)
+                task = "mt_bench" if q["category"] in SPECBENCH_MT else str(q["category"])
+                row = {"id": f"specbench-{q['question_id']}", "category": task, "prompt": str(q["turns"][0]),
+                       "sub": q["category"]}
+            except (ValueError, KeyError, IndexError, TypeError) as err:
+                raise ValueError(f"{path} line {n} is not a Spec-Bench question "
+                                 f"({{\"question_id\", \"category\", \"turns\"}}): {err}") from None
+            by_task.setdefault(task, []).append(row)
+    out = []
+    for task, rows in by_task.items():
+        if limit and task == "mt_bench":  # round-robin over its categories, so a subset covers all eight
+            subs: dict[str, list[dict]] = {}
+            for r in rows:
+                subs.setdefault(r["sub"], []).append(r)
+            rows = [r for group in zip(*subs.values()) for r in group] or rows
+        out += [{k: v for k, v in r.items() if k != "sub"} for r in (rows[:limit] if limit else rows)]
+    return out
+
+
+def load_prompts(sets: list[str], limit: int = 0, specbench: Path | None = None) -> list[dict]:
     """[{id, set, category, prompt}] from each set (humaneval | chat | JSONL path), first
-    `limit` of each (0 = all)."""
+    `limit` of each (0 = all), then Spec-Bench's questions from `specbench` (set "specbench",
+    category = its task; `limit` per task)."""
     from eagle_deploy.train.data import prompt_set
 
     out = []
+    if specbench is not None:
+        out += [{**r, "set": "specbench"} for r in specbench_prompts(specbench, limit)]
     for name in sets:
         rows = prompt_set(name)
         label = Path(name).stem if name not in ("humaneval", "chat") else name
@@ -89,6 +130,7 @@ class Engine:
     rt: object  # EagleRuntime
     eagle: EagleSystem
     vanilla: EagleSystem
+    others: list = field(default_factory=list)  # EagleSystems of more drafters (cfg.drafters)
 
 
 class _Loaded:
@@ -116,7 +158,15 @@ def load_systems(cfg: BenchConfig, manifest, result: dict, log: Callable) -> _Lo
                           for m in ("eagle", "vanilla"))
         loaded.add(eagle, result["memory"], before)
         loaded.add(vanilla, result["memory"], before)  # the same engine and buffers
-        loaded.engines.append(Engine(key, Path(folder), backend, rt, eagle, vanilla))
+        others = []
+        for kind in cfg.drafters:  # e.g. eagle-hybrid, eagle-hybrid@<key>: a runtime of their own
+            before = rss_mb()
+            other_rt = EagleRuntime.load(folder, backend=backend, tree=cfg.tree, threads=cfg.threads,
+                                         drafter_kind=kind, planned=True)
+            suffix = "" if i == 0 else f"@{backend}" if i is not None else f"@{key}"
+            others.append(EagleSystem(other_rt, "eagle", f"eagle-{kind}{suffix}"))
+            loaded.add(others[-1], result["memory"], before)
+        loaded.engines.append(Engine(key, Path(folder), backend, rt, eagle, vanilla, others))
     if len({e.key for e in loaded.engines}) < len(loaded.engines):
         raise ValueError(f"two engines share a name: {', '.join(e.key for e in loaded.engines)}")
     result["tree"] = loaded.engines[0].rt.tree.to_json()
@@ -185,6 +235,11 @@ def _finish_record(r: dict, loaded: _Loaded, floors: dict, log: Callable) -> Non
     for eng in loaded.engines:
         e, v = r["runs"][eng.eagle.name], r["runs"][eng.vanilla.name]
         e["speedup_vs_vanilla"] = round(e["tokens_per_s"] / max(v["tokens_per_s"], 1e-9), 3)
+        for other in eng.others:
+            o = r["runs"][other.name]
+            o["speedup_vs_vanilla"] = round(o["tokens_per_s"] / max(v["tokens_per_s"], 1e-9), 3)
+            if r["temperature"] == 0:  # lossless drafters: the very tokens of vanilla decoding
+                o["identical_to_vanilla"] = o["token_ids"] == v["token_ids"]
         if r["temperature"] == 0:
             d = dv.check_greedy(eng.rt.decoder.target, r["prompt_ids"], e["token_ids"], v["token_ids"],
                                 floors[eng.key])
@@ -234,7 +289,7 @@ def run_bench(cfg: BenchConfig, log: Callable = print) -> dict:
     from eagle_deploy.contract.manifest import Manifest
 
     manifest = Manifest.load(cfg.engines)
-    prompts = load_prompts(cfg.prompt_sets, cfg.limit)
+    prompts = load_prompts(cfg.prompt_sets, cfg.limit, cfg.specbench)
     if not prompts:
         raise ValueError("no prompts selected")
     records = [{"id": p["id"], "set": p["set"], "category": p["category"], "prompt": p["prompt"],

@@ -75,7 +75,8 @@ class EagleSystem:
                              mode=self.mode)
         s = r.stats.to_json()
         keep = {k: s[k] for k in ("mean_accept_len", "target_forwards", "draft_forwards", "time_ms",
-                                  "accepted_per_round", "tree_depth_per_round")}
+                                  "accepted_per_round", "tree_depth_per_round", "tree_size_per_round",
+                                  "draft_rounds")}
         return Run(self.name, list(r.token_ids), r.stats.t_total, r.stats.t_prefill * 1e3, r.finish_reason, keep)
 
 

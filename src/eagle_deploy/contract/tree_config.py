@@ -24,6 +24,14 @@ STATIC_TREES: dict[str, list[tuple[int, ...]]] = {
 }
 
 
+# Where draft tokens come from (runtime/hybrid.py): "hybrid" = the EAGLE head's tree and
+# context-lookup branches in one tree, "eagle" = the head alone, "lookup" = context lookup alone
+# (no draft graph). The commands (eagle-run, eagle-serve, eagle-bench, the Triton model) default
+# to DEFAULT_DRAFTER with cost-aware planning; docs/decisions.md has the measurements.
+DRAFTER_KINDS = ("hybrid", "eagle", "lookup")
+DEFAULT_DRAFTER = "hybrid"
+
+
 class TreeConfigError(ValueError):
     """Tree settings that cannot work with this export."""
 

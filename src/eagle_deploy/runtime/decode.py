@@ -49,6 +49,7 @@ class Stats:
     limited_by: str | None = None
     accepted_per_round: list[int] = field(default_factory=list)  # tokens committed per verification round
     tree_depth_per_round: list[int] = field(default_factory=list)  # deepest draft node per round
+    tree_size_per_round: list[int] = field(default_factory=list)  # nodes verified per round, root included
     draft_forwards: int = 0
     t_prefill: float = 0.0
     t_draft: float = 0.0
@@ -76,6 +77,12 @@ class Stats:
     def target_forwards(self) -> int:
         """Target forwards: the prefill plus one per round."""
         return self.rounds + 1
+
+    @property
+    def draft_rounds(self) -> int:
+        """Rounds that verified a draft (a tree beyond its root); the rest were vanilla steps
+        (a cost-aware drafter found drafting would not pay, or no room was left)."""
+        return sum(n > 1 for n in self.tree_size_per_round)
 
     @property
     def lossless(self) -> bool:
@@ -108,6 +115,7 @@ class Stats:
                                         - self.t_commit) * 1e3, 2),
                         "total": round(self.t_total * 1e3, 2)},
             "accepted_per_round": self.accepted_per_round, "tree_depth_per_round": self.tree_depth_per_round,
+            "tree_size_per_round": self.tree_size_per_round, "draft_rounds": self.draft_rounds,
             "mode": self.mode, "acceptance": self.acceptance, "lossless": self.lossless, "row_exact": self.row_exact,
         }
 
@@ -201,6 +209,7 @@ class Decoder:
                                                              stats.t_commit + t4 - t3)
             stats.accepted_per_round.append(len(chunk))
             stats.tree_depth_per_round.append(int(tree.depths.max()))
+            stats.tree_size_per_round.append(tree.size)
             yield chunk
         stats.new_tokens = state.generated
         stats.finish_reason, stats.limited_by = state.finish_reason, state.limited_by

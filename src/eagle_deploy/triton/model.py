@@ -43,7 +43,9 @@ OUTPUT_DTYPES = {"text_output": np.object_, "finish_reason": np.object_, "stats"
                  "mean_accept_len": np.float32}
 PARAMETER_DEFAULTS = {"engines": "", "worker_python": sys.executable, "worker_pythonpath": "", "backend": "auto",
                       "threads": "auto", "tree": "", "acceptance": "lossless", "threshold": "0.3", "drafter": "",
-                      "default_max_tokens": "128", "load_timeout_s": "900", "cancel_poll_s": "0.05"}
+                      "default_max_tokens": "128", "load_timeout_s": "900", "cancel_poll_s": "0.05",
+                      # contract.tree_config.DEFAULT_DRAFTER (this file runs in the stub's venv, without the package)
+                      "drafter_kind": "hybrid", "always_draft": "false"}
 
 
 class BadRequest(ValueError):
@@ -206,7 +208,8 @@ class TritonPythonModel:
         self.cancel_poll_s = float(p["cancel_poll_s"])
         worker_config = {"engines": engines, "backend": p["backend"], "threads": int(threads),
                          "tree": json.loads(p["tree"]) if p["tree"] else None, "acceptance": p["acceptance"],
-                         "threshold": float(p["threshold"]), "drafter": p["drafter"], "name": self.name}
+                         "threshold": float(p["threshold"]), "drafter": p["drafter"], "name": self.name,
+                         "drafter_kind": p["drafter_kind"], "planned": p["always_draft"].lower() != "true"}
         self.argv = [p["worker_python"], "-m", "eagle_deploy.triton.worker", "--config", json.dumps(worker_config)]
         self.env = dict(os.environ)
         # the stub's environment is not the worker's: do not leak its venv into the worker
@@ -275,12 +278,13 @@ class TritonPythonModel:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         cancel_sent, polled = False, 0.0
         while True:
-            msg = self.worker.read(self.cancel_poll_s)
+            # poll before waiting, so a client already gone is seen before the worker can finish
             if not cancel_sent and time.monotonic() - polled >= self.cancel_poll_s:  # one IPC per poll
                 polled = time.monotonic()
                 if sender.is_cancelled():
                     self.worker.send({"op": "cancel", "id": rid})
                     cancel_sent = True
+            msg = self.worker.read(self.cancel_poll_s)
             if msg is None or msg.get("id") != rid:
                 continue  # poll timeout, or a late message of an earlier request
             if "delta" in msg:

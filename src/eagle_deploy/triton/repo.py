@@ -18,6 +18,8 @@ backends' generate endpoints (see model.py), and parameters:
   default_max_tokens  max_tokens when a request gives none
   worker_python       the Python of the project's environment (default: this interpreter)
   EXECUTION_ENV_PATH  the stub's numpy<2 venv (default: env.ensure_stub_env(), created if missing)
+  drafter_kind, always_draft   where draft tokens come from and whether each round is planned
+                               (as eagle-run's --drafter / --always-draft)
   drafter, worker_pythonpath   an optional drafter plugin ("module:callable", see worker.py)
 
 Other models already in DIR are left alone. Exits 2 on a bad setting or an unreadable export.
@@ -33,9 +35,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import HelpFormatter, add_tree_args, interruptible, tree_from_args
+from eagle_deploy.contract.cli_args import (
+    HelpFormatter,
+    add_drafter_args,
+    add_tree_args,
+    interruptible,
+    tree_from_args,
+)
 from eagle_deploy.contract.manifest import Manifest
-from eagle_deploy.contract.tree_config import TreeConfig
+from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER, DRAFTER_KINDS, TreeConfig
 
 from .select import BACKEND_CHOICES
 
@@ -90,7 +98,8 @@ def write_repo(engines, out, *, name: str = "eagle", instances: int = 1, kind: s
                backend: str = "auto", threads: int | str = "auto", tree: TreeConfig | None = None,
                acceptance: str = "lossless", threshold: float = 0.3, default_max_tokens: int = 128,
                execution_env=None, worker_python=None, copy_engines: bool = False, drafter: str = "",
-               worker_pythonpath: str = "", force: bool = False) -> Path:
+               worker_pythonpath: str = "", force: bool = False, drafter_kind: str = DEFAULT_DRAFTER,
+               always_draft: bool = False) -> Path:
     """Write model `name` for export folder `engines` into repository `out`; return the model
     folder. execution_env None -> the stub venv (created if missing, see env.py); "" -> no
     EXECUTION_ENV_PATH (the stub then uses the Python it finds, e.g. a stock Triton image's).
@@ -111,6 +120,8 @@ def write_repo(engines, out, *, name: str = "eagle", instances: int = 1, kind: s
     if acceptance not in ACCEPTANCE or not 0.0 < float(threshold) <= 1.0:
         raise ValueError(f"acceptance must be lossless|threshold and threshold in (0, 1], "
                          f"got {acceptance!r}, {threshold}")
+    if drafter_kind not in DRAFTER_KINDS:
+        raise ValueError(f"drafter_kind must be one of {', '.join(DRAFTER_KINDS)}, got {drafter_kind!r}")
     if not isinstance(default_max_tokens, int) or default_max_tokens < 1:
         raise ValueError(f"default_max_tokens must be an integer >= 1, got {default_max_tokens!r}")
     if tree is not None:
@@ -126,7 +137,8 @@ def write_repo(engines, out, *, name: str = "eagle", instances: int = 1, kind: s
     params = {"engines": str(engines), "backend": backend, "threads": str(threads),
               "tree": json.dumps(tree.to_json()) if tree is not None else "", "acceptance": acceptance,
               "threshold": str(float(threshold)), "default_max_tokens": str(default_max_tokens),
-              "worker_python": str(Path(worker_python or sys.executable).absolute())}
+              "worker_python": str(Path(worker_python or sys.executable).absolute()),
+              "drafter_kind": drafter_kind, "always_draft": "true" if always_draft else "false"}
     if execution_env:
         params["EXECUTION_ENV_PATH"] = str(Path(execution_env).absolute())
     if drafter:
@@ -165,6 +177,7 @@ def add_repo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--acceptance", default="lossless", choices=ACCEPTANCE, help="'threshold' is NOT lossless")
     p.add_argument("--threshold", type=float, default=0.3, help="probability threshold for --acceptance threshold")
     p.add_argument("--default-max-tokens", type=int, default=128, help="max_tokens when a request gives none")
+    add_drafter_args(p)
     p.add_argument("--execution-env", default=None,
                    help="EXECUTION_ENV_PATH for the Python-backend stub (a numpy<2 venv); default: "
                         "<sys.prefix>/triton-stub-env, created if missing; '' for none")
@@ -203,7 +216,8 @@ def repo_kwargs(args) -> dict:
     return dict(name=args.name, instances=args.instances, kind=args.kind, backend=args.backend, threads=threads,
                 acceptance=args.acceptance, threshold=args.threshold, default_max_tokens=args.default_max_tokens,
                 execution_env=args.execution_env, worker_python=args.worker_python,
-                copy_engines=args.copy_engines, force=args.force)
+                copy_engines=args.copy_engines, force=args.force, drafter_kind=args.drafter,
+                always_draft=args.always_draft)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,7 @@ class OrtBackend:
 
         self.graph = graph
         self.dims = dims
+        self.threads = threads  # intra-op threads (None: onnxruntime's default)
         path = Path(folder) / graph.path
         if not path.exists():
             raise FileNotFoundError(f"graph {path} is missing from the export folder")

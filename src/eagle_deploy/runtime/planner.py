@@ -1,0 +1,275 @@
+"""Cost-aware drafting: each round, the draft that maximises expected committed tokens per
+second, down to no draft at all (a vanilla step).
+
+Expected tokens of a plan (head depth D, lookup length L), with P_h(d) / P_l(d) the request's
+running probability that the head's tree / the lookup chain is accepted to depth d or deeper
+(products of per-depth conditional acceptance rates, decayed so the estimate follows the
+request), counting the two sources as independent:
+
+    E[tau](D, L) = 1 + sum_{d=1}^{max(D, L)} 1 - (1 - P_h(d) [d <= D]) (1 - P_l(d) [d <= L])
+
+Cost of a plan: D draft forwards (one extension + D - 1 expansions) at the measured seconds
+per draft forward, plus the measured seconds of a round that verifies the plan's tree size
+(`CostModel`: measured once per runtime, interpolated between sizes). The plan
+maximising E[tau] / cost wins; with no head and no lookup it is a vanilla step (E = 1).
+A source that is not used for a while is re-probed (its full size, once every `probe_every`
+rounds, the interval doubling up to `probe_max` while probes lose), so a request that becomes
+predictable gets its trees back. The choice only changes what is proposed: verification, and so
+the output, is unchanged (lossless).
+
+Same idea as EAGLE-2's confidence-based tree (arXiv 2406.16858 §4) and the cost models of
+SpecDec++ / "Dynamic depth" decoding, with costs measured on this device rather than assumed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One round's draft: head_depth / head_nodes (0: no head forward this round), lookup
+    (context-lookup tokens), expected (E[tau]), seconds (predicted round cost; 0.0 unknown)."""
+
+    head_depth: int
+    head_nodes: int
+    lookup: int
+    expected: float = 1.0
+    seconds: float = 0.0
+    probe: bool = False  # a re-probe of a source the plan had left out
+
+    @property
+    def drafts(self) -> bool:
+        return self.head_depth > 0 or self.lookup > 0
+
+
+def _line(x: float, xs: list[float], ys: list[float]) -> float:
+    """Piecewise-linear through (xs, ys) (sorted xs), extrapolated beyond the last point with
+    the last segment's slope (never below 0); constant with one point."""
+    if len(xs) == 1:
+        return ys[0]
+    if x >= xs[-1]:
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+        return ys[-1] + slope * (x - xs[-1])
+    return float(np.interp(x, xs, ys))
+
+
+class CostModel:
+    """Seconds of a verification forward by tree size (nodes, root included) and of one draft
+    forward, each at the cached rows (past) it runs with, measured on this device
+    (`measure_costs`, or the curves of the export's last `eagle-bench --tune`) and then fixed:
+    plans depend only on the request's tokens, so a seeded request gives the same tokens every
+    time. Attention makes a tree's rows dearer as the context grows (SmolLM2, 2 cores: a
+    9-node verification ~1.3x a one-token forward at past 128, ~2x at past 700), hence past.
+
+    verify_s: {past: {nodes: seconds}} (at least one past with at least one size);
+    draft_s: {past: seconds per draft forward} ({} = free). Raises ValueError when verify_s is
+    empty."""
+
+    def __init__(self, verify_s: dict[int, dict[int, float]], draft_s: dict[int, float]):
+        if not verify_s or not all(verify_s.values()):
+            raise ValueError("CostModel needs at least one verification cost")
+        self.pasts = sorted(int(p) for p in verify_s)
+        self.table = [(sorted(int(n) for n in verify_s[p]), [float(verify_s[p][n]) for n in sorted(verify_s[p])])
+                      for p in self.pasts]
+        self.draft_pasts = sorted(int(p) for p in draft_s) or [0]
+        self.draft_costs = [float(draft_s[p]) for p in self.draft_pasts] if draft_s else [0.0]
+
+    @classmethod
+    def from_tuning(cls, details) -> "CostModel | None":
+        """From a TuningRecord's details ("target_ms": {S: ms}, "draft_ms": {F: ms} at "past"),
+        or None when they are missing."""
+        target, draft = details.get("target_ms"), details.get("draft_ms")
+        if not target or not draft:
+            return None
+        past = int(details.get("past", 256))
+        draft = {int(k): float(v) for k, v in draft.items()}
+        return cls({past: {int(k): float(v) / 1e3 for k, v in target.items()}}, {past: draft[min(draft)] / 1e3})
+
+    def to_json(self) -> dict:
+        """{"verify_ms": {past: {nodes: ms}}, "draft_ms": {past: ms}}, exact (from_json reads it)."""
+        verify = {str(p): {str(n): c * 1e3 for n, c in zip(*row)} for p, row in zip(self.pasts, self.table)}
+        return {"verify_ms": verify, "draft_ms": {str(p): c * 1e3 for p, c in zip(self.draft_pasts, self.draft_costs)}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostModel":
+        """The model `to_json` wrote. Raises KeyError, ValueError, TypeError or AttributeError
+        on anything else."""
+        return cls({int(p): {int(n): float(v) / 1e3 for n, v in row.items()} for p, row in data["verify_ms"].items()},
+                   {int(p): float(v) / 1e3 for p, v in data["draft_ms"].items()})
+
+    def verify(self, nodes: int, past: int = 0) -> float:
+        """Seconds of a forward verifying `nodes` tree nodes after `past` cached rows:
+        piecewise-linear in nodes at each measured past, then in past (extrapolated beyond the
+        measured points with their last slope)."""
+        return _line(past, self.pasts, [_line(nodes, sizes, costs) for sizes, costs in self.table])
+
+    def draft(self, past: int = 0) -> float:
+        """Seconds of one draft forward after `past` cached rows."""
+        return _line(past, self.draft_pasts, self.draft_costs)
+
+
+def _median_s(fn, repeats: int) -> float:
+    fn()  # warm-up (onnxruntime's first run of a shape allocates)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def measure_costs(target, draft, sizes, draft_rows: int, vocab: int, feature_width: int, feature_dtype,
+                  eagle3_widths: tuple[int, int] | None = None, pasts=(128,), repeats: int = 3) -> CostModel:
+    """Time the target's verification forward at each tree size in `sizes` and one draft
+    expansion forward of `draft_rows` rows (None `draft`: no draft cost), at each number of
+    cached rows in `pasts`, in scratch KV buffers of their own (`max(pasts) + max(sizes)` rows).
+    Medians of `repeats` after a warm-up: a few dozen forwards (about 2 s on SmolLM2-135M,
+    2 cores, at pasts 64 and 1024)."""
+    from .backends.base import StepInputs, feature_inputs
+    from .drafter import causal_mask
+
+    sizes, pasts = sorted({int(s) for s in sizes}), sorted({int(p) for p in pasts})
+    rng = np.random.default_rng(0)
+    kv = target.allocate_kv(pasts[-1] + sizes[-1])
+    dkv = draft.allocate_kv(pasts[-1] + draft_rows) if draft is not None else None
+    verify_s, draft_s = {}, {}
+    for past in pasts:
+        verify_s[past] = {}
+        for S in sizes:
+            inputs = StepInputs(rng.integers(0, vocab, (1, S)), np.arange(past, past + S)[None],
+                                causal_mask(past, S), np.arange(S)[None])
+            verify_s[past][S] = _median_s(lambda: target.run(inputs, kv, past), repeats)
+        if draft is not None:
+            feats = rng.standard_normal((1, draft_rows, feature_width)).astype(feature_dtype)
+            features, tapped = feature_inputs(feats, False, eagle3_widths)
+            inputs = StepInputs(rng.integers(0, vocab, (1, draft_rows)), np.full((1, draft_rows), past),
+                                causal_mask(past, draft_rows), np.arange(draft_rows)[None], features, tapped)
+            draft_s[past] = _median_s(lambda: draft.run(inputs, dkv, past), repeats)
+    return CostModel(verify_s, draft_s)
+
+
+class _DepthRates:
+    """Per-depth conditional acceptance counts: hit[d] / tried[d] estimates P(depth d accepted
+    | depth d - 1 reached and proposed). Each depth's prior, worth `weight` rounds, is the
+    estimate one depth up (`prior` at depth 1): a depth never tried is expected to do as well
+    as the one above it. `fade()` (once a round) decays every count, so evidence left
+    unrenewed while a source is unused fades back towards the prior."""
+
+    def __init__(self, depth: int, prior: float, weight: float, decay: float):
+        self.prior, self.weight, self.decay = prior, weight, decay
+        self.tried = np.zeros(depth + 1)
+        self.hit = np.zeros(depth + 1)
+
+    def fade(self) -> None:
+        self.tried *= self.decay
+        self.hit *= self.decay
+
+    def update(self, proposed: int, accepted: int) -> None:
+        for d in range(1, min(proposed, len(self.tried) - 1) + 1):
+            if accepted >= d - 1:
+                self.tried[d] += 1
+                self.hit[d] += accepted >= d
+
+    def reach(self, depth: int) -> np.ndarray:
+        """[depth + 1] P(accepted to depth >= d), d = 0..depth (entry 0 is 1)."""
+        out = np.zeros(depth + 1)
+        out[0], prior = 1.0, self.prior
+        for d in range(1, min(depth, len(self.tried) - 1) + 1):
+            prior = (self.hit[d] + self.weight * prior) / (self.tried[d] + self.weight)
+            out[d] = out[d - 1] * prior
+        return out
+
+
+def growth_nodes(top_k: int, depth: int) -> int:
+    """Draft nodes an EAGLE-2 growth of `depth` levels holds: top_k, then top_k^2 per level."""
+    return 0 if depth <= 0 else (depth if top_k == 1 else top_k + (depth - 1) * top_k * top_k)
+
+
+class DraftPlanner:
+    """Chooses each round's `Plan` (module doc).
+
+    max_depth / total_tokens / top_k: the configured head tree (its largest plan; 0 depth: no
+    head); max_lookup: longest lookup chain. costs: the device's CostModel. Per-request
+    acceptance state is reset by `reset()`."""
+
+    def __init__(self, max_depth: int, total_tokens: int, top_k: int, max_lookup: int, costs: CostModel | None,
+                 prior: float = 0.6, weight: float = 2.0, decay: float = 0.95, probe_every: int = 4,
+                 probe_max: int = 64):
+        self.max_depth, self.total_tokens, self.top_k, self.max_lookup = max_depth, total_tokens, top_k, max_lookup
+        self.costs = costs
+        self.prior, self.weight, self.decay = prior, weight, decay
+        self.probe_every, self.probe_max = probe_every, probe_max
+        self.reset()
+
+    def reset(self) -> None:
+        self.head = _DepthRates(self.max_depth, self.prior, self.weight, self.decay)
+        self.lookup = {n: _DepthRates(self.max_lookup, self.prior, self.weight, self.decay) for n in range(1, 9)}
+        self._idle = {"head": 0, "lookup": 0}  # rounds since each source was last proposed
+        self._interval = {"head": self.probe_every, "lookup": self.probe_every}
+
+    def head_nodes(self, depth: int) -> int:
+        return min(self.total_tokens - 1, growth_nodes(self.top_k, depth))
+
+    def full(self, lookup: int) -> Plan:
+        return Plan(self.max_depth, self.head_nodes(self.max_depth), lookup)
+
+    def choose(self, lookup_available: int, ngram: int = 1, past: int = 0) -> Plan:
+        """The plan for this round, given a lookup match of `lookup_available` tokens (0: none)
+        found with an `ngram`-token suffix, with `past` rows already in the target's KV."""
+        lookup_available = min(lookup_available, self.max_lookup)
+        self.head.fade()
+        for rates in self.lookup.values():
+            rates.fade()
+        draft_s = self.costs.draft(past) if self.max_depth else 0.0
+        head_reach = self.head.reach(self.max_depth)
+        look_reach = self._lookup_rates(ngram).reach(lookup_available)
+        best = None
+        for D in range(self.max_depth + 1):
+            for L in range(lookup_available + 1):
+                deep = max(D, L)
+                h = np.zeros(deep + 1)
+                h[:D + 1] = head_reach[:D + 1]
+                look = np.zeros(deep + 1)
+                look[:L + 1] = look_reach[:L + 1]
+                expected = 1.0 + float(np.sum(1.0 - (1.0 - h[1:]) * (1.0 - look[1:])))
+                nodes = 1 + self.head_nodes(D) + L
+                seconds = D * draft_s + self.costs.verify(nodes, past)
+                plan = Plan(D, self.head_nodes(D), L, expected, seconds)
+                if best is None or expected / seconds > best.expected / best.seconds * (1 + 1e-9):
+                    best = plan
+        return self._probed(best, lookup_available)
+
+    def _lookup_rates(self, ngram: int) -> _DepthRates:
+        return self.lookup[min(max(ngram, 1), 8)]
+
+    def _probed(self, plan: Plan, lookup_available: int) -> Plan:
+        """Re-probe a source left unused for its interval (doubling while probes lose)."""
+        for source, used in (("head", plan.head_depth > 0 or not self.max_depth),
+                             ("lookup", plan.lookup > 0 or not lookup_available)):
+            if used:
+                self._idle[source], self._interval[source] = 0, self.probe_every
+                continue
+            self._idle[source] += 1
+            if self._idle[source] >= self._interval[source]:
+                self._idle[source] = 0
+                self._interval[source] = min(2 * self._interval[source], self.probe_max)
+                if source == "head":
+                    plan = Plan(self.max_depth, self.head_nodes(self.max_depth), plan.lookup, probe=True)
+                else:
+                    plan = Plan(plan.head_depth, plan.head_nodes, lookup_available, probe=True)
+        return plan
+
+    def record(self, plan: Plan, head_accepted: int, lookup_accepted: int, ngram: int) -> None:
+        """Update the request's acceptance estimates after a round drafted `plan`: how deep the
+        accepted path ran through the head's nodes and through the lookup chain's."""
+        if plan.head_depth:
+            self.head.update(plan.head_depth, head_accepted)
+        if plan.lookup:
+            self._lookup_rates(ngram).update(plan.lookup, lookup_accepted)
+        if plan.probe:  # a probe that was accepted at all: probe again soon
+            for source, accepted in (("head", head_accepted), ("lookup", lookup_accepted)):
+                if accepted:
+                    self._interval[source] = self.probe_every

@@ -1,0 +1,128 @@
+"""The cost-aware planner (runtime/planner.py): expected committed tokens per second decides
+each round's draft, down to a vanilla step; unused sources are re-probed; costs interpolate."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle_deploy.runtime.planner import CostModel, DraftPlanner, growth_nodes
+
+# a CPU-like curve: a 1-token forward 10 ms, +1 ms per extra row; a draft forward 2 ms
+CPU = CostModel({0: {1: 0.010, 2: 0.011, 4: 0.013, 8: 0.017, 16: 0.025}}, {0: 0.002})
+
+
+def planner(**kw):
+    args = dict(max_depth=3, total_tokens=6, top_k=2, max_lookup=4, costs=CPU)
+    args.update(kw)
+    return DraftPlanner(**args)
+
+
+def feed(p, rounds, head_accepted, lookup_accepted=0, lookup_available=0):
+    for _ in range(rounds):
+        plan = p.choose(lookup_available)
+        p.record(plan, head_accepted if plan.head_depth else 0, lookup_accepted if plan.lookup else 0, 1)
+    return plan
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    assert CPU.verify(1) == pytest.approx(0.010)
+    assert CPU.verify(3) == pytest.approx(0.012)
+    assert CPU.verify(24) == pytest.approx(0.025 + 8 * 0.001)  # slope of the last segment
+    assert CostModel({0: {5: 0.02}}, {}).verify(9) == pytest.approx(0.02)
+    assert CostModel({0: {5: 0.02}}, {}).draft(100) == 0.0
+    with pytest.raises(ValueError, match="at least one"):
+        CostModel({}, {})
+
+
+def test_costs_grow_with_the_context():
+    """Two measured pasts: linear between them, extrapolated beyond; a wide tree dearer at a
+    long past, as attention over the cache makes it."""
+    costs = CostModel({64: {1: 0.010, 9: 0.013}, 1024: {1: 0.020, 9: 0.040}}, {64: 0.002, 1024: 0.004})
+    assert costs.verify(9, 544) == pytest.approx((0.013 + 0.040) / 2)
+    assert costs.verify(9, 2048) == pytest.approx(0.040 + 1024 * (0.027 / 960))
+    assert costs.draft(544) == pytest.approx(0.003)
+    assert costs.verify(9, 1024) / costs.verify(1, 1024) > costs.verify(9, 64) / costs.verify(1, 64)
+    back = CostModel.from_json(json.loads(json.dumps(costs.to_json())))
+    assert back.verify(5, 700) == pytest.approx(costs.verify(5, 700))
+    assert back.draft(10) == pytest.approx(costs.draft(10))
+
+
+def test_a_long_context_makes_wide_trees_lose():
+    costs = CostModel({0: {1: 0.010, 6: 0.011}, 1000: {1: 0.020, 6: 0.060}}, {0: 0.001, 1000: 0.001})
+    p = planner(costs=costs)
+    short = run(p, 30, head_accepted=1)
+    long = [p.choose(0, past=1000) for _ in range(5)]
+    assert short[-1].head_depth >= 1
+    assert all(x.head_nodes <= 2 for x in long if not x.probe)
+
+
+def test_tuning_curves_become_a_cost_model():
+    costs = CostModel.from_tuning({"target_ms": {"1": 10.0, "8": 17.0}, "draft_ms": {"2": 2.5, "1": 2.0},
+                                   "past": 256})
+    assert costs.verify(1) == pytest.approx(0.010) and costs.draft() == pytest.approx(0.002)
+    assert CostModel.from_tuning({"target_ms": {"1": 10.0}}) is None
+
+
+def run(p, rounds, head_accepted, lookup_accepted=0, lookup_available=0):
+    plans = []
+    for _ in range(rounds):
+        plans.append(p.choose(lookup_available))
+        p.record(plans[-1], head_accepted if plans[-1].head_depth else 0,
+                 lookup_accepted if plans[-1].lookup else 0, 1)
+    return plans
+
+
+def test_a_head_that_is_always_rejected_gives_vanilla_steps():
+    p = planner()
+    plans = run(p, 200, head_accepted=0)
+    late = plans[100:]
+    # a probe now and then, and a round whenever the faded evidence is back near the prior
+    assert sum(x.drafts for x in late) <= 10, [i for i, x in enumerate(late) if x.drafts]
+    assert sum(x.expected == pytest.approx(1.0) for x in late if not x.drafts) >= 90
+
+
+def test_a_head_that_is_always_accepted_drafts_its_full_tree():
+    p = planner()
+    plan = feed(p, 30, head_accepted=3)
+    assert (plan.head_depth, plan.head_nodes) == (3, 5)
+    assert plan.expected > 3.5 and plan.seconds == pytest.approx(3 * 0.002 + CPU.verify(6))
+
+
+def test_expensive_drafting_stops_even_a_good_head():
+    costly = CostModel({0: {1: 0.010, 6: 0.040}}, {0: 0.05})  # a draft forward costs five target forwards
+    p = planner(costs=costly)
+    assert not feed(p, 30, head_accepted=2).drafts
+
+
+def test_a_reliable_lookup_is_drafted_alone_when_the_head_fails():
+    p = planner()
+    plan = feed(p, 40, head_accepted=0, lookup_accepted=4, lookup_available=4)
+    assert plan.head_depth == 0 and plan.lookup == 4
+
+
+def test_the_head_is_re_probed_with_growing_intervals():
+    p = planner(probe_every=2, probe_max=8)
+    plans = run(p, 120, head_accepted=0)
+    starts = [i for i, x in enumerate(plans) if x.probe]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(starts) >= 10 and all(x.head_depth == 3 for x in plans if x.probe)
+    assert gaps == sorted(gaps) and gaps[0] < gaps[-1] <= 8 + 1  # doubling from 2, capped at 8
+
+
+def test_a_request_that_becomes_predictable_gets_its_trees_back():
+    p = planner(probe_every=2)
+    assert not feed(p, 20, head_accepted=0).drafts
+    assert feed(p, 40, head_accepted=3).head_depth == 3
+
+
+def test_reset_forgets_the_request_but_not_the_costs():
+    p = planner()
+    feed(p, 30, head_accepted=0)
+    p.reset()
+    assert p.costs is CPU and p.head.tried.sum() == 0
+
+
+def test_growth_nodes_counts_the_eagle2_growth():
+    assert [growth_nodes(2, d) for d in range(4)] == [0, 2, 6, 10]
+    assert [growth_nodes(1, d) for d in range(4)] == [0, 1, 2, 3]
