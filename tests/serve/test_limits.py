@@ -182,6 +182,27 @@ def test_huge_prompt_is_refused_from_a_prefix(server, reference):
     assert scheduler(server).submitted == submitted
 
 
+def test_compressive_text_is_refused_from_a_longer_prefix():
+    """Text that packs many characters into each token: prefixes 4 times longer each time,
+    never the whole text."""
+    from eagle_deploy.serve.app import PREFIX_CHARS_PER_TOKEN, Frontend
+    from eagle_deploy.serve.protocol import parse_completion
+
+    seen = []
+
+    class Packed:  # one token per 64 characters
+        def encode(self, text, **kw):
+            seen.append(len(text))
+            return [1] * (len(text) // 64)
+
+    frontend = Frontend(Packed(), 256, 1000)
+    with pytest.raises(Exception) as info:
+        frontend.prompt_ids(parse_completion({"model": MODEL, "prompt": " " * 2_000_000}))
+    assert info.value.code == "context_length_exceeded"
+    cut = 256 * PREFIX_CHARS_PER_TOKEN
+    assert seen == [cut, 4 * cut, 16 * cut]  # 64, 256, then 1024 tokens: over 256 + 8
+
+
 # ---- 2. a queued client that gives up frees its place at once -------------------------------
 
 def test_queued_clients_that_give_up_free_their_places_at_once(server, faults, long_prompt):

@@ -73,8 +73,8 @@ class Frontend:
     thread: the tokenizer is used by one thread at a time), off the event loop.
 
     A text longer than max_length * PREFIX_CHARS_PER_TOKEN characters is first tokenised on
-    that prefix alone: if the prefix already passes the capacity (with a margin for the word
-    the cut splits) the request is refused without tokenising the rest."""
+    prefixes of it (`_check_prefix`): once a prefix passes the capacity the request is refused
+    without tokenising the rest."""
 
     def __init__(self, tokenizer, max_length: int, vocab: int):
         self.tokenizer, self.max_length, self.vocab = tokenizer, max_length, vocab
@@ -102,12 +102,16 @@ class Frontend:
 
     def _check_prefix(self, text: str, param: str) -> None:
         """Refuse a text whose first max_length * PREFIX_CHARS_PER_TOKEN characters alone
-        encode to more tokens than fit (+ 8 for the cut), without tokenising the rest."""
+        encode to more tokens than fit (+ 8 for the word the cut splits), without tokenising
+        the rest; a prefix that fits is tried again 4 times longer (text that packs many
+        characters into a token, such as runs of spaces), so at most 4/3 of what refuses it is
+        tokenised."""
         cut = self.max_length * PREFIX_CHARS_PER_TOKEN
-        if len(text) > cut:
+        while len(text) > cut:
             n = len(self.tokenizer.encode(text[:cut], add_special_tokens=False))
             if n >= self.max_length + 8:
                 raise self._too_long(n - 8, param, at_least=True)
+            cut *= 4
 
     def prompt_ids(self, req: CompletionRequest) -> list[int]:
         param = req.prompt_param
