@@ -208,7 +208,7 @@ class EagleRuntime:
         if self.planned and self.costs is None and not (self.drafter_kind == "eagle" and head is None):
             self.costs = device_costs(self.manifest, self.tree, self.decoder.target, draft, self.folder,
                                       getattr(self.decoder.target, "threads", None))
-        return make_drafter(self.drafter_kind, head, self.tree, self.planned, self.costs)
+        return make_drafter(self.drafter_kind, head, self.tree, self.planned, self.costs, self.decoder.row_exact)
 
     @classmethod
     def load(cls, folder, backend: str = "ort", tree: TreeConfig | None = None, threads: int | None = None,

@@ -284,7 +284,7 @@ class BatchEngine:
             if drafter_kind != "lookup":
                 eagle = EagleDrafter.for_export(SlotBackend(self, "draft", b), tree, manifest)
                 eagle = _LoadTrees(eagle, self) if shrink_trees else eagle
-            return wrap(b, make_drafter(drafter_kind, eagle, tree, planned, self.costs))
+            return wrap(b, make_drafter(drafter_kind, eagle, tree, planned, self.costs, self._row_exact))
 
         self.runtimes = [EagleRuntime(folder, manifest, SlotBackend(self, "target", b), None, tokenizer, tree,
                                       acceptance, threshold, drafter(b), observers(b), row_exact, drafter_kind,

@@ -48,18 +48,20 @@ class HybridDrafter:
     one exposing `.tree`, `.propose`, `.reset`, `.forwards`) and an optional context lookup.
 
     tree: the head's configured tree (the largest plan); planned: choose each round's plan
-    (DraftPlanner; needs `costs`, the device's CostModel) or always draft everything. Raises
+    (DraftPlanner; needs `costs`, the device's CostModel) or always draft everything; one_path:
+    the decoder is row-exact (DraftPlanner's one_path). Raises
     ValueError with neither source, or planned without costs."""
 
     def __init__(self, head, lookup: ContextLookup | None, tree: TreeConfig | None, planned: bool = True,
-                 costs: CostModel | None = None, max_lookup: int = MAX_LOOKUP):
+                 costs: CostModel | None = None, max_lookup: int = MAX_LOOKUP, one_path: bool = False):
         if head is None and lookup is None:
             raise ValueError("HybridDrafter needs a head, a lookup, or both")
         if planned and costs is None:
             raise ValueError("a planned HybridDrafter needs the device's CostModel (planner.measure_costs)")
         self.head, self.lookup, self.planned = head, lookup, planned
         depth, total, top_k = (0, 1, 1) if head is None else (tree.depth, tree.total_tokens, tree.top_k)
-        self.planner = DraftPlanner(depth, total, top_k, max_lookup if lookup is not None else 0, costs)
+        self.planner = DraftPlanner(depth, total, top_k, max_lookup if lookup is not None else 0, costs,
+                                    one_path=one_path)
         self.static = head is not None and tree.kind == "static"
         self.reset()
 
@@ -171,11 +173,12 @@ def merge_chain(tree: DraftTree, origin: np.ndarray, chain: list[int], scores: n
     return DraftTree(np.array(tokens), np.array(parents), np.array(node_scores)), np.array(origin, np.int64)
 
 
-def make_drafter(kind: str, head, tree: TreeConfig, planned: bool = True, costs: CostModel | None = None):
+def make_drafter(kind: str, head, tree: TreeConfig, planned: bool = True, costs: CostModel | None = None,
+                 one_path: bool = False):
     """The drafter of `kind` ("hybrid", "eagle", "lookup") over `head` (an EagleDrafter or a
     wrapper of one; None for "lookup"). "eagle" with planned=False is `head` itself (the
     configured tree every round). Raises ValueError on an unknown kind, or a head-based kind
-    without a head."""
+    without a head. one_path: the decoder is row-exact (HybridDrafter)."""
     check_drafter_kind(kind)
     if kind == "eagle" and not planned:
         return head
@@ -183,7 +186,7 @@ def make_drafter(kind: str, head, tree: TreeConfig, planned: bool = True, costs:
         head = None
     elif head is None:
         raise ValueError(f"the {kind!r} drafter needs the draft graph")
-    return HybridDrafter(head, ContextLookup() if kind != "eagle" else None, tree, planned, costs)
+    return HybridDrafter(head, ContextLookup() if kind != "eagle" else None, tree, planned, costs, one_path=one_path)
 
 
 def head_of(drafter):

@@ -8,6 +8,8 @@ request), counting the two sources as independent:
 
     E[tau](D, L) = 1 + sum_{d=1}^{max(D, L)} 1 - (1 - P_h(d) [d <= D]) (1 - P_l(d) [d <= L])
 
+(with row-exact decoding, which accepts along one path only, max(P_h(d), P_l(d)) instead).
+
 Cost of a plan: D draft forwards (one extension + D - 1 expansions) at the measured seconds
 per draft forward, plus the measured seconds of a round that verifies the plan's tree size
 (`CostModel`: measured once per runtime, interpolated between sizes). The plan
@@ -192,13 +194,16 @@ class DraftPlanner:
     """Chooses each round's `Plan` (module doc).
 
     max_depth / total_tokens / top_k: the configured head tree (its largest plan; 0 depth: no
-    head); max_lookup: longest lookup chain. costs: the device's CostModel. Per-request
+    head); max_lookup: longest lookup chain. costs: the device's CostModel. one_path: the
+    decoder accepts only along one path past depth 1 (row-exact decoding, decode.Decoder), so
+    two sources do not add up: E counts the likelier of the two at each depth. Per-request
     acceptance state is reset by `reset()`."""
 
     def __init__(self, max_depth: int, total_tokens: int, top_k: int, max_lookup: int, costs: CostModel | None,
                  prior: float = 0.6, weight: float = 2.0, decay: float = 0.95, probe_every: int = 4,
-                 probe_max: int = 64):
+                 probe_max: int = 64, one_path: bool = False):
         self.max_depth, self.total_tokens, self.top_k, self.max_lookup = max_depth, total_tokens, top_k, max_lookup
+        self.one_path = one_path
         self.costs = costs
         self.prior, self.weight, self.decay = prior, weight, decay
         self.probe_every, self.probe_max = probe_every, probe_max
@@ -234,7 +239,10 @@ class DraftPlanner:
                 h[:D + 1] = head_reach[:D + 1]
                 look = np.zeros(deep + 1)
                 look[:L + 1] = look_reach[:L + 1]
-                expected = 1.0 + float(np.sum(1.0 - (1.0 - h[1:]) * (1.0 - look[1:])))
+                if self.one_path:  # row-exact decoding accepts past depth 1 only along the top path
+                    expected = 1.0 + float(np.sum(np.maximum(h[1:], look[1:])))
+                else:
+                    expected = 1.0 + float(np.sum(1.0 - (1.0 - h[1:]) * (1.0 - look[1:])))
                 nodes = 1 + self.head_nodes(D) + L
                 seconds = D * draft_s + self.costs.verify(nodes, past)
                 plan = Plan(D, self.head_nodes(D), L, expected, seconds)
