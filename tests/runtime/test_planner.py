@@ -126,3 +126,20 @@ def test_reset_forgets_the_request_but_not_the_costs():
 def test_growth_nodes_counts_the_eagle2_growth():
     assert [growth_nodes(2, d) for d in range(4)] == [0, 2, 6, 10]
     assert [growth_nodes(1, d) for d in range(4)] == [0, 1, 2, 3]
+
+
+def test_one_path_decoding_drafts_one_source_where_two_would_not_add_up():
+    """Head and lookup each accepted about half the time: adding both pays when either path
+    can be accepted, not when only the top one can (row-exact decoding)."""
+    mixed, cheap = {}, CostModel({0: {1: 0.010, 16: 0.013}}, {0: 0.0005})
+    for one_path in (False, True):
+        p = planner(one_path=one_path, costs=cheap)
+        rng = __import__("numpy").random.default_rng(0)
+        plans = []
+        for _ in range(200):
+            plan = p.choose(4)
+            plans.append(plan)
+            p.record(plan, int(rng.integers(0, 4)) if plan.head_depth else 0,
+                     int(rng.integers(0, 5)) if plan.lookup else 0, 1)
+        mixed[one_path] = sum(x.head_depth > 0 and x.lookup > 0 for x in plans[50:] if not x.probe)
+    assert mixed[False] >= 30 and mixed[True] == 0, mixed
