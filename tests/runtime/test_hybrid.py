@@ -218,3 +218,24 @@ def test_sampling_over_mixed_head_and_lookup_siblings_follows_the_target(v16):
     bound = tv_noise(joint.ravel(), N_MIXED)
     assert p > 1e-3 and tv < bound, f"chi-square p={p:.2e}, TV={tv:.4f} (exact-sampler 99.9% TV {bound:.4f})"
     assert drafter.mixed > 0.3 * drafter.rounds  # lookup and head siblings really were verified together
+
+
+def test_device_costs_are_measured_once_and_cached(mha, tmp_path, monkeypatch):
+    """The first planned runtime measures and caches; the next one (another process alike)
+    reads the same costs; a damaged entry is measured again; tuning curves take precedence."""
+    from eagle_deploy.runtime import api
+
+    monkeypatch.setenv("EAGLE_DEPLOY_CACHE", str(tmp_path / "cache"))
+    calls = []
+    real = api.measure_costs
+    monkeypatch.setattr(api, "measure_costs", lambda *a, **k: calls.append(k) or real(*a, **k))
+    first = mha.runtime(drafter_kind="hybrid", planned=True).costs
+    (entry,) = (tmp_path / "cache" / "costs").glob("*.json")
+    second = mha.runtime(drafter_kind="hybrid", planned=True).costs
+    assert len(calls) == 1 and second.to_json() == first.to_json()
+    assert len(first.pasts) == 2 and first.pasts[0] == 64 < first.pasts[1]  # two context lengths measured
+    entry.write_text("{not json")
+    mha.runtime(drafter_kind="hybrid", planned=True)
+    assert len(calls) == 2 and CostModel.from_json(__import__("json").loads(entry.read_text()))
+    assert mha.runtime().costs is None  # the plain EAGLE tree plans nothing, measures nothing
+    assert len(calls) == 2

@@ -115,7 +115,10 @@ def device_costs(manifest: Manifest, tree: TreeConfig, target: Backend, draft: B
         try:
             return CostModel.from_json(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError, AttributeError, OSError):
-            pass  # a damaged or older cache entry is measured again
+            try:  # a damaged or older cache entry is measured again
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
     full = tree.total_tokens + MAX_LOOKUP
     sizes = [s for s in (1, 2, 4, 8, 16, 32) if s < full] + [full]
     head = manifest.draft.head
