@@ -27,6 +27,9 @@ stats, flagged FINAL. Exactly one FINAL flag per request. A bad request (empty t
 max_tokens < 1, a NaN temperature, ...) gets one error response flagged FINAL; the instance
 keeps serving. A cancelled request (client gone: `response_sender.is_cancelled()`, polled every
 `cancel_poll_s`) stops decoding and gets a bare FINAL flag. The sender is dropped after FINAL.
+A wedged decode worker (nothing from it for `stall_timeout_s` while a request runs, or no end
+`cancel_grace_s` after a cancel) is killed: that request gets an error response flagged FINAL
+and the next request starts a fresh worker, so the instance never hangs on it.
 """
 import json
 import os
@@ -44,6 +47,7 @@ OUTPUT_DTYPES = {"text_output": np.object_, "finish_reason": np.object_, "stats"
 PARAMETER_DEFAULTS = {"engines": "", "worker_python": sys.executable, "worker_pythonpath": "", "backend": "auto",
                       "threads": "auto", "tree": "", "acceptance": "lossless", "threshold": "0.3", "drafter": "",
                       "default_max_tokens": "128", "load_timeout_s": "900", "cancel_poll_s": "0.05",
+                      "stall_timeout_s": "600", "cancel_grace_s": "10",
                       # contract.tree_config.DEFAULT_DRAFTER (this file runs in the stub's venv, without the package)
                       "drafter_kind": "hybrid", "always_draft": "false"}
 
@@ -54,6 +58,10 @@ class BadRequest(ValueError):
 
 class WorkerGone(RuntimeError):
     """The decode worker exited or broke the protocol."""
+
+
+class WorkerStalled(WorkerGone):
+    """The decode worker is alive but wedged: silent too long, or deaf to a cancel."""
 
 
 def parameters(model_config: dict) -> dict:
@@ -206,6 +214,7 @@ class TritonPythonModel:
             threads = str(max(1, cores // count))
         self.default_max_tokens = int(p["default_max_tokens"])
         self.cancel_poll_s = float(p["cancel_poll_s"])
+        self.stall_timeout_s, self.cancel_grace_s = float(p["stall_timeout_s"]), float(p["cancel_grace_s"])
         worker_config = {"engines": engines, "backend": p["backend"], "threads": int(threads),
                          "tree": json.loads(p["tree"]) if p["tree"] else None, "acceptance": p["acceptance"],
                          "threshold": float(p["threshold"]), "drafter": p["drafter"], "name": self.name,
@@ -268,23 +277,35 @@ class TritonPythonModel:
         except WorkerGone as err:
             pb_utils.Logger.log_error(f"{self.name}: {err}; restarting it for the next request")
             if self.worker is not None:
-                self.worker.close(timeout=1.0)
+                self.worker.close(timeout=0.0 if isinstance(err, WorkerStalled) else 1.0)
             self.worker = None
             sender.send(error_response(f"internal error: {err}"), flags=final)
 
     def _relay(self, rid: int, stream: bool, prefix: str, sender) -> None:
         """Forward the worker's messages for request `rid` until its closing message; poll
-        `sender.is_cancelled()` meanwhile and forward a cancel once."""
+        `sender.is_cancelled()` meanwhile and forward a cancel once. Raises WorkerStalled when
+        the worker sends nothing for stall_timeout_s, or does not end the request within
+        cancel_grace_s of the cancel."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        cancel_sent, polled = False, 0.0
+        cancel_sent, polled, cancelled_at = False, 0.0, 0.0
+        heard = time.monotonic()  # the worker's last message
         while True:
+            now = time.monotonic()
+            if now - heard > self.stall_timeout_s:
+                raise WorkerStalled(f"the decode worker sent nothing for {self.stall_timeout_s:g} s "
+                                    "(stall_timeout_s)")
+            if cancel_sent and now - cancelled_at > self.cancel_grace_s:
+                raise WorkerStalled(f"the decode worker did not stop within {self.cancel_grace_s:g} s of a cancel "
+                                    "(cancel_grace_s)")
             # poll before waiting, so a client already gone is seen before the worker can finish
             if not cancel_sent and time.monotonic() - polled >= self.cancel_poll_s:  # one IPC per poll
                 polled = time.monotonic()
                 if sender.is_cancelled():
                     self.worker.send({"op": "cancel", "id": rid})
-                    cancel_sent = True
+                    cancel_sent, cancelled_at = True, time.monotonic()
             msg = self.worker.read(self.cancel_poll_s)
+            if msg is not None:
+                heard = time.monotonic()
             if msg is None or msg.get("id") != rid:
                 continue  # poll timeout, or a late message of an earlier request
             if "delta" in msg:
