@@ -427,17 +427,26 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
     DestinationBusyError (a FileExistsError: another process is exporting the same folder),
     OSError (a destination that cannot be written: read-only, full; contract.cli_args.disk_error)."""
     plan = resolve_inputs(model, draft, out_root, options, progress)
+    created = not Path(out_root).exists()
     Path(out_root).mkdir(parents=True, exist_ok=True)
-    with destination_lock(plan.out):  # before the models load: a busy or read-only destination fails at once
-        models = load_models(plan, options, progress)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{plan.out.name}.partial-", dir=out_root))
-        try:
-            target_entry, draft_entry, tokenizer = build_graphs(plan, models, options, tmp, progress)
-            plan = replace(plan, tree=tree_for(options, plan.dtype, target_entry.kv_layout))  # the graph kind made
-            target_entry, draft_entry, notes = quantise_graphs(target_entry, draft_entry, options, tmp, progress)
-            shared = share_graph_weights(target_entry, draft_entry, models.dims, options, tmp, progress)
-            write_manifest(plan, models, target_entry, draft_entry, tokenizer, notes, tmp, progress, shared)
-            publish_folder(tmp, plan.out, replace=options.force)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with destination_lock(plan.out):  # before the models load: a busy or read-only destination fails at once
+            models = load_models(plan, options, progress)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{plan.out.name}.partial-", dir=out_root))
+            try:
+                target_entry, draft_entry, tokenizer = build_graphs(plan, models, options, tmp, progress)
+                plan = replace(plan, tree=tree_for(options, plan.dtype, target_entry.kv_layout))  # the graph kind made
+                target_entry, draft_entry, notes = quantise_graphs(target_entry, draft_entry, options, tmp, progress)
+                shared = share_graph_weights(target_entry, draft_entry, models.dims, options, tmp, progress)
+                write_manifest(plan, models, target_entry, draft_entry, tokenizer, notes, tmp, progress, shared)
+                publish_folder(tmp, plan.out, replace=options.force)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        if created:  # a failed export leaves no --out folder it made itself
+            try:
+                Path(out_root).rmdir()
+            except OSError:
+                pass
+        raise
     return plan.out
