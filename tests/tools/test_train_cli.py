@@ -124,3 +124,55 @@ def test_bad_data_and_draft_vocab_fail_before_any_stage(gqa, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "--draft-vocab 999999 must be in [1, 256]" in err
     assert not (work / "data").exists() and not (work / cli.FEATURES_FILE).exists()
+
+
+def test_prompt_files_in_the_usual_chat_layouts(tmp_path):
+    from eagle_deploy.train.data import read_jsonl
+
+    rows = [{"prompt": "plain one", "category": "qa"},
+            {"conversations": [{"from": "system", "value": "be nice"}, {"from": "human", "value": "sharegpt one"},
+                               {"from": "gpt", "value": "an answer"}]},
+            {"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "openai one"}],
+             "source": "oasst"}]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    array = tmp_path / "p.json"
+    array.write_text(json.dumps(rows))
+    for path in (jsonl, array):
+        got = read_jsonl(path)
+        assert [r["prompt"] for r in got] == ["plain one", "sharegpt one", "openai one"]
+        assert [r["category"] for r in got] == ["qa", "default", "oasst"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"conversations": [{"from": "gpt", "value": "a"}]}))
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: no user turn"):
+        read_jsonl(bad)
+    bad.write_text("{oops\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: not JSON"):
+        read_jsonl(bad)
+
+
+def test_decontamination_drops_prompts_that_share_13_words_with_an_evaluation_set(tmp_path):
+    from eagle_deploy.train.data import decontaminate, evaluation_texts
+
+    spec = tmp_path / "question.jsonl"
+    quote = "the quick brown fox jumps over the lazy dog while thirteen words make a gram here"
+    spec.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": [f"Q: {quote}?", "second turn"]}) + "\n")
+    texts = evaluation_texts([spec])
+    assert any(quote in t for t in texts) and "second turn" in texts
+    prompts = [{"prompt": f"Please answer: {quote.upper()} now", "category": "qa"},
+               {"prompt": "the quick brown fox jumps over the lazy dog", "category": "qa"},  # 9 words only
+               {"prompt": "write code", "category": "code"}]
+    kept, dropped = decontaminate(prompts, texts)
+    assert [p["prompt"] for p in kept] == [prompts[1]["prompt"], "write code"] and dropped == {"qa": 1}
+
+
+def test_the_train_log_counts_sequences_by_category(gqa, tmp_path, capsys):
+    path = tmp_path / "cats.jsonl"
+    rows = [{"prompt": f"count to {i} please", "category": "math" if i % 2 else "chat"} for i in range(6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, work = tmp_path / "head", tmp_path / "work"
+    log = _train(gqa, path, out, work, capsys)
+    by = json.loads((out / "train_log.json").read_text())["data"]["by_category"]
+    assert {c: v["sequences"] for c, v in by.items()} == {"chat": 3, "math": 3}
+    assert all(v["response_tokens"] > 0 for v in by.values())
+    assert "data by category: chat 3 seq /" in log

@@ -230,7 +230,7 @@ class DraftPlanner:
             rates.fade()
         draft_s = self.costs.draft(past) if self.max_depth else 0.0
         head_reach = self.head.reach(self.max_depth)
-        look_reach = self._lookup_rates(ngram).reach(lookup_available)
+        look_reach = self.lookup_rates(ngram).reach(lookup_available)
         best = None
         for D in range(self.max_depth + 1):
             for L in range(lookup_available + 1):
@@ -250,7 +250,9 @@ class DraftPlanner:
                     best = plan
         return self._probed(best, lookup_available)
 
-    def _lookup_rates(self, ngram: int) -> _DepthRates:
+    def lookup_rates(self, ngram: int) -> _DepthRates:
+        """The lookup's acceptance estimates for matches of an `ngram`-token suffix (a longer
+        match is usually a surer continuation, so each length keeps its own)."""
         return self.lookup[min(max(ngram, 1), 8)]
 
     def _probed(self, plan: Plan, lookup_available: int) -> Plan:
@@ -276,7 +278,7 @@ class DraftPlanner:
         if plan.head_depth:
             self.head.update(plan.head_depth, head_accepted)
         if plan.lookup:
-            self._lookup_rates(ngram).update(plan.lookup, lookup_accepted)
+            self.lookup_rates(ngram).update(plan.lookup, lookup_accepted)
         if plan.probe:  # a probe that was accepted at all: probe again soon
             for source, accepted in (("head", head_accepted), ("lookup", lookup_accepted)):
                 if accepted:

@@ -58,7 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-quick",
                    help="settings bundle: cpu-quick (~30 min on 2 CPU cores, 900 prompts) or gpu (all prompts, sampled "
                         "answers too, 3-step unrolling); any flag below overrides one value (default: cpu-quick)")
-    p.add_argument("--prompts", default="train", help="'train' (data/prompts/train_prompts.jsonl) or a JSONL file")
+    p.add_argument("--prompts", default="train",
+                   help="'train' (data/prompts/train_prompts.jsonl) or a prompt file: JSONL (or a JSON array) of "
+                        "{\"prompt\": ...}, ShareGPT {\"conversations\": [{\"from\", \"value\"}]} or OpenAI "
+                        "{\"messages\": [{\"role\", \"content\"}]} records (the first user turn; an optional "
+                        "\"category\" is counted in the log)")
+    p.add_argument("--decontaminate", type=Path, action="append", default=[], metavar="FILE",
+                   help="also drop training prompts sharing a 13-word n-gram with the prompts of FILE (e.g. "
+                        "Spec-Bench's question.jsonl; repeatable). HumanEval and the chat evaluation set are "
+                        "always checked")
     p.add_argument("--data", type=Path, nargs="*", default=None,
                    help="existing token-data .npz files to train on (skips generation)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -107,6 +115,7 @@ class Session:
     device: str
     work: Path
     log_lines: list = field(default_factory=list)
+    by_category: dict = field(default_factory=dict)  # {category: {"sequences", "response_tokens"}} of the data
 
     def log(self, msg: str) -> None:
         from tqdm import tqdm
@@ -196,6 +205,7 @@ def load_or_generate_data(session: Session, hf, tokenizer, eos):
         keep = np.sort(np.random.default_rng(session.args.seed).choice(len(data), n, replace=False))
         data = data.subset(keep)
         session.log(f"data: a random subset of {len(data)} sequences, {data.response_tokens} response tokens")
+    session.by_category = log_categories(data, session.log)
     return data
 
 
@@ -296,7 +306,8 @@ def write_head(session: Session, checkpoint, hf, head, data, history, timings: d
     card = {"target": {"spec": args.model, "source": str(checkpoint.source),
                        "sha256": sha256_file(checkpoint.source) if checkpoint.source.is_file() else None},
             "settings": session.settings, "train": history, "timings_s": timings,
-            "data": {"sequences": len(data), "response_tokens": data.response_tokens, "device": session.device}}
+            "data": {"sequences": len(data), "response_tokens": data.response_tokens, "device": session.device,
+                     "by_category": session.by_category}}
     (args.out / "train_log.json").write_text(json.dumps(card, indent=2) + "\n")
     session.log(f"head written to {args.out} (total {timings['total_s']} s)")
     (args.out / "train_log.txt").write_text("\n".join(session.log_lines) + "\n")
@@ -307,9 +318,12 @@ def _generate(args, s, hf, tokenizer, eos, device, work: Path, log):
     import numpy as np
     from tqdm import tqdm
 
-    from .data import TokenData, generate_data, prompt_set
+    from .data import TokenData, decontaminate, evaluation_texts, generate_data, prompt_set
 
-    prompts = prompt_set(args.prompts)
+    prompts, dropped = decontaminate(prompt_set(args.prompts), evaluation_texts(args.decontaminate))
+    if dropped:
+        log(f"decontamination: dropped {sum(dropped.values())} prompt(s) sharing a 13-word n-gram with an "
+            f"evaluation set ({', '.join(f'{c} {k}' for c, k in sorted(dropped.items()))})")
     # mix categories across chunks
     prompts = [prompts[i] for i in np.random.default_rng(args.seed).permutation(len(prompts))]
     if s["limit"]:
@@ -339,6 +353,16 @@ def _generate(args, s, hf, tokenizer, eos, device, work: Path, log):
     data = TokenData.concat(done)
     log(f"data: {len(data)} sequences, {data.response_tokens} response tokens")
     return data
+
+
+def log_categories(data, log) -> dict:
+    """One log line of sequences and response tokens per prompt category; returns them."""
+    from .data import category_counts
+
+    counts = category_counts(data)
+    log("data by category: " + ", ".join(f"{c} {v['sequences']} seq / {v['response_tokens']} tok"
+                                         for c, v in counts.items()))
+    return counts
 
 
 def _save_token_counts(data, vocab: int, out: Path) -> None:

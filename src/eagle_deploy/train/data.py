@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -25,19 +26,110 @@ PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"  # eva
 TRAIN_PROMPTS = Path(__file__).resolve().parents[3] / "data" / "prompts" / "train_prompts.jsonl"
 
 
+USER_ROLES = {"user", "human"}
+
+
+def _first_user_turn(turns, key_role: str, key_text: str, where: str) -> str:
+    for turn in turns:
+        if isinstance(turn, dict) and str(turn.get(key_role, "")).lower() in USER_ROLES:
+            text = turn.get(key_text)
+            if isinstance(text, str) and text.strip():
+                return text
+    raise ValueError(f"{where}: no user turn with text")
+
+
+def prompt_of(row: dict, where: str) -> str:
+    """The prompt of one record: "prompt" (this project's layout), ShareGPT's "conversations"
+    ([{"from": "human"|"gpt", "value"}]) or OpenAI's "messages" ([{"role", "content"}]); for the
+    chat layouts the first user turn (self-distillation regenerates the answers with the target
+    itself). Raises ValueError naming `where` (file:line) otherwise."""
+    if isinstance(row.get("prompt"), str):
+        return row["prompt"]
+    if isinstance(row.get("conversations"), list):
+        return _first_user_turn(row["conversations"], "from", "value", where)
+    if isinstance(row.get("messages"), list):
+        return _first_user_turn(row["messages"], "role", "content", where)
+    raise ValueError(f"{where}: no 'prompt', 'conversations' (ShareGPT) or 'messages' (OpenAI) field")
+
+
 def read_jsonl(path: Path) -> list[dict]:
-    """One JSON object per line, each with at least "prompt"; "id"/"category" are filled in."""
+    """Prompt records from a JSONL file (one object per line) or a JSON array (ShareGPT dumps),
+    each in a layout `prompt_of` reads; -> [{"id", "category", "prompt", ...}] ("id"/"category"
+    are filled in: file stem + line, "default"). Raises ValueError naming the line."""
+    text = Path(path).read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        records = [(f"{path}:{n + 1}", r) for n, r in enumerate(json.loads(text))]
+    else:
+        records = []
+        for n, line in enumerate(text.splitlines()):
+            if line.strip():
+                try:
+                    records.append((f"{path}:{n + 1}", json.loads(line)))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{n + 1}: not JSON ({err.msg})") from None
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f):
+    for n, (where, row) in enumerate(records):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: not a JSON object")
+        row = dict(row)
+        row["prompt"] = prompt_of(row, where)
+        row.setdefault("id", f"{Path(path).stem}-{n}")
+        row.setdefault("category", row.get("source") or "default")
+        rows.append(row)
+    return rows
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def ngrams(text: str, n: int = 13) -> set[tuple[str, ...]]:
+    """Word n-grams of `text` (lower-cased \\w+ runs; the whole text when it has fewer words)."""
+    w = _words(text)
+    return {tuple(w[i:i + n]) for i in range(max(1, len(w) - n + 1))} if w else set()
+
+
+def decontaminate(prompts: list[dict], against: list[str], n: int = 13) -> tuple[list[dict], dict[str, int]]:
+    """Drop training prompts that share a word `n`-gram (13, as GPT-3's and the Spec-Bench-era
+    decontamination rules) with any evaluation text in `against`. Returns (kept prompts,
+    {category: dropped count})."""
+    banned: set = set()
+    for text in against:
+        banned |= ngrams(text, n)
+    kept, dropped = [], {}
+    for row in prompts:
+        if ngrams(row["prompt"], n) & banned:
+            dropped[row.get("category", "default")] = dropped.get(row.get("category", "default"), 0) + 1
+        else:
+            kept.append(row)
+    return kept, dropped
+
+
+def evaluation_texts(extra: Sequence[Path] = ()) -> list[str]:
+    """The texts training prompts must not overlap: HumanEval (when installed), the project's
+    chat evaluation set, and every prompt of the `extra` files (e.g. Spec-Bench's
+    question.jsonl: each of its turns)."""
+    texts = [r["prompt"] for r in read_jsonl(PROMPTS_DIR / "chat_eval.jsonl")]
+    try:
+        texts += [r["prompt"] for r in humaneval_prompts()]
+    except ModuleNotFoundError:
+        pass
+    for path in extra:
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
             if line.strip():
                 row = json.loads(line)
-                if "prompt" not in row:
-                    raise ValueError(f"{path}:{n + 1}: no 'prompt' field")
-                row.setdefault("id", f"{Path(path).stem}-{n}")
-                row.setdefault("category", "default")
-                rows.append(row)
-    return rows
+                texts += [t for t in row.get("turns", []) if isinstance(t, str)] or [prompt_of(row, str(path))]
+    return texts
+
+
+def category_counts(data: "TokenData") -> dict[str, dict[str, int]]:
+    """{category: {"sequences", "response_tokens"}} of token data (its per-sample meta)."""
+    out: dict[str, dict[str, int]] = {}
+    for i, meta in enumerate(data.meta):
+        c = out.setdefault(str(meta.get("category", "default")), {"sequences": 0, "response_tokens": 0})
+        c["sequences"] += 1
+        c["response_tokens"] += int(data.offsets[i + 1] - data.offsets[i] - data.prompt_lens[i])
+    return dict(sorted(out.items()))
 
 
 def humaneval_prompts() -> list[dict]:
