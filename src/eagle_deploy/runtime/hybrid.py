@@ -145,7 +145,7 @@ class HybridDrafter:
         return self.head.propose(capped)
 
     def _lookup_scores(self, length: int, ngram: int) -> np.ndarray:
-        reach = self.planner._lookup_rates(ngram).reach(length)[1:]
+        reach = self.planner.lookup_rates(ngram).reach(length)[1:]
         return np.log(np.maximum(reach, 1e-6)).astype(np.float32)
 
 
