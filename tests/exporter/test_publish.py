@@ -229,6 +229,7 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
                           capture_output=True).returncode == 0
 
 
+@pytest.mark.slow  # a real tmpfs filled up, ~10 s: in `make test`, not `make test-fast`
 @pytest.mark.timeout(300)
 def test_a_real_full_disk_and_a_read_only_one(sources, tmp_path):
     """The issue's own check, on a tmpfs too small for the tiny export (300 KiB of ~740), then

@@ -19,6 +19,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # a server in a child process for seconds: in `make test`, not `make test-fast`
 def test_eagle_serve_subprocess(serve_export):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "eagle_deploy.serve.cli", "--engines", str(serve_export),
@@ -100,6 +101,7 @@ def refused(port: int) -> bool:
         return True
 
 
+@pytest.mark.slow  # a server in a child process for seconds: in `make test`, not `make test-fast`
 def test_shutdown_timeout_bounds_the_drain(serve_export):
     proc, port = start_server(serve_export, "--shutdown-timeout-s", "1")
     sock = hang_a_request(port)
@@ -113,6 +115,7 @@ def test_shutdown_timeout_bounds_the_drain(serve_export):
     assert "timeout graceful shutdown exceeded" in err, err[-2000:]
 
 
+@pytest.mark.slow  # a server in a child process for seconds: in `make test`, not `make test-fast`
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_second_signal_exits_at_once(serve_export, sig):
     proc, port = start_server(serve_export, "--shutdown-timeout-s", "600")

@@ -27,7 +27,8 @@ import pytest
 from eagle_deploy.triton import repo as triton_repo
 from tests.triton.conftest import ROOT
 
-pytestmark = [pytest.mark.triton, pytest.mark.timeout(300)]
+# a real tritonserver for the module (~30 s on 2 cores): in `make test`, not `make test-fast`
+pytestmark = [pytest.mark.triton, pytest.mark.slow, pytest.mark.timeout(300)]
 
 PROMPTS = ["def add(a, b):", "Hello there, how are you?", "for i in range(10): print(i)", "The quick brown fox",
            "import numpy as np", "Once upon a time", "x = [1, 2, 3]", "What is EAGLE?"]
