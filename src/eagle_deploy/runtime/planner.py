@@ -47,15 +47,20 @@ class Plan:
         return self.head_depth > 0 or self.lookup > 0
 
 
-def _line(x: float, xs: list[float], ys: list[float]) -> float:
-    """Piecewise-linear through (xs, ys) (sorted xs), extrapolated beyond the last point with
-    the last segment's slope (never below 0); constant with one point."""
+def _line(x, xs: list[float], ys):
+    """Piecewise-linear through (xs, ys) (sorted xs) at x (a number or an array), extrapolated
+    beyond the last point with the last segment's slope (never below 0); constant with one
+    point. ys may hold arrays (one curve per element), then x is a number."""
     if len(xs) == 1:
-        return ys[0]
+        return ys[0] + 0 * np.asarray(x, dtype=float)
+    last = np.maximum((np.asarray(ys[-1]) - ys[-2]) / (xs[-1] - xs[-2]), 0.0) * (np.asarray(x) - xs[-1]) + ys[-1]
+    if np.ndim(ys[0]) == 0:
+        return np.where(np.asarray(x) >= xs[-1], last, np.interp(x, xs, ys))
     if x >= xs[-1]:
-        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
-        return ys[-1] + slope * (x - xs[-1])
-    return float(np.interp(x, xs, ys))
+        return last
+    i = int(np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2))
+    w = float(np.clip((x - xs[i]) / (xs[i + 1] - xs[i]), 0.0, 1.0))
+    return (1 - w) * np.asarray(ys[i]) + w * np.asarray(ys[i + 1])
 
 
 class CostModel:
@@ -102,15 +107,16 @@ class CostModel:
         return cls({int(p): {int(n): float(v) / 1e3 for n, v in row.items()} for p, row in data["verify_ms"].items()},
                    {int(p): float(v) / 1e3 for p, v in data["draft_ms"].items()})
 
-    def verify(self, nodes: int, past: int = 0) -> float:
-        """Seconds of a forward verifying `nodes` tree nodes after `past` cached rows:
-        piecewise-linear in nodes at each measured past, then in past (extrapolated beyond the
-        measured points with their last slope)."""
-        return _line(past, self.pasts, [_line(nodes, sizes, costs) for sizes, costs in self.table])
+    def verify(self, nodes, past: int = 0):
+        """Seconds of a forward verifying `nodes` tree nodes (a number, or an array of sizes)
+        after `past` cached rows: piecewise-linear in nodes at each measured past, then in past
+        (extrapolated beyond the measured points with their last slope)."""
+        at = _line(past, self.pasts, [_line(nodes, sizes, costs) for sizes, costs in self.table])
+        return float(at) if np.ndim(at) == 0 else at
 
     def draft(self, past: int = 0) -> float:
         """Seconds of one draft forward after `past` cached rows."""
-        return _line(past, self.draft_pasts, self.draft_costs)
+        return float(_line(past, self.draft_pasts, self.draft_costs))
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -196,14 +202,15 @@ class DraftPlanner:
     max_depth / total_tokens / top_k: the configured head tree (its largest plan; 0 depth: no
     head); max_lookup: longest lookup chain. costs: the device's CostModel. one_path: the
     decoder accepts only along one path past depth 1 (row-exact decoding, decode.Decoder), so
-    two sources do not add up: E counts the likelier of the two at each depth. Per-request
+    two sources do not add up: E counts the likelier of the two at each depth. ngrams: the
+    longest suffix the lookup matches (its acceptance is tracked per match length). Per-request
     acceptance state is reset by `reset()`."""
 
     def __init__(self, max_depth: int, total_tokens: int, top_k: int, max_lookup: int, costs: CostModel | None,
                  prior: float = 0.6, weight: float = 2.0, decay: float = 0.95, probe_every: int = 4,
-                 probe_max: int = 64, one_path: bool = False):
+                 probe_max: int = 64, one_path: bool = False, ngrams: int = 3):
         self.max_depth, self.total_tokens, self.top_k, self.max_lookup = max_depth, total_tokens, top_k, max_lookup
-        self.one_path = one_path
+        self.one_path, self.ngrams = one_path, ngrams
         self.costs = costs
         self.prior, self.weight, self.decay = prior, weight, decay
         self.probe_every, self.probe_max = probe_every, probe_max
@@ -211,7 +218,8 @@ class DraftPlanner:
 
     def reset(self) -> None:
         self.head = _DepthRates(self.max_depth, self.prior, self.weight, self.decay)
-        self.lookup = {n: _DepthRates(self.max_lookup, self.prior, self.weight, self.decay) for n in range(1, 9)}
+        self.lookup = {n: _DepthRates(self.max_lookup, self.prior, self.weight, self.decay)
+                       for n in range(1, self.ngrams + 1)}
         self._idle = {"head": 0, "lookup": 0}  # rounds since each source was last proposed
         self._interval = {"head": self.probe_every, "lookup": self.probe_every}
 
@@ -229,31 +237,29 @@ class DraftPlanner:
         for rates in self.lookup.values():
             rates.fade()
         draft_s = self.costs.draft(past) if self.max_depth else 0.0
-        head_reach = self.head.reach(self.max_depth)
-        look_reach = self.lookup_rates(ngram).reach(lookup_available)
-        best = None
-        for D in range(self.max_depth + 1):
-            for L in range(lookup_available + 1):
-                deep = max(D, L)
-                h = np.zeros(deep + 1)
-                h[:D + 1] = head_reach[:D + 1]
-                look = np.zeros(deep + 1)
-                look[:L + 1] = look_reach[:L + 1]
-                if self.one_path:  # row-exact decoding accepts past depth 1 only along the top path
-                    expected = 1.0 + float(np.sum(np.maximum(h[1:], look[1:])))
-                else:
-                    expected = 1.0 + float(np.sum(1.0 - (1.0 - h[1:]) * (1.0 - look[1:])))
-                nodes = 1 + self.head_nodes(D) + L
-                seconds = D * draft_s + self.costs.verify(nodes, past)
-                plan = Plan(D, self.head_nodes(D), L, expected, seconds)
-                if best is None or expected / seconds > best.expected / best.seconds * (1 + 1e-9):
-                    best = plan
+        D, L = self.max_depth, lookup_available
+        head = np.zeros((D + 1, max(D, L) + 1))  # row d: P_h up to depth d, 0 deeper (a head plan of depth d)
+        look = np.zeros((L + 1, max(D, L) + 1))
+        for d, reach in enumerate(self.head.reach(D)):
+            head[d:, d] = reach
+        for d, reach in enumerate(self.lookup_rates(ngram).reach(L)):
+            look[d:, d] = reach
+        h, lk = head[:, None, 1:], look[None, :, 1:]  # [D + 1, L + 1, depths]
+        if self.one_path:  # row-exact decoding accepts past depth 1 only along the top path
+            expected = 1.0 + np.maximum(h, lk).sum(-1)
+        else:
+            expected = 1.0 + (1.0 - (1.0 - h) * (1.0 - lk)).sum(-1)
+        head_nodes = np.array([self.head_nodes(d) for d in range(D + 1)])
+        seconds = (np.arange(D + 1) * draft_s)[:, None] + self.costs.verify(1 + head_nodes[:, None]
+                                                                            + np.arange(L + 1)[None, :], past)
+        d, k = np.unravel_index(int(np.argmax(expected / seconds)), expected.shape)  # the first best: smallest
+        best = Plan(int(d), int(head_nodes[d]), int(k), float(expected[d, k]), float(seconds[d, k]))
         return self._probed(best, lookup_available)
 
     def lookup_rates(self, ngram: int) -> _DepthRates:
         """The lookup's acceptance estimates for matches of an `ngram`-token suffix (a longer
         match is usually a surer continuation, so each length keeps its own)."""
-        return self.lookup[min(max(ngram, 1), 8)]
+        return self.lookup[min(max(ngram, 1), self.ngrams)]
 
     def _probed(self, plan: Plan, lookup_available: int) -> Plan:
         """Re-probe a source left unused for its interval (doubling while probes lose)."""
