@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import sys
 
+from eagle_deploy.bench.report import vanilla_of
+
 TASKS = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
 
 
@@ -29,7 +31,7 @@ def main(path: str) -> None:
             continue
         print(f"| {s} | " + " | ".join(f"{agg[c]['systems'][s]['tau']:.2f}" for c in cols) + " |")
     print()
-    pairs = [(s, "vanilla" + (s[s.index("@"):] if "@" in s else "")) for s in systems if s.startswith("eagle")]
+    pairs = [(s, vanilla_of(s)) for s in systems if s.startswith("eagle")]
     pairs += [(s, p) for s in systems if s.startswith("eagle") and s.endswith("int4")
               for p in systems if p.startswith("ort-genai-int4")]
     print("| ratio | " + " | ".join(cols) + " |")
@@ -38,7 +40,8 @@ def main(path: str) -> None:
         print(f"| {a} / {b} | " + " | ".join(
             f"{agg[c]['systems'][a]['tokens_per_s'] / agg[c]['systems'][b]['tokens_per_s']:.2f}x" for c in cols) + " |")
     gi = res["greedy_identity"]
-    same = [(r["id"], n) for r in res["prompts"] for n, run in r["runs"].items() if run.get("identical_to_vanilla") is False]
+    same = [(r["id"], n) for r in res["prompts"] for n, run in r["runs"].items()
+            if run.get("identical_to_vanilla") is False]
     print()
     print("greedy identity:", {k: f"{v['identical']}/{v['prompts']}" for k, v in gi.items()},
           "hybrid runs differing from their vanilla:", same or "none")

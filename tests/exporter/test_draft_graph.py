@@ -294,7 +294,7 @@ def test_manifest_records_the_export(model):
     assert m.dims.num_kv_heads == (2 if model.name.startswith("gqa") else 4) and m.dims.vocab == 256
     assert m.draft.trained is True and m.draft.graph_top_k == 10
     assert m.draft.max_position_embeddings == 256 and m.draft.draft_vocab_size == 256  # the head's own limit
-    from eagle_deploy.exporter.models import sha256_file
+    from eagle_deploy.contract.verify import sha256_file
 
     assert m.target.sha256 == sha256_file(model.export_dir / c.TARGET_FILE)
     assert m.draft.sha256 == sha256_file(model.export_dir / c.DRAFT_FILE)

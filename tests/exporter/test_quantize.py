@@ -24,8 +24,7 @@ from onnx import numpy_helper
 
 from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.contract.onnx_io import KV_SHARED
-from eagle_deploy.contract.verify import rerecord_files
-from eagle_deploy.exporter.models import sha256_file
+from eagle_deploy.contract.verify import rerecord_files, sha256_file
 from eagle_deploy.exporter.quantize import constant_matmuls, quantize_graph
 from tests import tiny
 from tests.conftest import MAX_LENGTH, PROMPTS, THREADS

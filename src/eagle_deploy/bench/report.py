@@ -72,7 +72,7 @@ def _speedups(stats: dict, prompts: list[dict]) -> dict:
     for system in stats:
         if not system.startswith("eagle"):
             continue
-        vanilla = "vanilla" + (system[system.index("@"):] if "@" in system else "")
+        vanilla = vanilla_of(system)
         for other in stats:
             if other.startswith("eagle"):
                 continue
@@ -159,6 +159,11 @@ def memory_lines(modes: dict) -> list[str]:
     return lines
 
 
+def vanilla_of(system: str) -> str:
+    """The vanilla system on the same engine as `system` ("eagle-hybrid@int4" -> "vanilla@int4")."""
+    return "vanilla" + (system[system.index("@"):] if "@" in system else "")
+
+
 def category_lines(cats: dict) -> list[str]:
     """Per category (e.g. Spec-Bench task): tokens/s and tau of every system, and each EAGLE
     system's ratio to its engine's vanilla; nothing with one category."""
@@ -170,7 +175,7 @@ def category_lines(cats: dict) -> list[str]:
         cells = []
         for c in names:
             s = cats[c]["systems"].get(system)
-            vanilla = cats[c]["systems"].get("vanilla" + (system[system.index("@"):] if "@" in system else ""))
+            vanilla = cats[c]["systems"].get(vanilla_of(system))
             if s is None:
                 cells.append(f"{'-':>24}")
                 continue

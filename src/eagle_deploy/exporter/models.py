@@ -6,7 +6,6 @@ given as folders. No checkpoint code is ever executed (`trust_remote_code` stays
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -16,6 +15,7 @@ from pathlib import Path
 
 from eagle_deploy.contract.cache import cache_root  # noqa: F401  (converted checkpoints live there)
 from eagle_deploy.contract.errors import disk_errno, first_line
+from eagle_deploy.contract.verify import sha256_file
 
 from .publish import publish_folder  # noqa: F401 (re-exported: bench/peers.py imports it from here)
 
@@ -68,14 +68,6 @@ class Checkpoint:
     default_draft: str | None
     max_length: int | None
     draft_vocab: int | None = None  # None: draft_vocab.default_size; 0: full
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _package_file(spec: str) -> Path:

@@ -23,7 +23,8 @@ import numpy as np
 
 from eagle_deploy.contract.cache import cache_root
 from eagle_deploy.contract.manifest import Manifest, ManifestError
-from eagle_deploy.contract.verify import VerifyReport, verify_export
+from eagle_deploy.contract.onnx_io import MANIFEST_FILE
+from eagle_deploy.contract.verify import VerifyReport, sha256_file, verify_export
 
 from .backends import Backend, load_backend
 from .decode import Decoder, RoundObserver, Stats, TokenStopper
@@ -156,7 +157,7 @@ def costs_cache_path(folder: Path, tree: TreeConfig, target: Backend, draft: Bac
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    key = json.dumps([hashlib.sha256((Path(folder) / "manifest.json").read_bytes()).hexdigest(), tree.to_json(),
+    key = json.dumps([sha256_file(Path(folder) / MANIFEST_FILE), tree.to_json(),
                       MAX_LOOKUP, getattr(target, "name", "?"), getattr(draft, "name", None), threads, cpu,
                       os.cpu_count()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -208,7 +209,7 @@ class EagleRuntime:
         """The drafter of this runtime's kind over the draft-graph backend `draft` (a planned
         one measures the device's costs first, once: `device_costs`)."""
         head = None if draft is None else EagleDrafter.for_export(draft, self.tree, self.manifest)
-        if self.planned and self.costs is None and not (self.drafter_kind == "eagle" and head is None):
+        if self.planned and self.costs is None:
             self.costs = device_costs(self.manifest, self.tree, self.decoder.target, draft, self.folder,
                                       getattr(self.decoder.target, "threads", None))
         return make_drafter(self.drafter_kind, head, self.tree, self.planned, self.costs, self.decoder.row_exact)

@@ -61,7 +61,7 @@ class HybridDrafter:
         self.head, self.lookup, self.planned = head, lookup, planned
         depth, total, top_k = (0, 1, 1) if head is None else (tree.depth, tree.total_tokens, tree.top_k)
         self.planner = DraftPlanner(depth, total, top_k, max_lookup if lookup is not None else 0, costs,
-                                    one_path=one_path)
+                                    one_path=one_path, ngrams=lookup.max_ngram if lookup is not None else 1)
         self.static = head is not None and tree.kind == "static"
         self.reset()
 

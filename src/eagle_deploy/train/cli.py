@@ -291,9 +291,9 @@ def write_head(session: Session, checkpoint, hf, head, data, history, timings: d
     """Stage 4: the head in the published EAGLE layout, token counts and the training log."""
     import torch
 
+    from eagle_deploy.contract.verify import sha256_file
     from eagle_deploy.exporter.draft_head import head_config_for, save_head
     from eagle_deploy.exporter.eagle3 import Eagle3Head, save_eagle3_head
-    from eagle_deploy.exporter.models import sha256_file
 
     args = session.args
     head.to("cpu", torch.float32)
