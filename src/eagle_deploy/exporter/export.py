@@ -35,6 +35,7 @@ from .models import Checkpoint, resolve_draft, resolve_model
 from .publish import destination_lock, publish_folder
 from .steps import TORCH_DTYPES, DraftOnnxFromHead, TargetOnnxFromHF, TokenizerFromHF
 from .target import UnsupportedModelError, dims_of, supported_families
+from .weights import skeleton_target
 
 DRAFT_VOCAB_FILE = "draft_vocab.npy"
 
@@ -202,7 +203,8 @@ class ExportPlan:
 class LoadedModels:
     """The torch models of an export (in the graph dtype) and what was derived from them."""
 
-    hf: object
+    hf: object  # the target's skeleton (exporter/weights.py): meta parameters but its embedding and LM head
+    weights: object  # weights.WeightSource: each target parameter's checkpoint tensor
     head: object
     dims: Dims
     max_length: int
@@ -262,11 +264,12 @@ def check_max_length(requested: int | None, target: Dims, head: Dims) -> int:
 
 
 def load_models(plan: ExportPlan, options: ExportOptions, progress=None) -> LoadedModels:
-    """Load the target and the head, check the sizes that depend on them (max length, draft
-    vocabulary) and cast both to the graph dtype. Writes nothing."""
+    """Load the target's skeleton (its weights stay in the checkpoint, read one tensor at a time
+    when the graph is written: exporter/weights.py) and the head, check the sizes that depend on
+    them (max length, draft vocabulary) and cast the head to the graph dtype. Writes nothing."""
     checkpoint, head_dir = plan.checkpoint, plan.head_dir
-    _say(progress, f"loading {checkpoint.hf_dir}")
-    hf = load_target(checkpoint)
+    _say(progress, f"reading {checkpoint.hf_dir}")
+    hf, weights = skeleton_target(checkpoint.hf_dir, TORCH_DTYPES[plan.dtype])
     dims = dims_of(hf.config)
     requested = options.max_length or checkpoint.max_length
     if requested is not None:
@@ -280,9 +283,8 @@ def load_models(plan: ExportPlan, options: ExportOptions, progress=None) -> Load
     else:
         vocab_ids, vocab_source = _reduced_vocab(checkpoint, head_dir, hf, dims, options)
     if plan.dtype != "float32":
-        hf.to(TORCH_DTYPES[plan.dtype])
         head.to(TORCH_DTYPES[plan.dtype])
-    return LoadedModels(hf, head, dims, int(max_length), vocab_ids, vocab_source)
+    return LoadedModels(hf, weights, head, dims, int(max_length), vocab_ids, vocab_source)
 
 
 def eagle3_vocab(head: Eagle3Head, options: ExportOptions):
@@ -328,7 +330,9 @@ def build_graphs(plan: ExportPlan, models: LoadedModels, options: ExportOptions,
     kind = "fused onnxruntime operators" if layout == KV_SHARED else "standard ONNX operators"
     _say(progress, f"exporting target graph ({plan.dtype}, {kind})")
     taps = models.head.cfg.feature_layers if isinstance(models.head, Eagle3Head) else None
-    target_entry = TargetOnnxFromHF(plan.dtype, options.external_data, layout, taps)(models.hf, tmp)
+    dtype = TORCH_DTYPES[plan.dtype]
+    target_entry = TargetOnnxFromHF(plan.dtype, options.external_data, layout, taps)(
+        models.hf, tmp, read=lambda p: models.weights.read(p, dtype))
     _say(progress, "exporting draft graph" + (" (EAGLE-3 head)" if taps else ""))
     baked = None if taps else models.vocab_ids  # an EAGLE-3 graph maps its ids itself (d2t)
     draft_step = DraftOnnxFromHead(plan.dtype, options.graph_top_k, baked, options.external_data, layout)

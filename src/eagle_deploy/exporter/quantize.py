@@ -1,6 +1,8 @@
 """Weight quantisation of an exported graph for CPU, with onnxruntime's own tools.
 
     nbits_model_from_onnx          fp32 ModelProto -> MatMulNBits (4- or 8-bit, blockwise)
+    nbits_streamed                 the same, one weight at a time (what quantize_graph runs:
+                                   memory is one weight, not the graph)
     dynamic_int8_model_from_file   fp32 graph file -> dynamic int8 (MatMulInteger)
     quantize_graph                 export folder + GraphEntry -> that graph quantised in place,
                                    a copy of the entry with quant and quant_info filled in
@@ -48,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -56,7 +57,7 @@ from typing import Sequence
 
 from eagle_deploy.contract.manifest import QUANT_KINDS, GraphEntry, QuantRecord
 
-from .external_data import use_external_data
+from .external_data import TensorFile, data_file_of, place_graph
 
 MAX_HEAD_DIM = 1024  # exact_matmuls looks only at square constants up to this size
 NBITS_OPTIONS = {"block_size": 32, "accuracy_level": 4, "symmetric": True}
@@ -81,10 +82,11 @@ def constant_matmuls(model, exact: Sequence[str] | None = None) -> list[str]:
     return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits and n.name not in skip]
 
 
-def exact_matmuls(model) -> list[str]:
+def exact_matmuls(model, folder: Path | None = None) -> list[str]:
     """MatMul nodes whose constant second input is a signed permutation matrix (entries 0 and
     +-1, one non-zero per row and column: RoPE's rotate-half). They are exact in fp32 and must
-    stay so; quantising them would perturb every position's rotation."""
+    stay so; quantising them would perturb every position's rotation. `folder`: where the
+    graph's external data is, when its tensors are not loaded."""
     import numpy as np
     from onnx import numpy_helper
 
@@ -98,7 +100,7 @@ def exact_matmuls(model) -> list[str]:
         # them all would cost seconds per layer
         if t is None or len(t.dims) != 2 or t.dims[0] != t.dims[1] or t.dims[0] > MAX_HEAD_DIM:
             continue
-        w = numpy_helper.to_array(t)
+        w = numpy_helper.to_array(t, base_dir=str(folder) if folder else "")
         if np.isin(w, (-1, 0, 1)).all() and (np.abs(w).sum(0) == 1).all() and (np.abs(w).sum(1) == 1).all():
             names.append(n.name)
     return names
@@ -179,23 +181,58 @@ def batch_invariant(method: str, settings: dict) -> bool:
 
 
 def save_graph_in_place(model, path: Path, external_data: str = "auto") -> None:
-    """Write `model` over `path` through a temporary file (external data `<file>.data` as
-    `external_data.use_external_data` decides), then rename into place."""
-    import onnx
+    """Write `model` (its tensors loaded) over `path` through a temporary file (external data
+    `<file>.data` as `external_data.use_external_data` decides), then rename into place."""
+    from .external_data import save_graph
 
-    path = Path(path)
-    external = use_external_data(external_data, weight_bytes(model), path.name)
-    data = path.parent / (path.name + ".data")
-    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-        tmp = Path(scratch) / path.name
-        if external:
-            onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=data.name, size_threshold=1024)
-            os.replace(Path(scratch) / data.name, data)
-        else:
-            onnx.save_model(model, str(tmp))
-            data.unlink(missing_ok=True)
-        os.replace(tmp, path)
+    save_graph(model, path, Path(path).parent, external_data)
+
+
+def nbits_streamed(model, folder: Path, out, bits: int, exclude: Sequence[str], **settings) -> int:
+    """`nbits_model_from_onnx` one weight at a time: every constant-weight MatMul of `model`
+    (its tensors not loaded; external data in `folder`) except `exclude` becomes the node(s)
+    and tensors onnxruntime's quantiser makes for it alone (the same bytes: it quantises each
+    weight on its own), written to `out` (external_data.TensorFile) as they come; every other
+    initializer is copied there. `model` is changed in place; returns the nodes quantised."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from .external_data import tensor_bytes
+
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    skip = set(exclude)
+    nodes, new_inits, done, n = [], [], set(), 0
+    domains = {o.domain for o in model.opset_import}
+    for node in graph.node:
+        if node.op_type != "MatMul" or node.input[1] not in inits or node.name in skip:
+            nodes.append(node)
+            continue
+        if node.input[1] in done:
+            raise ValueError(f"weight {node.input[1]} feeds two MatMuls; quantise the graph as a whole")
+        weight = numpy_helper.to_array(inits[node.input[1]], base_dir=str(folder))
+        one = helper.make_model(helper.make_graph(
+            [node], "one", [helper.make_tensor_value_info(node.input[0], TensorProto.FLOAT, None)],
+            [helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, None)],
+            initializer=[numpy_helper.from_array(weight, node.input[1])]), opset_imports=model.opset_import)
+        del weight
+        quantised = nbits_model_from_onnx(one, bits=bits, exclude=[], **settings)
+        nodes.extend(quantised.graph.node)
+        for t in quantised.graph.initializer:
+            new_inits.append(out.tensor(t.name, tensor_bytes(t, folder), t.data_type, t.dims))
+        for o in quantised.opset_import:
+            if o.domain not in domains:
+                model.opset_import.append(o)
+                domains.add(o.domain)
+        done.add(node.input[1])
+        n += 1
+    read = {i for node in nodes for i in node.input}
+    kept = [out.tensor(t.name, tensor_bytes(t, folder), t.data_type, t.dims)
+            for t in graph.initializer if t.name not in done and t.name in read]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(kept + new_inits)
+    return n
 
 
 def quantize_graph(folder: Path, entry: GraphEntry, kind: str, external_data: str = "auto", **options) -> GraphEntry:
@@ -223,21 +260,26 @@ def quantize_graph(folder: Path, entry: GraphEntry, kind: str, external_data: st
     if entry.quant:
         raise ValueError(f"{entry.path} is already quantised ({entry.quant})")
     settings = {**allowed, **options}
-    path = Path(folder) / entry.path
-    model = onnx.load(str(path), load_external_data=True)
-    exact = exact_matmuls(model)
+    folder = Path(folder)
+    path = folder / entry.path
+    model = onnx.load(str(path), load_external_data=False)  # weights are read one at a time
+    exact = exact_matmuls(model, folder)
     todo = constant_matmuls(model, exact)
     with quiet_logging():
-        if method == "nbits":
-            quantised = nbits_model_from_onnx(model, bits=int(kind[3:]), exclude=exact, **settings)
-        else:
+        if method == "nbits":  # one weight at a time: memory is one weight, whatever the model
+            with tempfile.TemporaryDirectory(dir=folder) as scratch:
+                with TensorFile(Path(scratch) / data_file_of(path)) as out:
+                    nbits_streamed(model, folder, out, int(kind[3:]), exact, **settings)
+                place_graph(model, path, Path(scratch), external_data)
+            quantised = model
+        else:  # quantize_dynamic works on the whole graph (not the default: small graphs)
             del model
             quantised = dynamic_int8_model_from_file(path, exclude=exact, **settings)
+            save_graph_in_place(quantised, path, external_data)
     left = set(todo) & set(constant_matmuls(quantised, exact))
     if left:
         raise RuntimeError(f"{entry.path}: {len(left)} weight MatMul(s) were not quantised, e.g. {sorted(left)[:3]}")
     n_quant = len(quantised_nodes(quantised))
-    save_graph_in_place(quantised, path, external_data)
     info = QuantRecord(kind=kind, method=method, tool="onnxruntime.quantization", quantised_matmuls=n_quant,
                        batch_invariant=batch_invariant(method, settings), settings=settings)
     return replace(entry, quant=kind, quant_info=info)

@@ -20,36 +20,21 @@ from pathlib import Path
 from eagle_deploy.contract.manifest import GraphEntry, SharedTensor, SharedWeights
 from eagle_deploy.contract.onnx_io import SHARED_ALIGNMENT, SHARED_WEIGHTS_FILE
 
+from .external_data import save_graph, set_external, tensor_bytes
+
 GATHER_OPS = ("Gather", "GatherBlockQuantized")
-
-
-def _array(tensor):
-    from onnx import numpy_helper
-
-    return numpy_helper.to_array(tensor)
 
 
 def _vocab_sized(tensor, vocab: int) -> bool:
     return any(d > 0 and d % vocab == 0 for d in tensor.dims)
 
 
-def _make_external(tensor, location: str, offset: int, length: int) -> None:
-    """Point `tensor` at bytes [offset, offset + length) of `location` (its data cleared)."""
-    import onnx
-
-    for name in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
-        tensor.ClearField(name)
-    del tensor.external_data[:]
-    tensor.data_location = onnx.TensorProto.EXTERNAL
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        entry = tensor.external_data.add()
-        entry.key, entry.value = key, value
-
-
-def matching_tensors(target_model, draft_model, vocab: int) -> list[tuple[str, object, object]]:
+def matching_tensors(target_model, draft_model, vocab: int,
+                     folder: Path | None = None) -> list[tuple[str, object, object]]:
     """[(role, target tensor, draft tensor)] for every vocabulary-sized draft initializer that
     is byte-identical to a target initializer; role "embedding" when the target gathers rows
-    from it, else "lm_head"."""
+    from it, else "lm_head". The graphs' tensors need not be loaded (their external data is
+    in `folder`): candidates are read one at a time."""
     gathered = {n.input[0] for n in target_model.graph.node if n.op_type in GATHER_OPS}
     candidates: dict[tuple, list] = {}
     for t in target_model.graph.initializer:
@@ -59,12 +44,12 @@ def matching_tensors(target_model, draft_model, vocab: int) -> list[tuple[str, o
     for d in draft_model.graph.initializer:
         if not _vocab_sized(d, vocab):
             continue
-        d_bytes = None
+        d_digest = None
         for t in candidates.get((d.data_type, tuple(d.dims)), []):
             if t.name in used:
                 continue
-            d_bytes = _array(d).tobytes() if d_bytes is None else d_bytes
-            if _array(t).tobytes() == d_bytes:
+            d_digest = d_digest or hashlib.sha256(tensor_bytes(d, folder)).digest()
+            if hashlib.sha256(tensor_bytes(t, folder)).digest() == d_digest:
                 found.append(("embedding" if t.name in gathered else "lm_head", t, d))
                 used.add(t.name)
                 break
@@ -75,23 +60,22 @@ def share_weights(folder: Path, target: GraphEntry, draft: GraphEntry, vocab: in
                   external_data: str = "auto") -> SharedWeights | None:
     """Move the tensors `draft` shares with `target` (see matching_tensors) into
     `folder/shared.data` and rewrite both graphs to reference it (their other weights stay
-    inline, or in their own `<graph>.data` as `external_data` decides). Returns the manifest
-    record, or None when the graphs share nothing (nothing is rewritten then)."""
+    inline, or in their own `<graph>.data` as `external_data` decides), one tensor at a time.
+    Returns the manifest record, or None when the graphs share nothing (nothing is rewritten
+    then)."""
     import onnx
     from onnx.helper import tensor_dtype_to_np_dtype
 
-    from .quantize import save_graph_in_place
-
     folder = Path(folder)
-    target_model = onnx.load(str(folder / target.path), load_external_data=True)
-    draft_model = onnx.load(str(folder / draft.path), load_external_data=True)
-    matches = matching_tensors(target_model, draft_model, vocab)
+    target_model = onnx.load(str(folder / target.path), load_external_data=False)
+    draft_model = onnx.load(str(folder / draft.path), load_external_data=False)
+    matches = matching_tensors(target_model, draft_model, vocab, folder)
     if not matches:
         return None
     records, offset, digest = [], 0, hashlib.sha256()
     with open(folder / SHARED_WEIGHTS_FILE, "wb") as f:
         for role, t, d in matches:
-            data = _array(t).tobytes()
+            data = tensor_bytes(t, folder)
             pad = -offset % SHARED_ALIGNMENT
             f.write(b"\0" * pad)
             digest.update(b"\0" * pad)
@@ -99,11 +83,12 @@ def share_weights(folder: Path, target: GraphEntry, draft: GraphEntry, vocab: in
             f.write(data)
             digest.update(data)
             for tensor in (t, d):
-                _make_external(tensor, SHARED_WEIGHTS_FILE, offset, len(data))
+                set_external(tensor, SHARED_WEIGHTS_FILE, offset, len(data))
             records.append(SharedTensor(role=role, target_name=t.name, draft_name=d.name,
                                         dtype=str(tensor_dtype_to_np_dtype(t.data_type)), shape=tuple(t.dims),
                                         offset=offset, length=len(data)))
             offset += len(data)
-    save_graph_in_place(target_model, folder / target.path, external_data)
-    save_graph_in_place(draft_model, folder / draft.path, external_data)
+            del data
+    save_graph(target_model, folder / target.path, folder, external_data, keep=(SHARED_WEIGHTS_FILE,))
+    save_graph(draft_model, folder / draft.path, folder, external_data, keep=(SHARED_WEIGHTS_FILE,))
     return SharedWeights(file=SHARED_WEIGHTS_FILE, size=offset, tensors=tuple(records), sha256=digest.hexdigest())

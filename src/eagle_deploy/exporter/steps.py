@@ -1,7 +1,8 @@
 """Export steps, each named for what it builds from what (as Polygraphy's loaders are).
 
     OnnxFromModule      torch module + contract       -> .onnx (+ external data when large)
-    TargetOnnxFromHF    transformers model            -> target.onnx   (GraphEntry)
+    TargetOnnxFromHF    transformers model (or its    -> target.onnx   (GraphEntry), weights
+                        skeleton + checkpoint reader)    written one tensor at a time
     DraftOnnxFromHead   EAGLE head (+ target weights) -> draft.onnx    (DraftEntry)
     TokenizerFromHF     transformers folder           -> tokenizer/
 """
@@ -11,6 +12,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -20,8 +22,9 @@ from eagle_deploy.contract.manifest import DraftEntry, GraphEntry, HeadRecord
 
 from .draft_head import EagleHead, ExportableDraft
 from .eagle3 import Eagle3Head, ExportableDraft3
-from .external_data import use_external_data
+from .external_data import TensorFile, data_file_of, save_graph, use_external_data
 from .fused import drop_unused_norm_statistics
+from .streamed import fill_weights, onnx_with_weight_inputs
 from .target import ExportableTarget
 
 OPSET = 17
@@ -86,20 +89,38 @@ class OnnxFromModule:
 @dataclass
 class TargetOnnxFromHF:
     """transformers model (a supported family) -> target.onnx; returns its GraphEntry.
-    kv_layout: contract KV_SHARED (fused onnxruntime operators) or KV_SEQ_MAJOR (standard ops)."""
+    kv_layout: contract KV_SHARED (fused onnxruntime operators) or KV_SEQ_MAJOR (standard ops).
+
+    The model's parameters may be on the meta device (exporter/weights.py `skeleton_target`):
+    the graph is traced with its weights as inputs and `read(parameter)` gives each weight its
+    value, one tensor at a time, as it is written (exporter/streamed.py); without `read` the
+    parameters' own values are used. Either way the graph equals a constant-folded trace with
+    the real weights."""
 
     dtype: str = "float32"
     external_data: str = "auto"
     kv_layout: str = c.KV_SEQ_MAJOR
     feature_layers: tuple[int, ...] | None = None  # an EAGLE-3 export: the layers whose input is tapped
 
-    def __call__(self, hf_model: torch.nn.Module, folder: Path) -> GraphEntry:
+    def __call__(self, hf_model: torch.nn.Module, folder: Path,
+                 read: Callable[[torch.nn.Parameter], torch.Tensor] | None = None) -> GraphEntry:
+        import onnx
+
+        dtype = TORCH_DTYPES[self.dtype]
         module = ExportableTarget(hf_model, self.kv_layout, self.feature_layers).eval()
         taps = len(self.feature_layers) * module.dims.hidden if self.feature_layers else None
         inputs, outputs = c.target_io(module.dims.num_layers, self.dtype, self.kv_layout, taps)
-        args = trace_inputs(module.dims, TORCH_DTYPES[self.dtype], module.dims.num_layers, hidden_input=False,
-                            kv_layout=self.kv_layout)
-        OnnxFromModule(self.external_data)(module, args, inputs, outputs, Path(folder) / c.TARGET_FILE)
+        args = trace_inputs(module.dims, dtype, module.dims.num_layers, hidden_input=False, kv_layout=self.kv_layout)
+        model, params = onnx_with_weight_inputs(module, args, [s.name for s in inputs], [s.name for s in outputs],
+                                                _dynamic_axes(inputs + outputs), OPSET)
+        drop_unused_norm_statistics(model)  # fused graphs: the norms' unread optional outputs
+        path = Path(folder) / c.TARGET_FILE
+        with TensorFile(path.parent / data_file_of(path)) as out:
+            written = fill_weights(model, params, read or (lambda p: p.detach().to(dtype=dtype, copy=True)), out)
+        if use_external_data(self.external_data, written, path.name):
+            onnx.save_model(model, str(path))  # its weights are already in <graph>.data
+        else:
+            save_graph(model, path, path.parent, self.external_data)  # small: inline
         return GraphEntry(c.TARGET_FILE, self.dtype, tuple(inputs), tuple(outputs),
                           feature_layers=tuple(self.feature_layers) if self.feature_layers else None,
                           ragged_batch=self.kv_layout == c.KV_SHARED)

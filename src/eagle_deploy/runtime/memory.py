@@ -26,6 +26,33 @@ def rss_mb() -> float | None:
     return round(psutil.Process().memory_info().rss / MIB, 1)
 
 
+def tree_rss_mb(pid: int) -> tuple[float, float]:
+    """(anonymous, file-backed) resident memory of process `pid` and all its descendants now,
+    MiB, from /proc/<pid>/status (RssAnon; RssFile + RssShmem). Anonymous memory is what the
+    process holds; file-backed pages (memory-mapped weights, page cache it maps) can be dropped
+    by the kernel under pressure. (0, 0) for processes that are gone; Linux only (psutil for the
+    tree)."""
+    import psutil
+
+    anon = file = 0
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0, 0.0
+    for proc in procs:
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                for line in f:
+                    key, _, rest = line.partition(":")
+                    if key == "RssAnon":
+                        anon += int(rest.split()[0])
+                    elif key in ("RssFile", "RssShmem"):
+                        file += int(rest.split()[0])
+        except OSError:
+            continue
+    return round(anon / 1024, 1), round(file / 1024, 1)
+
+
 def available_mb() -> float | None:
     """Memory the system can still give a process, MiB (psutil's `available`; None without it)."""
     try:
