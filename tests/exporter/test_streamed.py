@@ -205,3 +205,35 @@ def test_sharing_compacts_a_large_graph_in_place(target_dir, tmp_path):
     got = ort.InferenceSession(str(out / c.TARGET_FILE)).run(None, feeds)
     want = ort.InferenceSession(str(ref / c.TARGET_FILE)).run(None, feeds)
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_reading_one_external_tensor_leaves_it_external(target_dir, tmp_path):
+    """array_of reads a weight without attaching its bytes to the graph's proto (onnx's
+    to_array(t, base_dir) attaches them: reading every weight of a 7B graph that way held 27 GB)."""
+    from eagle_deploy.exporter.external_data import array_of, external_info
+
+    skeleton, source = skeleton_target(target_dir)
+    TargetOnnxFromHF(external_data="always")(skeleton, tmp_path, read=lambda p: source.read(p, torch.float32))
+    model = onnx.load(str(tmp_path / c.TARGET_FILE), load_external_data=False)
+    big = [t for t in model.graph.initializer if external_info(t)]
+    assert len(big) > 5
+    for t in big:
+        a = array_of(t, tmp_path)
+        assert a.shape == tuple(t.dims) and a.dtype == np.float32 and np.abs(a).sum() > 0
+        assert not t.raw_data and external_info(t) is not None
+    with pytest.raises(ValueError, match="its folder is needed"):
+        array_of(big[0])
+
+
+def test_vocabulary_sized_tensors_are_written_last(target_dir, tmp_path):
+    """The embedding and LM head (what sharing may move out) end the data file, so sharing them
+    shortens it instead of moving every other weight."""
+    from eagle_deploy.exporter.external_data import external_info
+
+    skeleton, source = skeleton_target(target_dir)
+    TargetOnnxFromHF(external_data="always")(skeleton, tmp_path, read=lambda p: source.read(p, torch.float32))
+    model = onnx.load(str(tmp_path / c.TARGET_FILE), load_external_data=False)
+    spans = [(external_info(t)["offset"], tiny.VOCAB in t.dims) for t in model.graph.initializer if external_info(t)]
+    vocab = [o for o, v in spans if v]
+    other = [o for o, v in spans if not v]
+    assert len(vocab) == 2 and other and max(other) < min(vocab)  # embedding + the tied LM head's transpose

@@ -390,10 +390,11 @@ def test_vanilla_request_counts_no_drafts(server, long_prompt):
 
 
 def test_spec_counts_from_stats():
+    from eagle_deploy.runtime.acceptance import SpecCounts
     from eagle_deploy.runtime.decode import Stats
-    from eagle_deploy.serve.metrics import SpecCounts
 
     s = Stats(accepted_per_round=[3, 1, 1, 2], tree_depth_per_round=[3, 0, 2, 2])  # round 2: root-only tree
     c = SpecCounts.from_stats(s)
     assert (c.rounds, c.drafts, c.draft_tokens, c.accepted_tokens, c.accepted_per_pos) == (4, 3, 7, 3, (2, 1, 0))
     assert c.mean_accept_len == 1.75
+    assert s.to_json()["speculative"] == c.usage()  # what Triton's stats output and usage.speculative carry

@@ -292,3 +292,23 @@ def test_eagle3_draft_graph_with_a_perturbed_weight_fails(eagle3, tmp_path, caps
     rc = v.main(["--engines", str(bad), "--work", str(tmp_path / "work"), "--graphs", "draft", "--verify", "off"])
     out = capsys.readouterr().out
     assert rc == 1 and "FAIL" in out, (name, out[-2000:])
+
+
+def test_too_little_memory_is_refused_saying_how_much_is_needed(export_dir, monkeypatch, capsys):
+    """The PyTorch reference is the whole model in fp32 (a 7B: 27 GB): with less memory available
+    than that plus the graphs, validation says how much it needs instead of being killed."""
+    import psutil
+
+    from eagle_deploy.contract.manifest import Manifest
+    from eagle_deploy.validate.reference import memory_needed
+
+    need, why = memory_needed(Manifest.load(export_dir), export_dir)
+    params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(
+        str(Manifest.load(export_dir).sources.target.path)).parameters())
+    assert need > 4 * params and "x 4 bytes" in why
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=need - 1))
+    capsys.readouterr()  # transformers' loading bar above
+    assert v.main(["--engines", str(export_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "eagle-validate needs about" in err[0] and "GiB available" in err[0]

@@ -4,6 +4,7 @@ inputs, bad requests, cancellation and a worker that dies. The same file serves 
 tritonserver in test_server.py."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -41,6 +42,9 @@ def test_non_streamed_is_one_final_response_equal_to_the_runtime(served, referen
     assert int(resp.outputs["prompt_tokens"][0]) == want.stats.prompt_tokens
     assert int(resp.outputs["target_forwards"][0]) == want.stats.target_forwards
     assert math.isclose(float(resp.outputs["mean_accept_len"][0]), want.stats.mean_accept_len, rel_tol=1e-4)
+    spec = json.loads(resp.outputs["stats"][0])["speculative"]  # vLLM's counters, as eagle-serve reports them
+    assert spec == want.stats.to_json()["speculative"] and spec["rounds"] == want.stats.rounds
+    assert spec["accepted_tokens"] == want.stats.round_tokens - want.stats.rounds
 
 
 def test_input_is_prepended_unless_excluded(served, reference):

@@ -169,6 +169,27 @@ def run_export(checkpoint: Path, out: Path, extra: list[str], interval: float = 
     return stages, Path(stdout.strip().splitlines()[-1])
 
 
+def run_tool(cmd: list[str], interval: float = 0.2) -> dict:
+    """One tool on the export, sampled like the export: {"command", "rc", "wall_s",
+    "peak_anon_gib", "first_line"} (its first line of stderr or stdout)."""
+    proc = subprocess.Popen([sys.executable, "-m", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sampler = Sampler(proc.pid, interval)
+    sampler.start(cmd[0])
+    out, err = proc.communicate()
+    st = sampler.stop()[0]
+    lines = [ln for ln in (err + out).splitlines() if ln.strip() and "Loading weights" not in ln]
+    return {"command": " ".join(cmd), "rc": proc.returncode, "wall_s": round(st.end - st.start, 1),
+            "peak_anon_gib": round(st.anon_mb / 1024, 2), "first_line": lines[0][:300] if lines else ""}
+
+
+def check_tools(export: Path, work: Path) -> list[dict]:
+    """eagle-triton-repo and eagle-validate on the export (issue 27 part 4): the repository is
+    written (it references the export), validation runs or says how much memory it needs."""
+    repo = work / "triton-repo"
+    return [run_tool(["eagle_deploy.triton.repo", "--engines", str(export), "--out", str(repo), "--force"]),
+            run_tool(["eagle_deploy.validate.cli", "--engines", str(export), "--work", str(work / "validate")])]
+
+
 def folder_bytes(folder: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(Path(folder).iterdir()) if p.is_file()}
 
@@ -181,6 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quant", default=None, help="eagle-export --quant (int4 / int8: an fp32 graph quantised)")
     ap.add_argument("--keep", action="store_true", help="keep the export (the checkpoint is always kept for reuse)")
     ap.add_argument("--json", type=Path, default=None, help="write the result here too")
+    ap.add_argument("--check-tools", action="store_true",
+                    help="also run eagle-triton-repo and eagle-validate on the export")
     args = ap.parse_args(argv)
     ckpt = args.work / f"{args.shape}-random-fp16"
     t0 = time.perf_counter()
@@ -202,6 +225,8 @@ def main(argv=None) -> int:
                           "peak_anon_gib": round(s.anon_mb / 1024, 2), "peak_file_gib": round(s.file_mb / 1024, 2),
                           "samples": s.samples} for s in stages],
               "output_bytes": sizes}
+    if args.check_tools:
+        result["tools"] = check_tools(folder, args.work)
     print(f"{args.shape} {' '.join(extra)}: {result['wall_s']} s, peak anonymous {result['peak_anon_gib']} GiB, "
           f"file-backed {result['peak_file_gib']} GiB (checkpoint {result['checkpoint_gib']} GiB)")
     print(f"{'stage':58s} {'wall s':>7s} {'anon GiB':>9s} {'file GiB':>9s}")
@@ -209,6 +234,9 @@ def main(argv=None) -> int:
         print(f"{s['stage'][:58]:58s} {s['wall_s']:7.1f} {s['peak_anon_gib']:9.2f} {s['peak_file_gib']:9.2f}")
     for n, b in sizes.items():
         print(f"  {n}: {b / GIB:.2f} GiB")
+    for t in result.get("tools", []):
+        print(f"{t['command'].split()[0]}: exit {t['rc']}, {t['wall_s']} s, peak anonymous {t['peak_anon_gib']} GiB: "
+              f"{t['first_line']}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     if not args.keep:

@@ -164,6 +164,21 @@ def tensor_bytes(tensor, folder: Path) -> bytes:
     return data
 
 
+def array_of(tensor, folder: Path | None = None):
+    """One initializer as a numpy array, its external data read on its own from `folder`
+    without being attached to `tensor` (onnx's `numpy_helper.to_array(t, base_dir)` keeps the
+    bytes in the proto, so reading every weight that way ends with the whole model in memory)."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    if external_info(tensor) is None:
+        return numpy_helper.to_array(tensor)
+    if folder is None:
+        raise ValueError(f"tensor {tensor.name} has external data: its folder is needed")
+    dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    return np.frombuffer(tensor_bytes(tensor, folder), dtype=dtype).reshape(tuple(tensor.dims))
+
+
 def stored_bytes(model) -> int:
     """Bytes of initializer data a graph holds, inline or external (external ones not read)."""
     total = 0

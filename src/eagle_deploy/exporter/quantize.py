@@ -88,7 +88,8 @@ def exact_matmuls(model, folder: Path | None = None) -> list[str]:
     stay so; quantising them would perturb every position's rotation. `folder`: where the
     graph's external data is, when its tensors are not loaded."""
     import numpy as np
-    from onnx import numpy_helper
+
+    from .external_data import array_of
 
     consts = {t.name: t for t in model.graph.initializer}
     consts.update({n.output[0]: a.t for n in model.graph.node if n.op_type == "Constant"
@@ -100,7 +101,7 @@ def exact_matmuls(model, folder: Path | None = None) -> list[str]:
         # them all would cost seconds per layer
         if t is None or len(t.dims) != 2 or t.dims[0] != t.dims[1] or t.dims[0] > MAX_HEAD_DIM:
             continue
-        w = numpy_helper.to_array(t, base_dir=str(folder) if folder else "")
+        w = array_of(t, folder)
         if np.isin(w, (-1, 0, 1)).all() and (np.abs(w).sum(0) == 1).all() and (np.abs(w).sum(1) == 1).all():
             names.append(n.name)
     return names
@@ -194,9 +195,10 @@ def nbits_streamed(model, folder: Path, out, bits: int, exclude: Sequence[str], 
     and tensors onnxruntime's quantiser makes for it alone (the same bytes: it quantises each
     weight on its own), written to `out` (external_data.TensorFile) as they come; every other
     initializer is copied there. `model` is changed in place; returns the nodes quantised."""
+    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from .external_data import tensor_bytes
+    from .external_data import array_of, tensor_bytes
 
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
@@ -209,14 +211,17 @@ def nbits_streamed(model, folder: Path, out, bits: int, exclude: Sequence[str], 
             continue
         if node.input[1] in done:
             raise ValueError(f"weight {node.input[1]} feeds two MatMuls; quantise the graph as a whole")
-        weight = numpy_helper.to_array(inits[node.input[1]], base_dir=str(folder))
+        weight = array_of(inits[node.input[1]], folder)
         one = helper.make_model(helper.make_graph(
             [node], "one", [helper.make_tensor_value_info(node.input[0], TensorProto.FLOAT, None)],
             [helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, None)],
             initializer=[numpy_helper.from_array(weight, node.input[1])]), opset_imports=model.opset_import)
         del weight
         quantised = nbits_model_from_onnx(one, bits=bits, exclude=[], **settings)
-        nodes.extend(quantised.graph.node)
+        for q in quantised.graph.node:  # copies: a reference into `quantised` would keep all of it alive
+            kept = onnx.NodeProto()
+            kept.CopyFrom(q)
+            nodes.append(kept)
         for t in quantised.graph.initializer:
             new_inits.append(out.tensor(t.name, tensor_bytes(t, folder), t.data_type, t.dims))
         for o in quantised.opset_import:
@@ -225,6 +230,7 @@ def nbits_streamed(model, folder: Path, out, bits: int, exclude: Sequence[str], 
                 domains.add(o.domain)
         done.add(node.input[1])
         n += 1
+        del quantised, one
     read = {i for node in nodes for i in node.input}
     kept = [out.tensor(t.name, tensor_bytes(t, folder), t.data_type, t.dims)
             for t in graph.initializer if t.name not in done and t.name in read]

@@ -116,7 +116,8 @@ class TargetOnnxFromHF:
         drop_unused_norm_statistics(model)  # fused graphs: the norms' unread optional outputs
         path = Path(folder) / c.TARGET_FILE
         with TensorFile(path.parent / data_file_of(path)) as out:
-            written = fill_weights(model, params, read or (lambda p: p.detach().to(dtype=dtype, copy=True)), out)
+            written = fill_weights(model, params, read or (lambda p: p.detach().to(dtype=dtype, copy=True)), out,
+                                   last_dim=module.dims.vocab)
         if use_external_data(self.external_data, written, path.name):
             onnx.save_model(model, str(path))  # its weights are already in <graph>.data
         else:

@@ -99,12 +99,31 @@ def onnx_with_weight_inputs(module: nn.Module, args: tuple, input_names: list[st
     return model, params
 
 
+def _shape_of(name: str, params: dict, producer: dict) -> tuple[int, ...]:
+    """The shape of a weight-derived value (a parameter, or a fold of parameters)."""
+    if name in params:
+        return tuple(params[name].shape)
+    node = producer[name]
+    shapes = [_shape_of(i, params, producer) for i in node.input]
+    if node.op_type == "Transpose":
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), list(range(len(shapes[0])))[::-1])
+        return tuple(shapes[0][p] for p in perm)
+    if node.op_type == "Concat":
+        axis = next(a.i for a in node.attribute if a.name == "axis")
+        out = list(shapes[0])
+        out[axis] = sum(s[axis] for s in shapes)
+        return tuple(out)
+    return shapes[0]
+
+
 def fill_weights(model, params: dict[str, nn.Parameter], read: Callable[[nn.Parameter], torch.Tensor],
-                 out: TensorFile) -> int:
+                 out: TensorFile, last_dim: int | None = None) -> int:
     """Turn the weight inputs of `model` (onnx_with_weight_inputs) into initializers written to
     `out`, folding the weight-only FOLDED_OPS nodes, one final tensor at a time; returns the
-    bytes written. `read(param)` returns the parameter's value in the graph's dtype. Raises
-    ValueError for a weight-only node of another kind."""
+    bytes written. `read(param)` returns the parameter's value in the graph's dtype. Tensors
+    with a dimension of `last_dim` (the vocabulary: the embedding and LM head, which sharing may
+    move to shared.data) are written last, so removing them from the file only shortens it.
+    Raises ValueError for a weight-only node of another kind."""
     from onnx import helper
 
     graph = model.graph
@@ -124,6 +143,9 @@ def fill_weights(model, params: dict[str, nn.Parameter], read: Callable[[nn.Para
         if id(node) not in folded_ids:
             finals += [i for i in node.input if i in derived and i not in finals]
     finals += [o.name for o in graph.output if o.name in derived and o.name not in finals]
+    if last_dim:
+        vocab_sized = {n for n in finals if last_dim in _shape_of(n, params, producer)}
+        finals = [n for n in finals if n not in vocab_sized] + [n for n in finals if n in vocab_sized]
 
     def value(name: str) -> torch.Tensor:
         if name in params:

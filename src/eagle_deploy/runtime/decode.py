@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from .acceptance import tau
+from .acceptance import SpecCounts, tau
 from .backends.base import Backend, StepInputs
 from .drafter import Drafter, DraftRequest, causal_mask
 from .sampling import SamplingParams, finite_number, greedy_token, sample, target_probs
@@ -117,6 +117,7 @@ class Stats:
             "accepted_per_round": self.accepted_per_round, "tree_depth_per_round": self.tree_depth_per_round,
             "tree_size_per_round": self.tree_size_per_round, "draft_rounds": self.draft_rounds,
             "mode": self.mode, "acceptance": self.acceptance, "lossless": self.lossless, "row_exact": self.row_exact,
+            "speculative": SpecCounts.from_stats(self).usage(),
         }
 
 

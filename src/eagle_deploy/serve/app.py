@@ -39,7 +39,7 @@ from eagle_deploy.runtime.text import encode_chat, encode_user
 
 from .engine import Event, Job, QueueFull, Scheduler, Work, engine_info, fingerprint, stats_info
 from .guard import OPEN_PATHS, BearerAuth, read_body
-from .metrics import ServeMetrics, SpecCounts
+from .metrics import ServeMetrics
 from .protocol import (
     CHAT,
     DONE,
@@ -302,7 +302,7 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
 
     def _usage(prompt_tokens: int, result) -> dict:
         return {**usage(prompt_tokens, len(result.token_ids)),
-                "speculative": SpecCounts.from_stats(result.stats).usage()}
+                "speculative": result.stats.to_json()["speculative"]}
 
     async def _next(job: Job, request: Request, deadline: tuple[float, float] | None) -> Event | None:
         """The job's next event; None (job cancelled) once the client has disconnected; an

@@ -23,43 +23,12 @@ model_name, engine = "0"), from each finished request's `Stats` (see `SpecCounts
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from eagle_deploy.runtime.acceptance import SpecCounts
 
 TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0, 10.0, 30.0)
-
-
-@dataclass(frozen=True)
-class SpecCounts:
-    """One request's speculative figures, vLLM's definitions mapped onto EAGLE trees:
-    rounds: verification forwards; drafts: rounds whose tree had depth >= 1 (a root-only tree
-    proposed nothing); draft_tokens: the tree depth summed over those rounds (a tree of depth d
-    proposes d positions along any path, whatever its width: vLLM's num_speculative_tokens per
-    draft); accepted_tokens: tokens committed per round minus the bonus token, summed;
-    accepted_per_pos[p]: rounds that accepted at least p + 1 draft tokens; mean_accept_len:
-    tau, tokens committed per round, bonus included (1 + accepted / rounds)."""
-
-    rounds: int
-    drafts: int
-    draft_tokens: int
-    accepted_tokens: int
-    accepted_per_pos: tuple[int, ...]
-    mean_accept_len: float
-
-    @classmethod
-    def from_stats(cls, stats) -> "SpecCounts":
-        accepted = [max(n - 1, 0) for n in stats.accepted_per_round]
-        depths = [d for d in stats.tree_depth_per_round if d >= 1]
-        per_pos = tuple(sum(a > p for a in accepted) for p in range(max(depths, default=0)))
-        return cls(len(accepted), len(depths), sum(depths), sum(accepted), per_pos, round(stats.mean_accept_len, 4))
-
-    def usage(self) -> dict:
-        """The `usage.speculative` field of a response."""
-        return {"rounds": self.rounds, "drafts": self.drafts, "draft_tokens": self.draft_tokens,
-                "accepted_tokens": self.accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos),
-                "mean_accept_len": self.mean_accept_len}
 
 
 class ServeMetrics:

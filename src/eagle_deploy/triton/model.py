@@ -18,7 +18,9 @@ Inputs (names as in the TensorRT-LLM / vLLM backends' generate endpoints; all [1
   text_input + the generated text; streamed deltas never include the input).
 Outputs: text_output (STRING [-1]); on the final response only: finish_reason (STRING: "stop"
   | "length"), prompt_tokens, new_tokens, target_forwards (INT32), mean_accept_len (FP32, tau:
-  tokens committed per target forward), stats (STRING: the runtime's Stats JSON).
+  tokens committed per target forward), stats (STRING: the runtime's Stats JSON; its
+  "speculative" field holds the request's vLLM-style spec_decode counts, as eagle-serve's
+  usage.speculative).
 
 Responses: stream false -> one response carrying everything, flagged FINAL. stream true -> one
 response per text delta (as tokens are committed; never half a UTF-8 character; the deltas

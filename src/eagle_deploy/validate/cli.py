@@ -405,7 +405,7 @@ def run_validation(folder: Path, work: Path | None = None, graphs=("target", "dr
     from eagle_deploy.contract.manifest import Manifest
     from eagle_deploy.contract.verify import verify_export
 
-    from .reference import load_reference_head, load_reference_target, reference_backends
+    from .reference import check_memory, load_reference_head, load_reference_target, reference_backends
 
     G_LOGGER.module_severity = G_LOGGER.CRITICAL  # the table reports; Polygraphy's own failures still raise
     folder = Path(folder)
@@ -413,6 +413,7 @@ def run_validation(folder: Path, work: Path | None = None, graphs=("target", "dr
     note = verify_export(folder, manifest, verify).note
     if note:
         log(f"note: {note}")
+    check_memory(manifest, folder, graphs)  # a 7B reference is 27 GB in fp32: refuse before loading it
     work = Path(work) if work else folder / "validate"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

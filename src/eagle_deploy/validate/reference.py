@@ -8,6 +8,7 @@ and the draft head.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 
@@ -38,6 +39,43 @@ def target_checkpoint_dir(manifest) -> Path:
         except Exception as err:  # ModelNotAvailableError, UnsupportedModelError: one message
             raise ReferenceError(f"the export's target {src.path or src.spec} is not available: {err}") from None
     raise ReferenceError("the manifest names no target checkpoint (sources.target)")
+
+
+def memory_needed(manifest, folder: Path, graphs=("target", "draft")) -> tuple[int, str]:
+    """(bytes, breakdown) eagle-validate needs at once: the PyTorch reference in fp32 (every
+    checkpoint tensor x 4 bytes, read from the file headers) plus the files of the graphs it
+    opens with onnxruntime (their data and shared.data, which onnxruntime loads)."""
+    from eagle_deploy.exporter.weights import CheckpointWeights
+
+    weights = CheckpointWeights(target_checkpoint_dir(manifest))
+    params = sum(math.prod(shape) for shape in weights.shapes.values())
+    folder = Path(folder)
+    files = set()
+    for which in graphs:
+        path = getattr(manifest, which).path
+        files |= {path, path + ".data"}
+    if manifest.shared_weights:
+        files.add(manifest.shared_weights.file)
+    graph_bytes = sum((folder / f).stat().st_size for f in files if (folder / f).exists())
+    gib = 2**30
+    return 4 * params + graph_bytes, (f"the PyTorch reference in fp32, {params / 1e9:.2f}B parameters x 4 bytes = "
+                                      f"{4 * params / gib:.1f} GiB, plus the graphs onnxruntime loads, "
+                                      f"{graph_bytes / gib:.1f} GiB")
+
+
+def check_memory(manifest, folder: Path, graphs=("target", "draft")) -> None:
+    """ReferenceError, saying how much memory validation needs, when this machine has less
+    available (psutil's `available`) than `memory_needed`; nothing when psutil is missing."""
+    try:
+        import psutil
+    except ImportError:
+        return
+    need, why = memory_needed(manifest, folder, graphs)
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise ReferenceError(f"eagle-validate needs about {need / 2**30:.1f} GiB ({why}) and this machine has "
+                             f"{available / 2**30:.1f} GiB available: validate on a machine with more memory (the "
+                             "export streamed its weights; validation holds the whole PyTorch model)")
 
 
 def load_reference_target(manifest):
