@@ -15,7 +15,8 @@ from onnx import numpy_helper
 
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.contract.manifest import Manifest
-from eagle_deploy.exporter.draft_head import HeadCheckpointError, load_head
+from eagle_deploy.exporter.head_files import HeadCheckpointError
+from eagle_deploy.exporter.heads import load_head
 from eagle_deploy.validate.torch_backend import TorchBackend
 from tests import tiny
 from tests.helpers import causal_mask, kv_rows, run_step

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from eagle_deploy.exporter.draft_head import load_head, random_head, save_head
+from eagle_deploy.exporter.draft_head import random_head, save_head
 from eagle_deploy.exporter.export import ExportOptions, export
+from eagle_deploy.exporter.heads import load_head
 from eagle_deploy.train.data import BatchedGenerator, TokenData, compute_features
 from eagle_deploy.train.trainer import TrainConfig, evaluate, split, train_head, unroll_masks, unrolled_forward
 

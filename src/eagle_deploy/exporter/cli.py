@@ -102,8 +102,8 @@ def _interrupt(signum, frame):
 @interruptible("eagle-export")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .draft_head import HeadCheckpointError
     from .export import ExportOptions, export
+    from .head_files import HeadCheckpointError
     from .models import ModelNotAvailableError
     from .target import UnsupportedModelError
 

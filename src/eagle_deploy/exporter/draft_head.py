@@ -20,17 +20,13 @@ from torch import nn
 from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED
 
 from .fused import FusedDecoderLayer, as_float32, fused_inputs, gather_rows, rotary_rows
+from .head_files import HeadCheckpointError
 from .layers import Rotary, gather_positions, mask_bias
 from .target import DecoderLayer, Dims, dims_of
 
-HEAD_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 TOKEN_COUNTS_FILE = "token_counts.npy"  # optional: response-token frequencies from eagle-train ([vocab] int64)
 OPTIONAL_KEYS = ("fc.bias",)
 IGNORED_KEYS = ("embed_tokens.weight",)  # some published heads carry a copy; the target's is used
-
-
-class HeadCheckpointError(ValueError):
-    """A draft-head checkpoint is missing, unreadable, or has a missing/mis-shaped tensor."""
 
 
 def expected_shapes(dims: Dims, intermediate: int, attention_bias: bool) -> dict[str, tuple[int, ...]]:
@@ -53,24 +49,6 @@ def expected_shapes(dims: Dims, intermediate: int, attention_bias: bool) -> dict
         shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)})
     return shapes
-
-
-def read_head_state(head_dir: Path) -> dict[str, torch.Tensor]:
-    """Load a head's tensors (safetensors, or a pickle read with weights_only=True)."""
-    head_dir = Path(head_dir)
-    for name in HEAD_WEIGHT_FILES:
-        path = head_dir / name
-        if not path.exists():
-            continue
-        try:
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                return load_file(str(path))
-            return torch.load(str(path), map_location="cpu", weights_only=True)
-        except Exception as err:  # corrupt or hostile file: one clear message
-            raise HeadCheckpointError(f"cannot read draft head weights {path}: {err}") from None
-    raise HeadCheckpointError(f"no draft head weights in {head_dir} (expected one of {', '.join(HEAD_WEIGHT_FILES)})")
 
 
 def check_head_state(state: dict[str, torch.Tensor], dims: Dims, intermediate: int) -> None:
@@ -238,19 +216,12 @@ def random_head(target: nn.Module, seed: int = 0, fc_bias: bool = True) -> Eagle
     return head
 
 
-def load_head(head_dir: Path, target: nn.Module):
-    """Load a published-format head for `target`: an EagleHead (EAGLE-1/2) or, when its
-    config or tensor names say EAGLE-3, an `eagle3.Eagle3Head`. HeadCheckpointError names any
-    bad tensor or config value."""
-    from .eagle3 import detect_layout, load_eagle3_head, read_head_config
-
-    head_dir = Path(head_dir)
-    head_config = read_head_config(head_dir)
-    cfg_path = head_dir / "config.json"
-    state = read_head_state(head_dir)
-    layout = detect_layout(head_config, state.keys())
-    if layout is not None:
-        return load_eagle3_head(head_dir, head_config, target, layout=layout, state=state)
+def load_eagle12_head(head_dir: Path, head_config: dict, target: nn.Module,
+                      state: dict[str, torch.Tensor]) -> EagleHead:
+    """An EAGLE-1/2 head for `target` from its folder's parsed config.json and tensors (read
+    by `heads.load_head`, which also loads EAGLE-3 heads). HeadCheckpointError names any bad
+    tensor or config value."""
+    cfg_path = Path(head_dir) / "config.json"
     dims = dims_of(target.config)
     check_head_config(head_config, cfg_path, dims)
     intermediate = int(head_config.get("intermediate_size", target.config.intermediate_size))

@@ -34,14 +34,13 @@ from torch import nn
 from eagle_deploy.contract.manifest import HeadRecord
 from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED
 
-from .draft_head import HeadCheckpointError, read_head_state
 from .fused import FusedAttention, fused_inputs, gather_rows, rotary_rows, skip_rms_norm
+from .head_files import HeadCheckpointError, detect_layout, read_head_state
 from .layers import STATIC_ROPE_TYPES, Attention, GatedMLP, Rotary, gather_positions, mask_bias, rms_norm
 from .target import Dims, dims_of
 
 LAYOUTS = ("eagle3", "speculators")
 LAYER_PREFIX = {"eagle3": "midlayer.", "speculators": "layers.0."}
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -53,21 +52,6 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
                          f"of this {num_layers}-layer target: name them in the head config "
                          "(eagle_aux_hidden_state_layer_ids)")
     return layers
-
-
-def detect_layout(config: dict, keys=()) -> str | None:
-    """"eagle3" / "speculators" when `config` (a head's config.json) or the tensor names
-    `keys` say EAGLE-3; None for an EAGLE-1/2 head."""
-    if not isinstance(config, dict):
-        return None
-    if config.get("speculators_model_type") == "eagle3":
-        return "speculators"
-    archs = config.get("architectures") or []
-    if any(a in EAGLE3_ARCHITECTURES for a in archs) or "draft_vocab_size" in config:
-        return "eagle3"
-    if any(k.startswith("midlayer.") for k in keys) or "d2t" in keys:
-        return "eagle3"
-    return None
 
 
 @dataclass(frozen=True)
@@ -549,14 +533,3 @@ def save_eagle3_head(head: Eagle3Head, out_dir: Path, layout: str = "eagle3") ->
     if layout == "eagle3":
         config.setdefault("architectures", ["LlamaForCausalLMEagle3"])
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def read_head_config(head_dir: Path) -> dict:
-    """The parsed config.json of a head folder. Raises HeadCheckpointError."""
-    path = Path(head_dir) / "config.json"
-    if not path.exists():
-        raise HeadCheckpointError(f"draft head folder {head_dir} has no config.json")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise HeadCheckpointError(f"draft head config {path} is not valid JSON: {err}") from None

@@ -27,10 +27,12 @@ from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED, TOKENIZER_DIR
 from eagle_deploy.contract.tree_config import TreeConfig, default_tree
 from eagle_deploy.contract.verify import file_records, sha256_file
 
-from .draft_head import HEAD_WEIGHT_FILES, load_head, random_head
+from .draft_head import random_head
 from .draft_vocab import default_size as default_draft_vocab
 from .draft_vocab import draft_vocab_ids
 from .eagle3 import Eagle3Head
+from .head_files import HEAD_WEIGHT_FILES
+from .heads import load_head
 from .models import Checkpoint, resolve_draft, resolve_model
 from .publish import destination_lock, publish_folder
 from .steps import TORCH_DTYPES, DraftOnnxFromHead, TargetOnnxFromHF, TokenizerFromHF

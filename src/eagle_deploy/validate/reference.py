@@ -109,7 +109,8 @@ def head_dir_of(manifest) -> Path | None:
 def load_reference_head(manifest, hf):
     """(EagleHead or Eagle3Head bound to `hf`, note). An untrained export's head is
     regenerated with random_head(seed=0), as eagle-export made it."""
-    from eagle_deploy.exporter.draft_head import load_head, random_head
+    from eagle_deploy.exporter.draft_head import random_head
+    from eagle_deploy.exporter.heads import load_head
 
     head_dir = head_dir_of(manifest)
     if head_dir is None:
