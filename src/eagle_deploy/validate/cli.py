@@ -4,7 +4,7 @@ Polygraphy's Comparator.
 The reference is the exporter's own torch modules (`ExportableTarget`, `ExportableDraft`) on
 the checkpoint and head named in the manifest, wrapped in a Polygraphy runner; it runs
 against `OnnxrtRunner(SessionFromOnnx(graph))` (and a TensorRT runner when TensorRT is
-importable and the manifest lists engines) on realistic feeds (bench/feeds.py):
+importable and the manifest lists engines) on realistic feeds (validate/feeds.py):
 prefill, decode, tree verification with a past; draft extension and tree-masked expansions.
 
 Tolerances (per output; "rel" = max |err| / max |reference|):
@@ -209,7 +209,7 @@ def torch_runner(backend, graph, name: str = REFERENCE):
     from polygraphy.common import TensorMetadata
     from polygraphy.datatype import DataType
 
-    from eagle_deploy.bench.feeds import reference_forward
+    from .feeds import reference_forward
 
     class TorchRunner(BaseRunner):
         def __init__(self):
@@ -310,7 +310,7 @@ def validate_graph(folder: Path, manifest, which: str, reference, feeds,
     from polygraphy.comparator import Comparator, RunResults
     from polygraphy.json import save_json
 
-    from eagle_deploy.bench.feeds import in_kv_layout
+    from .feeds import in_kv_layout
 
     graph = getattr(manifest, which)
     policy = policy_for(graph)
@@ -401,10 +401,10 @@ def run_validation(folder: Path, work: Path | None = None, graphs=("target", "dr
     import torch
     from polygraphy.logger import G_LOGGER
 
-    from eagle_deploy.bench import feeds as fd
     from eagle_deploy.contract.manifest import Manifest
     from eagle_deploy.contract.verify import verify_export
 
+    from . import feeds as fd
     from .reference import check_memory, load_reference_head, load_reference_target, reference_backends
 
     G_LOGGER.module_severity = G_LOGGER.CRITICAL  # the table reports; Polygraphy's own failures still raise

@@ -1,4 +1,4 @@
-"""Realistic graph feeds, shaped as the runtime makes them (eagle-validate, eagle-bench --tune).
+"""Realistic graph feeds, shaped as the runtime makes them (eagle-validate).
 
 Target: a prefill (past 0, causal), a one-token decode step and a tree verification (past
 from that prefill; a 10-node tree with three branches at the root, its tree mask and
