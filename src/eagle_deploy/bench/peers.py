@@ -36,8 +36,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from .systems import PEERS, Run
+from .timed import Run
 
+# the peer runtimes: family -> precisions; "--baselines openvino" means every precision
+PEERS = {"ort-genai": ("fp32", "int4"), "openvino": ("fp32", "int8", "int4"),
+         "openvino-eagle3": ("fp32", "int8", "int4")}  # OpenVINO GenAI's own EAGLE-3 decoding (--eagle3-head)
 PEER_NAMES = tuple(f"{family}-{p}" for family, precisions in PEERS.items() for p in precisions)
 PACKAGES = {"ort-genai": ("onnxruntime_genai", "onnxruntime-genai"), "openvino": ("openvino_genai", "openvino-genai"),
             "openvino-eagle3": ("openvino_genai", "openvino-genai")}

@@ -12,39 +12,14 @@ import importlib.util
 import resource
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-# peer runtimes (bench/peers.py): family -> precisions; "--baselines openvino" means every precision
-PEERS = {"ort-genai": ("fp32", "int4"), "openvino": ("fp32", "int8", "int4"),
-         "openvino-eagle3": ("fp32", "int8", "int4")}  # OpenVINO GenAI's own EAGLE-3 decoding (--eagle3-head)
+from .peers import PEERS
+from .timed import Run
+
 BASELINES = ("hf", "hf-lookup", "llamacpp", "llamacpp-lookup",
              *(f"{family}-{p}" for family, precisions in PEERS.items() for p in precisions))
 LOOKUP_TOKENS = 10  # draft tokens per prompt-lookup step (HF prompt_lookup_num_tokens, llama.cpp num_pred_tokens)
-
-
-@dataclass
-class Run:
-    """One timed generation. seconds: wall time of the whole request (prefill included)."""
-
-    system: str
-    token_ids: list[int]
-    seconds: float
-    ttft_ms: float | None = None
-    finish_reason: str | None = None
-    stats: dict = field(default_factory=dict)  # EAGLE/vanilla: tau, time_ms breakdown, rounds
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.token_ids) / max(self.seconds, 1e-9)
-
-    def to_json(self) -> dict:
-        out = {"new_tokens": len(self.token_ids), "seconds": round(self.seconds, 4),
-               "tokens_per_s": round(self.tokens_per_s, 2),
-               "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 2),
-               "finish_reason": self.finish_reason, "token_ids": list(self.token_ids)}
-        out.update(self.stats)
-        return out
 
 
 def peak_rss_mb() -> float:
