@@ -13,10 +13,15 @@ reached depth d - 1 and the tree had a node at depth d); it shows where a head l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
-if TYPE_CHECKING:
-    from .decode import Stats
+
+class Rounds(Protocol):
+    """A request's per-round record, as `decode.Stats` keeps it (this module never imports
+    `decode`, which imports it)."""
+
+    accepted_per_round: Sequence[int]  # tokens committed per verification round
+    tree_depth_per_round: Sequence[int]  # deepest draft node per round
 
 
 def tau(tokens_per_round: Iterable[int]) -> float | None:
@@ -35,12 +40,12 @@ def depth_rates(accepted: Sequence[int], depths: Sequence[int], max_depth: int) 
     return rates
 
 
-def pooled_tau(many: Iterable[Stats]) -> float | None:
+def pooled_tau(many: Iterable[Rounds]) -> float | None:
     """tau over every round of several requests (their `Stats`); None with no rounds."""
     return tau(n for s in many for n in s.accepted_per_round)
 
 
-def pooled_depth_rates(many: Iterable[Stats], max_depth: int) -> list[float | None]:
+def pooled_depth_rates(many: Iterable[Rounds], max_depth: int) -> list[float | None]:
     """Per-depth acceptance rates over every round of several requests (their `Stats`): a
     round that committed n tokens accepted n - 1 draft tokens."""
     many = list(many)
