@@ -85,3 +85,16 @@ def test_design_map_names_every_module():
         if not named:
             missing.append(rel.as_posix())
     assert not missing, missing
+
+
+def test_no_import_cycle_between_files_and_no_import_up_the_layers():
+    """scripts/import_graph.py over the package: no two files import each other (directly or
+    round a loop) and no module imports one from a higher layer (contract < exporter, runtime <
+    validate, train < bench, serve, triton)."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "import_graph.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "import cycles between files: 0" in proc.stdout and "upward imports: 0" in proc.stdout

@@ -362,3 +362,100 @@ def test_backends_without_batched_forwards_refuse_a_batch(gqa):
                      np.zeros((2, 1), np.int64), np.zeros((2, 1, gqa.manifest.dims.hidden), np.float32))
     with pytest.raises(ValueError, match="one sequence per forward"):
         ref.run(two, kv, 0)
+
+
+LONG = [(7 * i + 3) % 250 + 1 for i in range(61)]  # 61 tokens, no EOS
+
+
+def test_a_long_prefill_runs_in_chunks_between_other_slots_forwards(model):
+    """Chunked prefill (prefill_chunk 8): a 61-token prompt arriving while slot 1 decodes is
+    prefilled in chunks, each between two of slot 1's forwards; both requests' tokens, every
+    round's logits and the committed KV rows equal their solo runs bit for bit (row-exact), and
+    no chunk is a single row."""
+    decoding = threading.Event()
+    logs = [LogitsLog() for _ in range(2)]
+    factory, script = forced(model, [LONG, PROMPTS[1]])
+    eng = engine(model, 2, row_exact=True, drafters=factory, prefill_chunk=8,
+                 round_observers=lambda b: [logs[b]] + ([lambda *a: decoding.set()] if b == 1 else []))
+    events = []
+    run_chunk, run_group = eng._run_chunk, eng._run_group
+
+    def chunk(call, alone=False):
+        before = call.rows_done
+        run_chunk(call, alone)
+        events.append(("chunk", call.role, before, call.rows_done))
+
+    def group(calls):
+        events.append(("group",))
+        run_group(calls)
+
+    eng._run_chunk, eng._run_group = chunk, group
+    results, kv = {}, {}
+
+    def one(slot, prompt):
+        if slot == 0:
+            assert decoding.wait(60)
+        with eng.busy(slot) as rt:
+            results[slot] = rt.generate(prompt, max_new_tokens=N)
+            kv[slot] = [a.copy() for a in rt.decoder.kv.arrays]
+
+    threads = [threading.Thread(target=one, args=(b, p)) for b, p in ((1, PROMPTS[1]), (0, LONG))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    target = [e for e in events if e[0] == "chunk" and e[1] == "target"]
+    assert len(target) >= 3 and eng.prefill_chunks >= 3
+    assert [e[2] for e in target] == [0] + [e[3] for e in target[:-1]] and target[-1][3] == len(LONG)
+    assert all(e[3] - e[2] >= 2 for e in target)  # never a one-row chunk
+    assert all(e[3] - e[2] == 8 for e in target[:-1])
+    between = [events[events.index(a) + 1:events.index(b)] for a, b in zip(target, target[1:])]
+    assert all(("group",) in gap for gap in between[:2])  # slot 1 decoded between the chunks
+    for b, prompt in ((0, LONG), (1, PROMPTS[1])):
+        solo_log = LogitsLog()
+        solo = solo_runtime(model, script, row_exact=True, round_observers=[solo_log])
+        want = solo.generate(prompt, max_new_tokens=N)
+        assert results[b].token_ids == want.token_ids == model.expected(prompt, N)
+        assert len(logs[b].rows) == len(solo_log.rows)
+        assert all(np.array_equal(m, t) for m, t in zip(logs[b].rows, solo_log.rows))
+        committed = len(prompt) + len(want.token_ids) - 1
+        for mine, theirs in zip(kv[b], solo.decoder.kv.arrays):
+            assert np.array_equal(mine[:, :, :committed], theirs[:, :, :committed])
+
+
+def test_prefill_chunk_must_be_a_whole_number(gqa):
+    for bad in (-1, 2.5, True):
+        with pytest.raises(BatchError, match="prefill_chunk must be a whole number"):
+            engine(gqa, 2, prefill_chunk=bad)
+    eng = engine(gqa, 2)  # off by default: every prefill in one forward
+    eng.generate_many([LONG, PROMPTS[0]], max_new_tokens=8)
+    assert eng.prefill_chunks == 0
+
+
+def test_a_short_prompt_is_prefilled_before_a_long_ones_next_chunk(gqa):
+    """The scheduling rule alone (no forwards run): with a chunked prefill under way, a waiting
+    prompt of one chunk or less goes first; otherwise the long prefill and the decoding slots
+    take turns."""
+    from eagle_deploy.runtime.backends.base import StepInputs
+    from eagle_deploy.runtime.batch import _Call
+
+    eng = engine(gqa, 3, prefill_chunk=8)
+
+    def call(slot, n, past):
+        ids = np.ones((1, n), np.int64)
+        return _Call(slot, "target", StepInputs(ids, ids, np.ones((1, n, past + n), bool), ids[:, -1:]), past)
+
+    long, decode, short = call(0, 40, 0), call(1, 3, 20), call(2, 5, 0)
+    long.rows_done = 8
+    ran = []
+    eng._run_group = lambda group: ran.append(("group", [c.slot for c in group]))
+    eng._run_chunk = lambda c, alone=False: ran.append(("chunk", c.slot))
+    eng._busy, eng._pending = {0, 1, 2}, {0: long, 1: decode, 2: short}
+    with eng._cond:  # _step runs with the engine's lock held
+        eng._step()
+        assert ran == [("group", [2])]
+        del eng._pending[2]
+        eng._step()  # the long prefill's next chunk ...
+        long.yielded = True
+        eng._step()  # ... then the decoding slot's forward
+    assert ran[1:] == [("chunk", 0), ("group", [1])]

@@ -204,8 +204,10 @@ SERVER_SLOTS = [1, 4]
 
 @pytest.fixture(scope="session", params=SERVER_SLOTS, ids=[f"slots{n}" for n in SERVER_SLOTS])
 def server(request, serve_export, oracle_refs, reference):
-    """The server, once with one slot (requests one at a time) and once with 4 batched slots:
+    """The server, once with one slot (requests one at a time) and once with 4 batched slots
+    whose prompts of 10 tokens or more are prefilled in chunks of 8 while other slots decode:
     every server test runs against both."""
-    srv = make_server(serve_export, Faults(), oracle_refs, reference, slots=request.param)
+    chunk = {"prefill_chunk": 8} if request.param > 1 else {}
+    srv = make_server(serve_export, Faults(), oracle_refs, reference, slots=request.param, **chunk)
     yield srv
     srv.stop()

@@ -94,3 +94,21 @@ def test_200_requests_with_random_disconnects(server, tmp_path):
     health = wait_idle(server)
     assert (health["queued"], health["active"]) == (0, 0)
     assert (sched.engine.kv_bytes if sched.engine else None) == kv
+
+
+def test_long_prompts_arrive_during_every_cell_and_are_reported_apart(server, tmp_path):
+    """--long-prompts: one more client sends long documents back to back while each cell runs;
+    the cell's own figures stay over its prompts, the long ones get their own entry, and the
+    short requests' greedy text does not change because long prompts are being prefilled."""
+    base = load.load_prompts([str(prompt_file(tmp_path))])
+    longs = [{"id": f"long-{i}", "set": "long", "prompt": "x" * 40 + p["prompt"] * 6} for i, p in enumerate(base)]
+    kw = dict(modes=["eagle"], max_tokens=8, endpoint="completions", timeout=60)
+    alone = load.run_load(load.LoadConfig(server.url, prompts=base, concurrency=[2], **kw))
+    result = load.run_load(load.LoadConfig(server.url, prompts=base, concurrency=[2], long_prompts=longs,
+                                           long_clients=1, **kw))
+    cell = result["cells"][0]
+    assert set(cell) == CELL_KEYS | {"long"} and cell["requests"] == cell["ok"] == len(base)
+    assert cell["long"]["requests"] >= 1 and cell["long"]["ok"] == cell["long"]["requests"]
+    assert result["config"]["long_prompt_ids"] == [p["id"] for p in longs]
+    assert [s["text"] for s in result["samples"]["eagle/2"]] == [s["text"] for s in alone["samples"]["eagle/2"]]
+    assert "long prompts during eagle/2" in load.format_table(result)

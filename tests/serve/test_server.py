@@ -12,7 +12,7 @@ import httpx2
 import openai
 import pytest
 
-from tests.serve.conftest import ORACLE_DEPTH, ORACLE_PROMPTS, make_server
+from tests.serve.conftest import ORACLE_DEPTH, ORACLE_PROMPTS, Faults, make_server
 
 MODEL = "tiny"
 
@@ -420,3 +420,46 @@ def test_one_request_at_a_time_always_takes_the_lowest_slot(server, client, faul
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
         seqs.append(sched.submitted)
     assert [faults.slots[s] for s in seqs] == [0, 0, 0]
+
+
+def test_long_prompts_are_prefilled_in_chunks_while_others_decode(serve_export, reference):
+    """eagle-serve with 2 slots and prefill_chunk 8: a long prompt that arrives while another
+    request decodes is prefilled in chunks (the `later-` user holds its round until the long
+    request is waiting in the engine, so the two overlap on every machine), both get the
+    reference text, and /health and /metrics count the chunks."""
+    faults = Faults()
+    srv = make_server(serve_export, faults, slots=2, prefill_chunk=8)
+    try:
+        engine = srv.app.state.scheduler.engine
+        assert engine.prefill_chunk == 8
+        long_prompt = (ORACLE_PROMPTS[1] + " ") * 8
+        out = {}
+
+        def short():
+            r = httpx2.post(srv.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": ORACLE_PROMPTS[0], "max_tokens": 24, "temperature": 0, "user": "later-a"})
+            out["short"] = r.json()["choices"][0]["text"]
+
+        def long():
+            r = httpx2.post(srv.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": long_prompt, "max_tokens": 8, "temperature": 0})
+            out["long"] = r.json()["choices"][0]["text"]
+
+        threads = [threading.Thread(target=short)]
+        threads[0].start()
+        assert faults.held.acquire(timeout=30)  # the short request decodes, held between two rounds
+        threads.append(threading.Thread(target=long))
+        threads[1].start()
+        deadline = time.monotonic() + 30
+        while not any(c.past == 0 for c in list(engine._pending.values())) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        faults.release.set()
+        for t in threads:
+            t.join(60)
+        assert out["short"] == reference.generate(ORACLE_PROMPTS[0], 24, chat=False).text
+        assert out["long"] == reference.generate(long_prompt, 8, chat=False).text
+        chunks = httpx2.get(srv.url + "/health").json()["batching"]["prefill_chunks"]
+        assert chunks >= 2
+        assert f"eagle_serve_prefill_chunks {float(chunks)}" in httpx2.get(srv.url + "/metrics").text
+    finally:
+        srv.stop()

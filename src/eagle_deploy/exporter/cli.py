@@ -99,6 +99,20 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def triton_repo(export: Path, repo: Path, instances: int) -> str:
+    """`eagle-triton-repo --engines export --out repo --instances N --force` in a child process
+    (the exporter sits below the Triton tools and does not import them); returns the model
+    folder it wrote. ValueError with the tool's own one-line error when it fails."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "eagle_deploy.triton.repo", "--engines", str(export), "--out",
+                           str(repo), "--instances", str(instances), "--force"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        raise ValueError(f"--triton-repo: {last.removeprefix('eagle-triton-repo: error: ')}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
 @interruptible("eagle-export")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
@@ -124,9 +138,7 @@ def main(argv=None) -> int:
 
             build_engines(out, progress=step)
         if args.triton_repo is not None:
-            from eagle_deploy.triton.repo import write_repo  # imports no runtime module
-
-            step(f"triton model: {write_repo(out, args.triton_repo, instances=args.triton_instances, force=True)}")
+            step(f"triton model: {triton_repo(out, args.triton_repo, args.triton_instances)}")
     except (ModelNotAvailableError, UnsupportedModelError, HeadCheckpointError, FileExistsError, FileNotFoundError,
             ValueError) as err:
         print(f"eagle-export: error: {err}", file=sys.stderr)

@@ -15,6 +15,19 @@ Slots join and leave between forwards (continuous batching): a finished request 
 at once and the next queued request takes it with a prefill. Each slot is driven by its own
 thread (`generate_many`, or eagle-serve's workers); the decode loop itself is unchanged.
 
+Chunked prefill (`prefill_chunk` > 0; eagle-serve's `--prefill-chunk`): a prompt of
+prefill_chunk + 2 tokens or more that arrives while other slots decode is run in chunks of
+prefill_chunk rows, [a, b) at past a on its own slot's rows, with one forward of the other
+slots between two chunks, so a ~1k-token prompt no longer stalls every stream for its whole
+prefill (vLLM, SGLang and TensorRT-LLM chunk prefills for the same reason); a short prompt
+(one chunk or less) waiting beside a long one is prefilled first, also before the long one's
+next chunk. The last chunk takes
+the remainder when less than two chunks are left (never a one-row chunk), and once no other
+slot waits the rest runs at once. Each chunk's rows are computed as the same rows of the whole
+prefill are (tests/runtime/test_batch.py: tokens, logits and KV bit-identical); the request's
+outputs are its chunks' joined. An EAGLE-3 draft's first extension (tapped and own features
+mixed) always runs whole.
+
 Trees under load: every busy slot adds its tree to each verification forward, and on a CPU a
 forward's cost grows with its rows, so by default each round a slot drafts the smaller tree
 `tree_under_load` gives for the number of busy slots (about twice the configured tree's rows
@@ -58,7 +71,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -204,6 +217,9 @@ class _Call:
     past: int
     result: StepOutputs | BaseException | None = None
     done: bool = False
+    rows_done: int = 0  # a chunked prefill: rows already run
+    parts: list = field(default_factory=list)  # a chunked prefill: (first row, last row + 1, outputs, logit rows)
+    yielded: bool = False  # a chunked prefill: the other slots get the next forward
 
     @property
     def seq(self) -> int:
@@ -249,14 +265,21 @@ class BatchEngine:
                  backend: str = "ort", acceptance: str = "lossless", threshold: float = 0.0,
                  round_observers: Callable[[int], Sequence[RoundObserver]] | None = None,
                  row_exact: bool | None = None, drafters: Callable[[int, EagleDrafter], Drafter] | None = None,
-                 shrink_trees: bool = True, drafter_kind: str = "eagle", planned: bool = False):
+                 shrink_trees: bool = True, drafter_kind: str = "eagle", planned: bool = False,
+                 prefill_chunk: int = 0):
         """backends: {"target": Backend, "draft": Backend} (batch-capable, see check_batchable);
         round_observers(b): slot b's round observers (see Decoder); drafters(b, drafter): the
         drafter slot b uses, given its EAGLE drafter over the batched draft graph (tests wrap
         it to force trees); shrink_trees: draft `tree_under_load` of the busy slots each round
         (False: `tree` always, so a seed gives the same tokens batched as alone); drafter_kind /
-        planned: as for EagleRuntime (the slots share one CostModel). Raises BatchError."""
+        planned: as for EagleRuntime (the slots share one CostModel); prefill_chunk: a prompt of
+        prefill_chunk + 2 tokens or more is prefilled in chunks of that size while other slots
+        decode, one chunk per forward of theirs (module doc, "Chunked prefill"); 0: in one
+        forward. Raises BatchError."""
         check_batchable(manifest, slots, backend)
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
+            raise BatchError(f"prefill_chunk must be a whole number of tokens >= 0 (0: off), got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         self._row_exact = row_exact_default(manifest) if row_exact is None else row_exact
         check_kv_fits(manifest, tree, slots, self._row_exact)
         self.backends, self.slots, self.tree = backends, slots, tree
@@ -269,7 +292,7 @@ class BatchEngine:
         self._capacity: dict[str, int] = {}  # rows per slot each graph's buffer was allocated for
         self._session = [0] * slots  # busy() sessions per slot
         self._started = [-1] * slots  # the session in which each slot's current request was prefilled
-        self.batched_forwards = self.solo_forwards = 0
+        self.batched_forwards = self.solo_forwards = self.prefill_chunks = 0
         observers = round_observers or (lambda b: ())
         wrap = drafters or (lambda b, drafter: drafter)
 
@@ -297,7 +320,8 @@ class BatchEngine:
              acceptance: str = "lossless", threshold: float = 0.0,
              round_observers: Callable[[int], Sequence[RoundObserver]] | None = None,
              row_exact: bool | None = None, drafters: Callable[[int, EagleDrafter], Drafter] | None = None,
-             shrink_trees: bool = True, drafter_kind: str = "eagle", planned: bool = False) -> "BatchEngine":
+             shrink_trees: bool = True, drafter_kind: str = "eagle", planned: bool = False,
+             prefill_chunk: int = 0) -> "BatchEngine":
         """Load `folder` once for `slots` sequences (keywords as for EagleRuntime.load and
         __init__). Raises BatchError (check_batchable, check_kv_fits: before any graph is
         opened), and what EagleRuntime.load raises."""
@@ -310,7 +334,8 @@ class BatchEngine:
         backends = {which: load_backend(backend, folder, manifest, which, threads, tree=tree)
                     for which in ("target", "draft")}
         return cls(folder, manifest, backends, load_tokenizer(folder, manifest), tree, slots, backend, acceptance,
-                   threshold, round_observers, row_exact, drafters, shrink_trees, drafter_kind, planned)
+                   threshold, round_observers, row_exact, drafters, shrink_trees, drafter_kind, planned,
+                   prefill_chunk)
 
     # -- KV ------------------------------------------------------------------------------------
 
@@ -397,16 +422,38 @@ class BatchEngine:
         return call.result
 
     def _dispatch(self) -> None:
-        """With the lock held: once every busy slot waits on a forward, run the next group."""
-        if not self._pending or len(self._pending) < len(self._busy):
-            return
+        """With the lock held: while every busy slot waits on a forward, run the next group
+        (or the next chunk of a chunked prefill, which leaves its slot waiting)."""
+        while self._pending and len(self._pending) >= len(self._busy):
+            self._step()
+
+    def _step(self) -> None:
         calls = sorted(self._pending.values(), key=lambda c: c.slot)
         first = [c for c in calls if c.past == 0]
-        if first:
-            group = first[:1]
+        rest = [c for c in calls if c.past != 0]
+        prefill = next((c for c in first if c.rows_done), None) or (first[0] if first else None)
+        short = [c for c in first if not c.rows_done and not self._chunked(c)] if self.prefill_chunk else []
+        if short:  # with chunking on, a prompt of one chunk or less never waits for a long one
+            self._run_group(short[:1])
+        elif prefill is not None and (prefill.rows_done or (rest and self._chunked(prefill))):
+            if prefill.yielded and rest:  # the others' turn between two chunks
+                prefill.yielded = False
+                self._run_group(self._group(rest))
+            else:
+                self._run_chunk(prefill, alone=not rest)
         else:
-            pool = [c for c in calls if c.role == "draft"] or calls
-            group = [c for c in pool if c.signature == pool[0].signature]
+            self._run_group([prefill] if prefill is not None else self._group(calls))
+        self._cond.notify_all()
+
+    @staticmethod
+    def _group(calls: list[_Call]) -> list[_Call]:
+        """The forwards that run next as one batch: the draft forwards with the first one's
+        inputs (every slot finishes drafting before any verifies), else all of them."""
+        pool = [c for c in calls if c.role == "draft"] or calls
+        return [c for c in pool if c.signature == pool[0].signature]
+
+    def _run_group(self, group: list[_Call]) -> None:
+        """Run `group` (one forward, or each alone) and complete its calls; lock held."""
         try:
             if len(group) == 1:
                 self._run_solo(group[0])
@@ -420,7 +467,44 @@ class BatchEngine:
         for c in group:
             c.done = True
             del self._pending[c.slot]
-        self._cond.notify_all()
+
+    def _chunked(self, call: _Call) -> bool:
+        """Whether a prefill is split into chunks: prefill_chunk + 2 tokens or more, its rows
+        aligned with its inputs (an EAGLE-3 draft's first extension mixes tapped and own
+        features and always runs whole)."""
+        x = call.inputs
+        return (self.prefill_chunk > 0 and call.seq >= self.prefill_chunk + 2
+                and (x.tapped_features is None or x.tapped_features.shape[1] == 0)
+                and (x.features is None or x.features.shape[1] == call.seq))
+
+    def _run_chunk(self, call: _Call, alone: bool = False) -> None:
+        """The next chunk of a chunked prefill on its slot's rows: rows [a, b) at past a, the
+        rest at once when fewer than two chunks remain or no other slot waits (`alone`), so no
+        chunk is one row (onnxruntime's one-row kernels round differently). The call completes
+        with its chunks' outputs joined (`_join_chunks`) after the last. Lock held."""
+        a, S = call.rows_done, call.seq
+        b = S if alone or S - a < 2 * self.prefill_chunk else a + self.prefill_chunk
+        x = call.inputs
+        want = x.logits_indices[0]
+        inside = [int(i) for i in want if a <= i < b]
+        chunk = StepInputs(x.input_ids[:, a:b], x.position_ids[:, a:b], x.attention_mask[:, a:b, :b],
+                           np.array([[i - a for i in inside] or [0]], np.int64),
+                           None if x.features is None else x.features[:, a:b], x.tapped_features)
+        try:
+            out = self.backends[call.role].run(chunk, self._view(call.role, call.slot, call.slot + 1), a)
+            call.parts.append((a, b, {f.name: None if getattr(out, f.name) is None else getattr(out, f.name).copy()
+                                      for f in fields(out)}, inside))
+            self._held[call.role][call.slot] = b
+            self.solo_forwards += 1
+            self.prefill_chunks += 1
+            call.rows_done, call.yielded = b, True
+            if b == S:
+                call.result = _join_chunks(type(out), call.parts, want)
+        except BaseException as err:  # this request fails (KeyboardInterrupt and the like reach its thread)
+            call.result, b = err, S
+        if b == S:
+            call.done = True
+            del self._pending[call.slot]
 
     def _run_each(self, group: list[_Call]) -> None:
         """Each call alone, its outputs copied (the backend reuses its output arrays, and every
@@ -499,6 +583,25 @@ class BatchEngine:
         if errors and not return_exceptions:
             raise errors[0]
         return results
+
+
+def _join_chunks(kind, parts: list, want: np.ndarray) -> StepOutputs:
+    """One prefill's outputs from its chunks [(a, b, outputs, logit rows)]: the per-token
+    outputs concatenated along the rows, the per-logit ones (_PER_LOGIT) taken at `want` (the
+    prefill's logits_indices) from the chunk holding each row."""
+    joined = {}
+    for name, first in parts[0][2].items():
+        if first is None:
+            joined[name] = None
+        elif name in _PER_LOGIT:
+            picks = []
+            for i in (int(i) for i in want):
+                _, _, out, rows = next(p for p in parts if p[0] <= i < p[1])
+                picks.append(out[name][:, rows.index(i)])
+            joined[name] = np.stack(picks, axis=1)
+        else:
+            joined[name] = np.concatenate([out[name] for _, _, out, _ in parts], axis=1)
+    return kind(**joined)
 
 
 def _rows(a: np.ndarray | None, slot: int, n: int) -> np.ndarray | None:

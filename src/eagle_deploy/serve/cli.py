@@ -34,6 +34,11 @@ class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown as elsewhere; the description's example lines kept as written."""
 
 
+# --prefill-chunk's default: tokens per prefill chunk while other slots decode (runtime/batch.py,
+# "Chunked prefill"; measured in docs/decisions.md, "chunked prefill")
+DEFAULT_PREFILL_CHUNK = 128
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle-serve", description=__doc__, formatter_class=_Formatter)
     add_engine_args(p, "responses say so in system_fingerprint and their eagle field")
@@ -49,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --slots > 1, draft the configured tree whatever the load (default: trees shrink as "
                         "more slots are busy, which is faster on a CPU and changes no greedy output, but a seeded "
                         "sampled request then gets the same tokens as alone only while at most 2 slots are busy)")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help="with --slots > 1, a prompt of more than this many tokens is prefilled in chunks of this "
+                        "size between the busy slots' forwards, so long prompts do not stall the other streams "
+                        "(output unchanged); 0: every prefill in one forward")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for the engine at most; more get HTTP 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -122,6 +131,8 @@ def main(argv=None) -> int:
                             ("--keep-alive-s", args.keep_alive_s), ("--max-connections", args.max_connections)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if args.prefill_chunk < 0:
+            raise ValueError(f"--prefill-chunk must be >= 0 (0: off), got {args.prefill_chunk}")
         for flag, value in (("--max-body-mb", args.max_body_mb), ("--request-timeout-s", args.request_timeout_s),
                             ("--shutdown-timeout-s", args.shutdown_timeout_s)):
             if value is not None and not value > 0:
@@ -143,7 +154,8 @@ def main(argv=None) -> int:
                                        shrink_trees=not args.fixed_tree, backend=args.backend, tree=tree,
                                        verify=args.verify,
                                        threads=args.threads, acceptance=args.acceptance, threshold=args.threshold,
-                                       drafter_kind=args.drafter, planned=not args.always_draft)
+                                       drafter_kind=args.drafter, planned=not args.always_draft,
+                                       prefill_chunk=args.prefill_chunk)
         app = create_app(scheduler, model_name=args.model_name, default_mode="vanilla" if args.vanilla else "eagle",
                          max_body_mb=args.max_body_mb, request_timeout_s=args.request_timeout_s, api_key=key,
                          protect_health_metrics=args.protect_health_metrics)

@@ -198,11 +198,12 @@ class SlotScheduler:
 
     @classmethod
     def load(cls, folder, slots: int = 1, max_queue: int = 64, round_hook: RoundHook | None = None,
-             shrink_trees: bool = True, **runtime_kw) -> "SlotScheduler":
+             shrink_trees: bool = True, prefill_chunk: int = 0, **runtime_kw) -> "SlotScheduler":
         """Load `folder` for `slots` concurrent requests: one slot is `EagleRuntime.load(folder,
         **runtime_kw)`; several share `BatchEngine.load(folder, slots, shrink_trees=...,
         **runtime_kw)` (shrink_trees: see BatchEngine; one slot always drafts its configured
-        tree). Each slot's runtime gets its own round gate. round_hook: see RoundHook (tests).
+        tree; prefill_chunk: see BatchEngine, unused with one slot). Each slot's runtime gets
+        its own round gate. round_hook: see RoundHook (tests).
         Raises what those loaders raise (BatchError, before any graph is opened, for an export
         or setting batched decoding cannot serve)."""
         gates = [RoundGate(round_hook) for _ in range(slots)]
@@ -211,7 +212,7 @@ class SlotScheduler:
             runtime = EagleRuntime.load(folder, round_observers=[*extra, gates[0]], **runtime_kw)
             return cls([Slot(runtime, gates[0])], max_queue)
         engine = BatchEngine.load(folder, slots, round_observers=lambda b: [*extra, gates[b]],
-                                  shrink_trees=shrink_trees, **runtime_kw)
+                                  shrink_trees=shrink_trees, prefill_chunk=prefill_chunk, **runtime_kw)
         return cls([Slot(rt, gates[b], partial(engine.busy, b)) for b, rt in enumerate(engine.runtimes)], max_queue,
                    engine)
 
@@ -235,11 +236,12 @@ class SlotScheduler:
 
     @property
     def batching(self) -> dict:
-        """{"slots", "batched_forwards", "solo_forwards"}: forwards the BatchEngine ran for two or
-        more slots at once, and alone (prefills, or one busy slot); zeros with one slot."""
+        """{"slots", "batched_forwards", "solo_forwards", "prefill_chunks"}: forwards the
+        BatchEngine ran for two or more slots at once, and alone (prefills, or one busy slot),
+        and how many of those were chunks of a chunked prefill; zeros with one slot."""
         e = self.engine
         return {"slots": len(self.slots), "batched_forwards": e.batched_forwards if e else 0,
-                "solo_forwards": e.solo_forwards if e else 0}
+                "solo_forwards": e.solo_forwards if e else 0, "prefill_chunks": e.prefill_chunks if e else 0}
 
     def start(self) -> None:
         if not self._threads:

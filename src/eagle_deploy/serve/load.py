@@ -49,6 +49,8 @@ class LoadConfig:
     warmup: bool = True
     disconnect: float = 0.0  # share of requests the client abandons after their first text chunk
     seed: int = 0  # which requests are abandoned
+    long_prompts: list[dict] = field(default_factory=list)  # sent back to back by long_clients during every cell
+    long_clients: int = 0
 
 
 @dataclass
@@ -192,9 +194,13 @@ def _payload(cfg: LoadConfig, model: str, prompt: str, mode: str) -> tuple[str, 
     return "/v1/completions", {**body, "prompt": prompt}
 
 
-def run_cell(client: Client, cfg: LoadConfig, model: str, mode: str, concurrency: int) -> tuple[list[Sample], float]:
+def run_cell(client: Client, cfg: LoadConfig, model: str, mode: str, concurrency: int,
+             long_samples: list | None = None) -> tuple[list[Sample], float]:
     """Send every prompt with `concurrency` requests in flight; returns (samples in prompt
-    order, wall seconds)."""
+    order, wall seconds). Meanwhile `cfg.long_clients` more clients send `cfg.long_prompts`
+    back to back, in turn, until the last prompt's answer is in (their samples, every one
+    started before that, are appended to `long_samples`, not returned): short requests'
+    figures while long prompts arrive. The wall time is the prompts' own.
     todo = list(enumerate(cfg.prompts))
     samples: list[Sample | None] = [None] * len(todo)
     lock = threading.Lock()
@@ -210,13 +216,31 @@ def run_cell(client: Client, cfg: LoadConfig, model: str, mode: str, concurrency
             path, body = _payload(cfg, model, p["prompt"], mode)
             samples[i] = client.stream(path, body, p["id"], bool(hang_up[i]))
 
+    finished = threading.Event()
+    turn = iter(range(10**9))
+
+    def long_worker():
+        while not finished.is_set():
+            with lock:
+                p = cfg.long_prompts[next(turn) % len(cfg.long_prompts)]
+            path, body = _payload(cfg, model, p["prompt"], mode)
+            sample = client.stream(path, body, p["id"])
+            if long_samples is not None:  # one that started before the cell ended counts, however late it ends
+                long_samples.append(sample)
+
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, len(todo)))]
+    longs = [threading.Thread(target=long_worker, daemon=True)
+             for _ in range(cfg.long_clients if cfg.long_prompts else 0)]
     t0 = time.perf_counter()
-    for t in threads:
+    for t in longs + threads:
         t.start()
     for t in threads:
         t.join()
-    return [s for s in samples if s is not None], time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    finished.set()
+    for t in longs:
+        t.join()
+    return [s for s in samples if s is not None], wall
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -277,13 +301,19 @@ def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
         warm = [{**p, "id": f"warmup-{i}"} for i, p in enumerate((cfg.prompts * max(cfg.concurrency))
                                                                    [:max(cfg.concurrency)])]
         for mode in cfg.modes:
-            run_cell(client, replace(cfg, prompts=warm, max_tokens=min(cfg.max_tokens, 16), disconnect=0.0),
-                     model, mode, max(cfg.concurrency))
+            run_cell(client, replace(cfg, prompts=warm, max_tokens=min(cfg.max_tokens, 16), disconnect=0.0,
+                                     long_clients=0), model, mode, max(cfg.concurrency))
     cells, samples, first = [], {}, {}
     for mode in cfg.modes:
         for c in cfg.concurrency:
-            got, wall = run_cell(client, cfg, model, mode, c)
+            longs: list[Sample] = []
+            got, wall = run_cell(client, cfg, model, mode, c, longs)
             cell = summarize(mode, c, got, wall)
+            if cfg.long_prompts and cfg.long_clients:
+                done = [x for x in longs if x.ok]
+                cell["long"] = {"requests": len(longs), "ok": len(done),
+                                "ttft_ms_p50": _pct([x.ttft for x in done if x.ttft is not None], 50),
+                                "ttft_ms_p99": _pct([x.ttft for x in done if x.ttft is not None], 99)}
             if cfg.temperature == 0:
                 cell["same_as_first"] = same_text(got, first[mode]) if mode in first else None
                 cell["same_as_vanilla"] = same_text(got, first.get("vanilla", []))
@@ -291,8 +321,9 @@ def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
             log(format_row(cell))
             cells.append(cell)
             samples[f"{mode}/{c}"] = [{**asdict(s), "tpot": s.tpot} for s in got]
-    config = {k: v for k, v in asdict(cfg).items() if k != "prompts"}
+    config = {k: v for k, v in asdict(cfg).items() if k not in ("prompts", "long_prompts")}
     config["prompt_ids"] = [p["id"] for p in cfg.prompts]
+    config["long_prompt_ids"] = [p["id"] for p in cfg.long_prompts]
     return {"schema": SCHEMA, "config": config, "model": model, "server": health.get("engine"), "cells": cells,
             "samples": samples}
 
@@ -315,7 +346,13 @@ def format_row(c: dict) -> str:
 
 
 def format_table(result: dict) -> str:
-    return "\n".join([HEADER, *(format_row(c) for c in result["cells"])])
+    lines = [HEADER, *(format_row(c) for c in result["cells"])]
+    for c in result["cells"]:
+        if "long" in c:
+            lg = c["long"]
+            lines.append(f"long prompts during {c['mode']}/{c['concurrency']}: {lg['ok']}/{lg['requests']} done, "
+                         f"TTFT p50 {lg['ttft_ms_p50']} ms, p99 {lg['ttft_ms_p99']} ms")
+    return "\n".join(lines)
 
 
 _ints = number_list(int, 1, "values")
@@ -344,6 +381,11 @@ def build_parser(prog: str = "python -m eagle_deploy.serve.load") -> argparse.Ar
                         "count as dropped, not lost, and their slot must come back")
     p.add_argument("--seed", type=int, default=0, help="which requests --disconnect abandons")
     p.add_argument("--repeat", type=int, default=1, help="send the prompt list this many times per cell")
+    p.add_argument("--long-prompts", type=Path, default=None,
+                   help="a JSONL prompt file sent back to back during every cell by --long-clients more clients "
+                        "(long documents: the cell's figures are then the other requests' while long prompts arrive; "
+                        "the long ones' TTFT is reported apart)")
+    p.add_argument("--long-clients", type=int, default=1, help="clients sending --long-prompts (default 1)")
     p.add_argument("--json", type=Path, default=None, help="also write the full result (cells + samples) here")
     return p
 
@@ -353,17 +395,19 @@ def main(argv=None, prog: str = "python -m eagle_deploy.serve.load") -> int:
     args = build_parser(prog).parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if (not modes or any(m not in ("eagle", "vanilla") for m in modes) or args.max_tokens < 1 or (args.limit or 0) < 0
-            or not 0 <= args.disconnect <= 1 or args.repeat < 1):
+            or not 0 <= args.disconnect <= 1 or args.repeat < 1 or args.long_clients < 0):
         print("load: error: --modes takes eagle,vanilla; --max-tokens >= 1; --limit >= 0; --disconnect in [0, 1]; "
-              "--repeat >= 1", file=sys.stderr)
+              "--repeat >= 1; --long-clients >= 0", file=sys.stderr)
         return 2
     try:
         sets = [str(p) for p in args.prompts] or [s.strip() for s in args.sets.split(",") if s.strip()]
         limit = args.limit if args.limit is not None else (0 if args.prompts else 8)
         prompts = load_prompts(sets, limit)
         prompts = repeated(prompts, args.repeat)
+        long_prompts = load_prompts([str(args.long_prompts)], 0) if args.long_prompts else []
         cfg = LoadConfig(args.url, args.model, prompts, args.concurrency, modes, args.max_tokens, args.temperature,
-                         args.endpoint, args.timeout, not args.no_warmup, args.disconnect, args.seed)
+                         args.endpoint, args.timeout, not args.no_warmup, args.disconnect, args.seed, long_prompts,
+                         args.long_clients)
         print(HEADER, file=sys.stderr, flush=True)
         result = run_load(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     except (ValueError, RuntimeError, ModuleNotFoundError) as err:

@@ -12,6 +12,7 @@
     eagle_serve_batched_forwards                      gauge: forwards run for 2+ slots at once, since start
     eagle_serve_solo_forwards                         gauge: forwards of a batching engine run for one slot alone
                                                       (prefills, a lone busy slot); both 0 with --slots 1
+    eagle_serve_prefill_chunks                        gauge: of those, chunks of a chunked prefill (--prefill-chunk)
 
 and vLLM's speculative-decoding counters, named and labelled as vLLM names them (labels
 model_name, engine = "0"), from each finished request's `Stats` (see `SpecCounts`):
@@ -56,6 +57,8 @@ class ServeMetrics:
         self.batched = Gauge("eagle_serve_batched_forwards", "Forwards run for two or more slots at once",
                              registry=r)
         self.solo = Gauge("eagle_serve_solo_forwards", "Forwards run for one slot alone", registry=r)
+        self.chunks = Gauge("eagle_serve_prefill_chunks", "Prefill chunks run between other slots' forwards",
+                            registry=r)
         vllm = ["model_name", "engine"]
         self.spec_labels = (model_name, "0")
         self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", vllm, registry=r)
@@ -74,6 +77,7 @@ class ServeMetrics:
         self.slots.set_function(lambda: scheduler.batching["slots"])
         self.batched.set_function(lambda: scheduler.batching["batched_forwards"])
         self.solo.set_function(lambda: scheduler.batching["solo_forwards"])
+        self.chunks.set_function(lambda: scheduler.batching["prefill_chunks"])
 
     def finished(self, endpoint: str, job, result) -> None:
         """Record a request that ran to its end (`job`: engine.Job, `result`: GenerationResult)."""
