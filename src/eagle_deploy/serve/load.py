@@ -200,7 +200,7 @@ def run_cell(client: Client, cfg: LoadConfig, model: str, mode: str, concurrency
     order, wall seconds). Meanwhile `cfg.long_clients` more clients send `cfg.long_prompts`
     back to back, in turn, until the last prompt's answer is in (their samples, every one
     started before that, are appended to `long_samples`, not returned): short requests'
-    figures while long prompts arrive. The wall time is the prompts' own.
+    figures while long prompts arrive. The wall time is the prompts' own."""
     todo = list(enumerate(cfg.prompts))
     samples: list[Sample | None] = [None] * len(todo)
     lock = threading.Lock()
