@@ -24,9 +24,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from eagle_deploy.runtime.memory import peak_rss_mb
+
 from . import divergence as dv
 from .report import aggregate
-from .systems import EagleSystem, baseline_unavailable, make_baseline, peak_rss_mb, rss_mb
+from .systems import EagleSystem, baseline_unavailable, make_baseline, rss_mb
 
 SCHEMA = "eagle-bench/1"
 NOISE_PREFIX = 16  # tokens in the batched-vs-single noise measurement

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import resource
-import sys
 import time
 from pathlib import Path
+
+from eagle_deploy.runtime import memory as _memory
 
 from .peers import PEERS
 from .timed import Run
@@ -22,20 +22,14 @@ BASELINES = ("hf", "hf-lookup", "llamacpp", "llamacpp-lookup",
 LOOKUP_TOKENS = 10  # draft tokens per prompt-lookup step (HF prompt_lookup_num_tokens, llama.cpp num_pred_tokens)
 
 
-def peak_rss_mb() -> float:
-    """This process's resident-set high-water mark (MiB); it never goes down."""
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return round(kb / (1024 * 1024 if sys.platform == "darwin" else 1024), 1)
-
-
 def rss_mb() -> float:
-    """Current resident set (MiB). Needs psutil (the `[bench]` extra); raises ImportError
-    naming the extra instead of silently reporting the peak."""
-    try:
-        import psutil
-    except ImportError:
-        raise ImportError("eagle-bench needs psutil to measure memory: pip install 'eagle-deploy[bench]'") from None
-    return round(psutil.Process().memory_info().rss / 2**20, 1)
+    """Current resident set (MiB): runtime/memory.py's `rss_mb`, but eagle-bench needs it, so
+    without psutil this raises ImportError naming the `[bench]` extra instead of returning None.
+    (The peak: runtime/memory.py's `peak_rss_mb`, VmHWM on Linux.)"""
+    mb = _memory.rss_mb()
+    if mb is None:
+        raise ImportError("eagle-bench needs psutil to measure memory: pip install 'eagle-deploy[bench]'")
+    return mb
 
 
 class EagleSystem:
