@@ -84,7 +84,9 @@ class Generation:
 
 def load_tokenizer(folder: Path, manifest: Manifest):
     """The export's tokenizer (transformers AutoTokenizer), or None for an export without one.
-    Raises ManifestError when the folder the manifest names is missing or unreadable."""
+    Raises ManifestError when the folder the manifest names is missing or unreadable. The one
+    loader of an export's tokenizer: EagleRuntime, BatchEngine, eagle-serve's frontend and
+    eagle-validate all call it."""
     if not manifest.tokenizer:
         return None
     from transformers import AutoTokenizer

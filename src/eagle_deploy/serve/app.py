@@ -26,7 +26,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib import metadata
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,7 +33,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from eagle_deploy.runtime.api import check_request
+from eagle_deploy.runtime.api import check_request, load_tokenizer
 from eagle_deploy.runtime.text import encode_chat, encode_user
 
 from .engine import Event, Job, QueueFull, Scheduler, Work, engine_info, fingerprint, stats_info
@@ -83,12 +82,10 @@ class Frontend:
     @classmethod
     def for_runtime(cls, runtime) -> "Frontend":
         """A second tokenizer instance loaded from the export (the engine thread keeps its own)."""
-        from transformers import AutoTokenizer
-
         m = runtime.manifest
-        if not m.tokenizer:
+        tokenizer = load_tokenizer(runtime.folder, m)
+        if tokenizer is None:
             raise ValueError("this export has no tokenizer; eagle-serve needs one (re-export with the tokenizer)")
-        tokenizer = AutoTokenizer.from_pretrained(str(Path(runtime.folder) / m.tokenizer))
         return cls(tokenizer, m.max_length, m.dims.vocab)
 
     @property

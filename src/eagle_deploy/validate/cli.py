@@ -403,6 +403,7 @@ def run_validation(folder: Path, work: Path | None = None, graphs=("target", "dr
 
     from eagle_deploy.contract.manifest import Manifest
     from eagle_deploy.contract.verify import verify_export
+    from eagle_deploy.runtime.api import load_tokenizer
 
     from . import feeds as fd
     from .reference import check_memory, load_reference_head, load_reference_target, reference_backends
@@ -423,11 +424,7 @@ def run_validation(folder: Path, work: Path | None = None, graphs=("target", "dr
     refs = reference_backends(manifest, hf, head, folder)
     weight_rows = quantised_reference(folder, manifest, refs)
     log(f"reference loaded in {time.perf_counter() - t0:.1f}s ({head_note})")
-    tokenizer = None
-    if manifest.tokenizer:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(folder / manifest.tokenizer))
+    tokenizer = load_tokenizer(folder, manifest)  # None for an export without one
     prompt = fd.prompt_ids(tokenizer, min(24, manifest.max_length - 16), manifest.dims.vocab, manifest.chat_template)
     dtype = np.dtype(manifest.target.dtype) if manifest.target.dtype != "bfloat16" else None
     if dtype is None:
