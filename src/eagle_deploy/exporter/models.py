@@ -113,7 +113,9 @@ def _check_hf_dir(path: Path) -> None:
 
 
 def convert_gguf(gguf: Path) -> Path:
-    """Dequantise a GGUF checkpoint to an fp32 transformers folder, cached by content hash.
+    """Dequantise a GGUF checkpoint to an fp32 transformers folder, cached by content hash,
+    one tensor at a time (exporter/weights.py `gguf_to_safetensors`: memory is one tensor and
+    one safetensors shard, not the model).
 
     The first call takes ~20-40 s (tokenizer conversion); later calls return the cache.
     Raises UnsupportedModelError for a corrupt file or an unsupported architecture,
@@ -121,31 +123,36 @@ def convert_gguf(gguf: Path) -> Path:
     """
     digest = sha256_file(gguf)[:16]
     out = cache_root() / "gguf" / f"{gguf.stem}-{digest}"
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+    if (out / "config.json").exists() and any((out / f).exists() for f in ("model.safetensors",
+                                                                           "model.safetensors.index.json")):
         return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from .target import UnsupportedModelError, check_family, supported_families
+    from .target import UnsupportedModelError, supported_families
+    from .weights import gguf_to_safetensors
 
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as err:
         raise UnsupportedModelError(
             f"cannot load GGUF file {gguf} ({err.__class__.__name__}: {first_line(err)}); "
             f"supported families: {supported_families()}"
         ) from None
-    check_family(model.config)
-    # the GGUF quantizer marker blocks save_pretrained; the weights are already dequantised
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     tmp = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-        model.save_pretrained(tmp)
+        try:  # one tensor at a time: a 7B GGUF is never a 27 GB fp32 model in memory
+            gguf_to_safetensors(gguf, tmp)
+        except UnsupportedModelError:
+            raise
+        except Exception as err:
+            if disk_errno(err)[0] is not None:
+                raise
+            raise UnsupportedModelError(
+                f"cannot load GGUF file {gguf} ({err.__class__.__name__}: {first_line(err)}); "
+                f"supported families: {supported_families()}"
+            ) from None
         tok.save_pretrained(tmp)
         publish_folder(tmp, out)
     except Exception as err:  # OSError, or the error safetensors raises for a full disk

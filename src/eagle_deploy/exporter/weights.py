@@ -197,3 +197,97 @@ def skeleton_target(hf_dir: Path, dtype: torch.dtype = torch.float32) -> tuple[n
                 mod._parameters[attr] = real
             keys[id(real)] = keys.pop(pid)
     return model.eval(), WeightSource(weights, keys)
+
+
+class SafetensorsShards:
+    """A transformers checkpoint written one tensor at a time: tensors go into
+    `model-NNNNN.safetensors` shards of about `shard_bytes` each (one shard in memory at a
+    time), and `close()` writes `model.safetensors.index.json` (its weight_map and total size),
+    or, when everything fit in one shard, renames it `model.safetensors`.
+    Use as a context manager; a failure leaves the shards written so far (the caller's
+    temporary folder)."""
+
+    def __init__(self, folder: Path, shard_bytes: int = 2 * 2**30):
+        self.folder, self.shard_bytes = Path(folder), shard_bytes
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._shard: dict[str, torch.Tensor] = {}
+        self._size = self.total = self._count = 0
+        self.weight_map: dict[str, str] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._shard and self._size + nbytes > self.shard_bytes:
+            self._flush()
+        self._shard[name] = tensor.contiguous()
+        self._size += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self._shard:
+            return
+        self._count += 1
+        file = f"model-{self._count:05d}.safetensors"
+        save_file(self._shard, str(self.folder / file), metadata={"format": "pt"})
+        self.weight_map.update({k: file for k in self._shard})
+        self._shard, self._size = {}, 0
+
+    def close(self) -> None:
+        self._flush()
+        if self._count == 1:  # one shard: the single-file layout (model.safetensors, no index)
+            (self.folder / "model-00001.safetensors").rename(self.folder / "model.safetensors")
+            return
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(self.weight_map.items()))}
+        (self.folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=1))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *exc):
+        if kind is None:
+            self.close()
+
+
+def gguf_to_safetensors(gguf: Path, folder: Path, shard_bytes: int = 2 * 2**30):
+    """Dequantise a GGUF checkpoint into `folder` as an fp32 transformers checkpoint (config,
+    generation config, safetensors shards), one tensor at a time: the GGUF file is memory-mapped
+    by gguf-py's reader, each tensor dequantised, permuted and renamed by transformers' own GGUF
+    tables (`modeling_gguf_pytorch_utils`), written, and dropped. The same tensors as loading
+    the GGUF with transformers (`from_pretrained(gguf_file=...)`, fp32) and saving the model,
+    without the model in memory. Returns the transformers config. Raises
+    UnsupportedModelError for an architecture outside `FAMILIES`, what the readers raise for a
+    corrupt file."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+    )
+
+    gguf = Path(gguf)
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    check_family(config)
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)  # metadata only
+    reader = GGUFReader(str(gguf))
+    field = reader.fields["general.architecture"]
+    architecture = bytes(field.parts[field.data[0]]).decode()
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    mapping = get_gguf_hf_weights_map(meta, processor)
+    with SafetensorsShards(folder, shard_bytes) as out:
+        for tensor in reader.tensors:
+            result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+                                       tensor_key_mapping=mapping, parsed_parameters=parsed)
+            if result.name not in mapping:  # e.g. llama.cpp's rope_freqs: transformers recomputes it
+                continue
+            out.add(mapping[result.name], torch.from_numpy(np.array(result.weights, dtype=np.float32)))
+    config.architectures = config.architectures or [type(meta).__name__]
+    config.dtype = "float32"
+    config.save_pretrained(str(folder))
+    GenerationConfig.from_model_config(config).save_pretrained(str(folder))
+    return config
