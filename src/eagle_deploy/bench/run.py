@@ -94,7 +94,7 @@ def load_prompts(sets: list[str], limit: int = 0, specbench: Path | None = None)
     """[{id, set, category, prompt}] from each set (humaneval | chat | JSONL path), first
     `limit` of each (0 = all), then Spec-Bench's questions from `specbench` (set "specbench",
     category = its task; `limit` per task)."""
-    from eagle_deploy.train.data import prompt_set
+    from eagle_deploy.contract.prompts import prompt_set
 
     out = []
     if specbench is not None:

