@@ -36,7 +36,7 @@ def probe(engines: Path, mode: str, backend: str = "ort", threads: int | None = 
     result = rt.generate(ids, max_new_tokens=max_new_tokens, mode=mode)
     return {"mode": mode, "backend": backend, "rss_before_load_mb": before, "rss_loaded_mb": loaded,
             **snapshot(device=backend != "ort"), "new_tokens": len(result.token_ids),
-            "tokens_per_s": round(result.stats.tokens_per_s, 2)}
+            "tokens_per_s": result.stats.to_json()["tokens_per_s"]}
 
 
 def measure_modes(engines: Path, prompt_ids: list[int], max_new_tokens: int = 128, backend: str = "ort",

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         comparison = {}  # --compare-vanilla: vanilla_tokens_per_s, speedup, identical_to_vanilla
         if vanilla is not None:
             speed = result.stats.tokens_per_s / max(vanilla.stats.tokens_per_s, 1e-9)
-            comparison = {"vanilla_tokens_per_s": round(vanilla.stats.tokens_per_s, 2), "speedup": round(speed, 3),
+            comparison = {"vanilla_tokens_per_s": vanilla.stats.to_json()["tokens_per_s"], "speedup": round(speed, 3),
                           "identical_to_vanilla": vanilla.token_ids == result.token_ids}
             memory["eagle_vs_vanilla_peak_rss"] = round(memory["eagle"]["peak_rss_mb"]
                                                         / max(memory["vanilla"]["peak_rss_mb"], 1e-9), 3)
