@@ -142,16 +142,12 @@ def eagle3_head_problem(head: Path | None) -> str | None:
 
 def draft_dir(head: Path) -> Path:
     """Where the OpenVINO IR of EAGLE-3 head `head` is cached (keyed by its weights' digest)."""
-    import hashlib
-
     from eagle_deploy.contract.cache import cache_root
+    from eagle_deploy.contract.verify import sha256_file
 
-    digest = hashlib.sha256()
-    with (Path(head) / "model.safetensors").open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
+    digest = sha256_file(Path(head) / "model.safetensors")
     return (cache_root() / "peers" / "eagle3-drafts"
-            / f"{Path(head).resolve().name}-{digest.hexdigest()[:12]}-openvino-{version('openvino-genai')}")
+            / f"{Path(head).resolve().name}-{digest[:12]}-openvino-{version('openvino-genai')}")
 
 
 def draft_command(head: Path, out: Path, cli: Path | None = None) -> list[str]:
