@@ -195,7 +195,7 @@ def main(argv=None) -> int:
         return load_main(argv[1:], prog="eagle-bench serve")
     args = build_parser().parse_args(argv)
     from eagle_deploy.contract.manifest import Manifest, ManifestError
-    from eagle_deploy.runtime.tree import TreeConfigError
+    from eagle_deploy.contract.tree_config import TreeConfigError
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.max_new_tokens < 1 or (args.limit or 0) < 0 or (args.threads or 1) < 1:

@@ -23,9 +23,9 @@ def probe(engines: Path, mode: str, backend: str = "ort", threads: int | None = 
           max_new_tokens: int = 128, tree: dict | None = None) -> dict:
     """Load the export (the draft graph only for mode "eagle"), warm up, decode `prompt_ids`
     greedily; return this process's memory figures and speed."""
+    from eagle_deploy.contract.tree_config import TreeConfig
     from eagle_deploy.runtime.api import EagleRuntime
     from eagle_deploy.runtime.memory import rss_mb, snapshot
-    from eagle_deploy.runtime.tree import TreeConfig
 
     before = rss_mb()
     rt = EagleRuntime.load(engines, backend=backend, tree=TreeConfig.from_json(tree) if tree else None,

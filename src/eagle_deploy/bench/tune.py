@@ -298,8 +298,8 @@ def _calibration_prompts(rt, cfg: TuneConfig, room: int) -> list[list[int]]:
 def tune(cfg: TuneConfig, log: Callable = print) -> dict:
     """Measure, choose, verify and (cfg.save) record the tree; returns the tuning record."""
     from eagle_deploy.contract.manifest import Manifest, TuningRecord
+    from eagle_deploy.contract.tree_config import TreeConfig
     from eagle_deploy.runtime.api import EagleRuntime
-    from eagle_deploy.runtime.tree import TreeConfig
 
     recorder = _Recorder()
     rt = EagleRuntime.load(cfg.engines, backend=cfg.backend, threads=cfg.threads, wrap_backend=recorder.wrap,

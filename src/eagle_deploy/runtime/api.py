@@ -24,6 +24,7 @@ import numpy as np
 from eagle_deploy.contract.cache import cache_root
 from eagle_deploy.contract.manifest import Manifest, ManifestError
 from eagle_deploy.contract.onnx_io import MANIFEST_FILE
+from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.contract.verify import VerifyReport, sha256_file, verify_export
 
 from .backends import Backend, load_backend
@@ -33,7 +34,6 @@ from .hybrid import MAX_LOOKUP, check_drafter_kind, head_of, make_drafter
 from .planner import CostModel, measure_costs
 from .sampling import SamplingParams, whole_number
 from .text import TextStream, encode_chat
-from .tree import TreeConfig
 
 Prompt = str | Sequence[dict] | Sequence[int]
 

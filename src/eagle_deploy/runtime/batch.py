@@ -81,6 +81,7 @@ from eagle_deploy.contract.dtypes import numpy_dtype
 from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.contract.onnx_io import KV_SHARED
 from eagle_deploy.contract.profiles import draft_kv_capacity
+from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.contract.verify import verify_export
 
 from .api import EagleRuntime, Prompt, device_costs, load_tokenizer, row_exact_default
@@ -91,7 +92,6 @@ from .drafter import Drafter, EagleDrafter
 from .hybrid import make_drafter
 from .kv import KVBuffer
 from .memory import available_mb
-from .tree import TreeConfig
 
 # output fields whose axis 1 follows logits_indices (N); every other output follows the new tokens (S)
 _PER_LOGIT = {"logits", "topk_logprobs", "topk_ids"}

@@ -46,11 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from eagle_deploy.contract.manifest import Manifest, ManifestError
+    from eagle_deploy.contract.tree_config import TreeConfigError
 
     from .api import EagleRuntime, check_request
     from .decode import check_acceptance
     from .memory import export_sizes, rss_mb, snapshot
-    from .tree import TreeConfigError
 
     try:
         # settings that need no model fail before anything is loaded or run

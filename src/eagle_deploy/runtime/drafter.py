@@ -19,9 +19,10 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from eagle_deploy.contract.profiles import draft_kv_capacity
+from eagle_deploy.contract.tree_config import TreeConfig
 
 from .backends.base import Backend, DraftOutputs, StepInputs, feature_inputs
-from .tree import DraftTree, TreeConfig
+from .tree import DraftTree
 
 
 @dataclass(frozen=True)

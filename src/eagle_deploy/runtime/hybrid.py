@@ -26,12 +26,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER, DRAFTER_KINDS  # noqa: F401  (re-exported)
+from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER, DRAFTER_KINDS, TreeConfig  # noqa: F401  (re-exported)
 
 from .drafter import DraftRequest
 from .lookup import ContextLookup
 from .planner import CostModel, DraftPlanner, Plan
-from .tree import DraftTree, TreeConfig
+from .tree import DraftTree
 
 MAX_LOOKUP = 8  # longest context-lookup chain per round
 

@@ -123,8 +123,8 @@ def api_key(args) -> str | None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from eagle_deploy.contract.manifest import Manifest, ManifestError
+    from eagle_deploy.contract.tree_config import TreeConfigError
     from eagle_deploy.runtime.decode import check_acceptance
-    from eagle_deploy.runtime.tree import TreeConfigError
 
     try:
         for flag, value in (("--max-queue", args.max_queue), ("--slots", args.slots), ("--threads", args.threads),

@@ -67,8 +67,8 @@ def main(argv=None) -> int:
     from eagle_deploy.contract.cli_args import tree_from_args
     from eagle_deploy.contract.manifest import Manifest, ManifestError
     from eagle_deploy.contract.prompts import prompt_set
+    from eagle_deploy.contract.tree_config import TreeConfigError
     from eagle_deploy.runtime.api import EagleRuntime
-    from eagle_deploy.runtime.tree import TreeConfigError
 
     try:
         manifest = Manifest.load(args.engines)
