@@ -370,7 +370,3 @@ def stats_info(result: GenerationResult) -> dict:
     return {"mean_accept_len": j["mean_accept_len"], "rounds": result.stats.rounds,
             "target_forwards": j["target_forwards"], "draft_forwards": j["draft_forwards"],
             "prefill_ms": j["time_ms"]["prefill"], "engine_ms": j["time_ms"]["total"], "limited_by": j["limited_by"]}
-
-
-def as_tuple(values: Sequence[int]) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
