@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -198,7 +199,7 @@ def test_an_unwritable_conversion_cache_is_one_line(tmp_path, monkeypatch):
     cannot be written is one CacheWriteError line (exit 2 in the CLI), nothing left in it."""
     import transformers
 
-    from eagle_deploy.exporter import models
+    from eagle_deploy.exporter import models, weights
     from tests import tiny
 
     target = tiny.build_tiny_target(tmp_path / "target", seed=0)
@@ -209,9 +210,12 @@ def test_an_unwritable_conversion_cache_is_one_line(tmp_path, monkeypatch):
         def save_pretrained(self, folder):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(folder) / "tokenizer.json"))
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(target))
+    def converted(gguf, folder):  # the tensors are written (one tensor at a time), then the disk fills up
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(target / name, Path(folder) / name)
+
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **kw: Tok())
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: hf)
+    monkeypatch.setattr(weights, "gguf_to_safetensors", converted)
     monkeypatch.setenv("EAGLE_DEPLOY_CACHE", str(tmp_path / "cache"))
     with pytest.raises(models.CacheWriteError) as err:
         models.convert_gguf(gguf)
