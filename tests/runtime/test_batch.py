@@ -434,8 +434,8 @@ def test_prefill_chunk_must_be_a_whole_number(gqa):
 
 def test_a_short_prompt_is_prefilled_before_a_long_ones_next_chunk(gqa):
     """The scheduling rule alone (no forwards run): with a chunked prefill under way, a waiting
-    prompt of one chunk or less goes first; otherwise the long prefill and the decoding slots
-    take turns."""
+    prompt of one chunk or less goes first (shortest remaining prefill first); after each
+    prefill forward the decoding slots get the next one."""
     from eagle_deploy.runtime.backends.base import StepInputs
     from eagle_deploy.runtime.batch import _Call
 
@@ -453,9 +453,8 @@ def test_a_short_prompt_is_prefilled_before_a_long_ones_next_chunk(gqa):
     eng._busy, eng._pending = {0, 1, 2}, {0: long, 1: decode, 2: short}
     with eng._cond:  # _step runs with the engine's lock held
         eng._step()
-        assert ran == [("group", [2])]
+        assert ran == [("group", [2])]  # the short prompt first, whole
         del eng._pending[2]
-        eng._step()  # the long prefill's next chunk ...
-        long.yielded = True
-        eng._step()  # ... then the decoding slot's forward
-    assert ran[1:] == [("chunk", 0), ("group", [1])]
+        eng._step()  # the decoding slot's turn after a prefill ...
+        eng._step()  # ... then the long prefill's next chunk
+    assert ran[1:] == [("group", [1]), ("chunk", 0)]

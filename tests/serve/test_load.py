@@ -112,3 +112,16 @@ def test_long_prompts_arrive_during_every_cell_and_are_reported_apart(server, tm
     assert result["config"]["long_prompt_ids"] == [p["id"] for p in longs]
     assert [s["text"] for s in result["samples"]["eagle/2"]] == [s["text"] for s in alone["samples"]["eagle/2"]]
     assert "long prompts during eagle/2" in load.format_table(result)
+
+
+def test_open_loop_rate_sends_on_a_schedule(server, tmp_path):
+    """--rate: prompt i leaves at i / rate s whatever the replies (so the cell lasts at least
+    (n - 1) / rate), and the texts are the closed-loop ones."""
+    base = load.load_prompts([str(prompt_file(tmp_path))])
+    kw = dict(modes=["eagle"], max_tokens=8, endpoint="completions", timeout=60, warmup=False)
+    closed = load.run_load(load.LoadConfig(server.url, prompts=base, concurrency=[2], **kw))
+    result = load.run_load(load.LoadConfig(server.url, prompts=base, concurrency=[4], rate=10.0, **kw))
+    cell = result["cells"][0]
+    assert cell["ok"] == len(base) and cell["wall_s"] >= (len(base) - 1) / 10.0
+    assert result["config"]["rate"] == 10.0
+    assert [s["text"] for s in result["samples"]["eagle/4"]] == [s["text"] for s in closed["samples"]["eagle/2"]]

@@ -19,9 +19,9 @@ Chunked prefill (`prefill_chunk` > 0; eagle-serve's `--prefill-chunk`): a prompt
 prefill_chunk + 2 tokens or more that arrives while other slots decode is run in chunks of
 prefill_chunk rows, [a, b) at past a on its own slot's rows, with one forward of the other
 slots between two chunks, so a ~1k-token prompt no longer stalls every stream for its whole
-prefill (vLLM, SGLang and TensorRT-LLM chunk prefills for the same reason); a short prompt
-(one chunk or less) waiting beside a long one is prefilled first, also before the long one's
-next chunk. The last chunk takes
+prefill (vLLM, SGLang and TensorRT-LLM chunk prefills for the same reason). Prefills waiting
+together go shortest remaining first, so a short prompt (one chunk or less, run whole) never
+waits for a long one's chunks. The last chunk takes
 the remainder when less than two chunks are left (never a one-row chunk), and once no other
 slot waits the rest runs at once. Each chunk's rows are computed as the same rows of the whole
 prefill are (tests/runtime/test_batch.py: tokens, logits and KV bit-identical); the request's
@@ -219,7 +219,6 @@ class _Call:
     done: bool = False
     rows_done: int = 0  # a chunked prefill: rows already run
     parts: list = field(default_factory=list)  # a chunked prefill: (first row, last row + 1, outputs, logit rows)
-    yielded: bool = False  # a chunked prefill: the other slots get the next forward
 
     @property
     def seq(self) -> int:
@@ -293,6 +292,7 @@ class BatchEngine:
         self._session = [0] * slots  # busy() sessions per slot
         self._started = [-1] * slots  # the session in which each slot's current request was prefilled
         self.batched_forwards = self.solo_forwards = self.prefill_chunks = 0
+        self._decode_turn = False  # with prefill_chunk: the decoding slots run next (a prefill ran last)
         observers = round_observers or (lambda b: ())
         wrap = drafters or (lambda b, drafter: drafter)
 
@@ -431,18 +431,18 @@ class BatchEngine:
         calls = sorted(self._pending.values(), key=lambda c: c.slot)
         first = [c for c in calls if c.past == 0]
         rest = [c for c in calls if c.past != 0]
-        prefill = next((c for c in first if c.rows_done), None) or (first[0] if first else None)
-        short = [c for c in first if not c.rows_done and not self._chunked(c)] if self.prefill_chunk else []
-        if short:  # with chunking on, a prompt of one chunk or less never waits for a long one
-            self._run_group(short[:1])
-        elif prefill is not None and (prefill.rows_done or (rest and self._chunked(prefill))):
-            if prefill.yielded and rest:  # the others' turn between two chunks
-                prefill.yielded = False
-                self._run_group(self._group(rest))
+        if not first or (rest and self._decode_turn):  # decoding slots' turn (after a prefill chunk)
+            self._decode_turn = False
+            self._run_group(self._group(rest))
+        elif not self.prefill_chunk:
+            self._run_group(first[:1])
+        else:  # shortest remaining prefill first: a short prompt never waits for a long one's chunks
+            call = min(first, key=lambda c: (c.seq - c.rows_done, c.slot))
+            if call.rows_done == 0 and not (rest and self._chunked(call)):
+                self._run_group([call])  # whole: short, or nothing else decodes
             else:
-                self._run_chunk(prefill, alone=not rest)
-        else:
-            self._run_group([prefill] if prefill is not None else self._group(calls))
+                self._run_chunk(call, alone=not rest)
+            self._decode_turn = bool(rest)
         self._cond.notify_all()
 
     @staticmethod
@@ -497,7 +497,7 @@ class BatchEngine:
             self._held[call.role][call.slot] = b
             self.solo_forwards += 1
             self.prefill_chunks += 1
-            call.rows_done, call.yielded = b, True
+            call.rows_done = b
             if b == S:
                 call.result = _join_chunks(type(out), call.parts, want)
         except BaseException as err:  # this request fails (KeyboardInterrupt and the like reach its thread)

@@ -50,6 +50,7 @@ class LoadConfig:
     seed: int = 0  # which requests are abandoned
     long_prompts: list[dict] = field(default_factory=list)  # sent back to back by long_clients during every cell
     long_clients: int = 0
+    rate: float = 0.0  # requests/s sent open-loop on a fixed schedule (0: closed loop, each client sends on reply)
 
 
 @dataclass
@@ -181,8 +182,10 @@ def _payload(cfg: LoadConfig, model: str, prompt: str, mode: str) -> tuple[str, 
 
 def run_cell(client: Client, cfg: LoadConfig, model: str, mode: str, concurrency: int,
              long_samples: list | None = None) -> tuple[list[Sample], float]:
-    """Send every prompt with `concurrency` requests in flight; returns (samples in prompt
-    order, wall seconds). Meanwhile `cfg.long_clients` more clients send `cfg.long_prompts`
+    """Send every prompt with `concurrency` requests in flight (with `cfg.rate`: prompt i sent
+    at i / rate seconds whatever the replies, open-loop as vLLM's benchmark_serving
+    --request-rate, at most `concurrency` in flight); returns (samples in prompt order, wall
+    seconds). Meanwhile `cfg.long_clients` more clients send `cfg.long_prompts`
     back to back, in turn, until the last prompt's answer is in (their samples, every one
     started before that, are appended to `long_samples`, not returned): short requests'
     figures while long prompts arrive. The wall time is the prompts' own."""
@@ -192,12 +195,21 @@ def run_cell(client: Client, cfg: LoadConfig, model: str, mode: str, concurrency
     rng = np.random.default_rng([cfg.seed, concurrency, len(mode)])
     hang_up = rng.random(len(todo)) < cfg.disconnect
 
+    in_flight = threading.Semaphore(concurrency)
+    start = time.perf_counter()
+
     def worker():
         while True:
             with lock:
                 if not todo:
                     return
                 i, p = todo.pop(0)
+            path, body = _payload(cfg, model, p["prompt"], mode)
+            samples[i] = client.stream(path, body, p["id"], bool(hang_up[i]))
+
+    def scheduled(i: int, p: dict):
+        time.sleep(max(0.0, start + i / cfg.rate - time.perf_counter()))
+        with in_flight:
             path, body = _payload(cfg, model, p["prompt"], mode)
             samples[i] = client.stream(path, body, p["id"], bool(hang_up[i]))
 
@@ -213,7 +225,10 @@ def run_cell(client: Client, cfg: LoadConfig, model: str, mode: str, concurrency
             if long_samples is not None:  # one that started before the cell ended counts, however late it ends
                 long_samples.append(sample)
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, len(todo)))]
+    if cfg.rate:
+        threads = [threading.Thread(target=scheduled, args=(i, p), daemon=True) for i, p in todo]
+    else:
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, len(todo)))]
     longs = [threading.Thread(target=long_worker, daemon=True)
              for _ in range(cfg.long_clients if cfg.long_prompts else 0)]
     t0 = time.perf_counter()
@@ -287,7 +302,7 @@ def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
                                                                    [:max(cfg.concurrency)])]
         for mode in cfg.modes:
             run_cell(client, replace(cfg, prompts=warm, max_tokens=min(cfg.max_tokens, 16), disconnect=0.0,
-                                     long_clients=0), model, mode, max(cfg.concurrency))
+                                     long_clients=0, rate=0.0), model, mode, max(cfg.concurrency))
     cells, samples, first = [], {}, {}
     for mode in cfg.modes:
         for c in cfg.concurrency:
@@ -371,6 +386,9 @@ def build_parser(prog: str = "python -m eagle_deploy.serve.load") -> argparse.Ar
                         "(long documents: the cell's figures are then the other requests' while long prompts arrive; "
                         "the long ones' TTFT is reported apart)")
     p.add_argument("--long-clients", type=int, default=1, help="clients sending --long-prompts (default 1)")
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="send the prompts open-loop at this many requests per second (at most --concurrency in "
+                        "flight), so TTFT includes waiting behind other requests' work; 0: closed loop (default)")
     p.add_argument("--json", type=Path, default=None, help="also write the full result (cells + samples) here")
     return p
 
@@ -380,9 +398,9 @@ def main(argv=None, prog: str = "python -m eagle_deploy.serve.load") -> int:
     args = build_parser(prog).parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if (not modes or any(m not in ("eagle", "vanilla") for m in modes) or args.max_tokens < 1 or (args.limit or 0) < 0
-            or not 0 <= args.disconnect <= 1 or args.repeat < 1 or args.long_clients < 0):
+            or not 0 <= args.disconnect <= 1 or args.repeat < 1 or args.long_clients < 0 or args.rate < 0):
         print("load: error: --modes takes eagle,vanilla; --max-tokens >= 1; --limit >= 0; --disconnect in [0, 1]; "
-              "--repeat >= 1; --long-clients >= 0", file=sys.stderr)
+              "--repeat >= 1; --long-clients >= 0; --rate >= 0", file=sys.stderr)
         return 2
     try:
         sets = [str(p) for p in args.prompts] or [s.strip() for s in args.sets.split(",") if s.strip()]
@@ -392,7 +410,7 @@ def main(argv=None, prog: str = "python -m eagle_deploy.serve.load") -> int:
         long_prompts = load_prompts([str(args.long_prompts)], 0) if args.long_prompts else []
         cfg = LoadConfig(args.url, args.model, prompts, args.concurrency, modes, args.max_tokens, args.temperature,
                          args.endpoint, args.timeout, not args.no_warmup, args.disconnect, args.seed, long_prompts,
-                         args.long_clients)
+                         args.long_clients, args.rate)
         print(HEADER, file=sys.stderr, flush=True)
         result = run_load(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     except (ValueError, RuntimeError, ModuleNotFoundError) as err:
