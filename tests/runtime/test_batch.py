@@ -458,3 +458,17 @@ def test_a_short_prompt_is_prefilled_before_a_long_ones_next_chunk(gqa):
         eng._step()  # the decoding slot's turn after a prefill ...
         eng._step()  # ... then the long prefill's next chunk
     assert ran[1:] == [("group", [1]), ("chunk", 0)]
+
+
+@pytest.mark.parametrize("seq,chunks", [(130, [128, 2]), (200, [128, 72]), (300, [128, 128, 44]),
+                                        (257, [128, 129]), (258, [128, 128, 2])])
+def test_chunk_sizes_are_the_setting_and_the_last_two_rows_or_more(seq, chunks):
+    """prefill_chunk 128: every chunk is 128 rows but the last, which holds 2 to 129 rows."""
+    from eagle_deploy.runtime.batch import chunk_end
+
+    sizes, a = [], 0
+    while a < seq:
+        b = chunk_end(a, seq, 128)
+        sizes.append(b - a)
+        a = b
+    assert sizes == chunks

@@ -209,8 +209,9 @@ def main(argv=None) -> int:
     print(f"{args.shape} {' '.join(extra)}: {result['wall_s']} s, peak anonymous {result['peak_anon_gib']} GiB, "
           f"file-backed {result['peak_file_gib']} GiB (checkpoint {result['checkpoint_gib']} GiB)")
     print(f"{'stage':58s} {'wall s':>7s} {'anon GiB':>9s} {'file GiB':>9s}")
-    for s in result["stages"]:
-        print(f"{s['stage'][:58]:58s} {s['wall_s']:7.1f} {s['peak_anon_gib']:9.2f} {s['peak_file_gib']:9.2f}")
+    for s in result["stages"]:  # a stage shorter than the sampling interval has no sample: "-"
+        mem = (f"{s['peak_anon_gib']:9.2f} {s['peak_file_gib']:9.2f}" if s["samples"] else f"{'-':>9s} {'-':>9s}")
+        print(f"{s['stage'][:58]:58s} {s['wall_s']:7.1f} {mem}")
     for n, b in sizes.items():
         print(f"  {n}: {b / GIB:.2f} GiB")
     for t in result.get("tools", []):

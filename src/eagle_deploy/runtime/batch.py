@@ -17,16 +17,15 @@ thread (`generate_many`, or eagle-serve's workers); the decode loop itself is un
 
 Chunked prefill (`prefill_chunk` > 0; eagle-serve's `--prefill-chunk`): a prompt of
 prefill_chunk + 2 tokens or more that arrives while other slots decode is run in chunks of
-prefill_chunk rows, [a, b) at past a on its own slot's rows, with one forward of the other
-slots between two chunks, so a ~1k-token prompt no longer stalls every stream for its whole
-prefill (vLLM, SGLang and TensorRT-LLM chunk prefills for the same reason). Prefills waiting
-together go shortest remaining first, so a short prompt (one chunk or less, run whole) never
-waits for a long one's chunks. The last chunk takes
-the remainder when less than two chunks are left (never a one-row chunk), and once no other
-slot waits the rest runs at once. Each chunk's rows are computed as the same rows of the whole
-prefill are (tests/runtime/test_batch.py: tokens, logits and KV bit-identical); the request's
-outputs are its chunks' joined. An EAGLE-3 draft's first extension (tapped and own features
-mixed) always runs whole.
+prefill_chunk rows ([a, b) at past a on its own slot's rows; the last one 2 to
+prefill_chunk + 1 rows, never one), with one forward of the other slots between two chunks,
+so a ~1k-token prompt no longer stalls every stream for its whole prefill (vLLM, SGLang and
+TensorRT-LLM chunk prefills for the same reason). Prefills waiting together go shortest
+remaining first, so a short prompt (one chunk or less, run whole) never waits for a long one's
+chunks; once no other slot waits, the rest runs at once. Each chunk's rows are computed as the
+same rows of the whole prefill are (tests/runtime/test_batch.py: tokens, logits and KV
+bit-identical); the request's outputs are its chunks' joined. An EAGLE-3 draft's first
+extension (tapped and own features mixed) always runs whole.
 
 Trees under load: every busy slot adds its tree to each verification forward, and on a CPU a
 forward's cost grows with its rows, so by default each round a slot drafts the smaller tree
@@ -478,12 +477,12 @@ class BatchEngine:
                 and (x.features is None or x.features.shape[1] == call.seq))
 
     def _run_chunk(self, call: _Call, alone: bool = False) -> None:
-        """The next chunk of a chunked prefill on its slot's rows: rows [a, b) at past a, the
-        rest at once when fewer than two chunks remain or no other slot waits (`alone`), so no
-        chunk is one row (onnxruntime's one-row kernels round differently). The call completes
+        """The next chunk of a chunked prefill on its slot's rows: rows [a, a + prefill_chunk) at
+        past a, or the rest at once when at most prefill_chunk + 1 rows remain or no other slot
+        waits (`alone`), so no chunk is one row (onnxruntime's one-row kernels round differently). The call completes
         with its chunks' outputs joined (`_join_chunks`) after the last. Lock held."""
         a, S = call.rows_done, call.seq
-        b = S if alone or S - a < 2 * self.prefill_chunk else a + self.prefill_chunk
+        b = S if alone else chunk_end(a, S, self.prefill_chunk)
         x = call.inputs
         want = x.logits_indices[0]
         inside = [int(i) for i in want if a <= i < b]
@@ -583,6 +582,13 @@ class BatchEngine:
         if errors and not return_exceptions:
             raise errors[0]
         return results
+
+
+def chunk_end(a: int, seq: int, chunk: int) -> int:
+    """The end of the prefill chunk that starts at row `a` of a `seq`-row prompt: a + chunk,
+    or seq when at most chunk + 1 rows are left (so the last chunk has 2 to chunk + 1 rows,
+    never one)."""
+    return seq if seq - a <= chunk + 1 else a + chunk
 
 
 def _join_chunks(kind, parts: list, want: np.ndarray) -> StepOutputs:
