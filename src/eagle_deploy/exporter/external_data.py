@@ -109,13 +109,19 @@ class TensorFile:
         self.close()
 
 
+def _clear_data(tensor) -> None:
+    """Drop every data field and external reference of `tensor` (shape and dtype stay)."""
+    for name in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data",
+                 "data_location"):
+        tensor.ClearField(name)
+    del tensor.external_data[:]
+
+
 def set_external(tensor, location: str, offset: int, length: int) -> None:
     """Point `tensor` at bytes [offset, offset + length) of `location` (its data cleared)."""
     import onnx
 
-    for name in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
-        tensor.ClearField(name)
-    del tensor.external_data[:]
+    _clear_data(tensor)
     tensor.data_location = onnx.TensorProto.EXTERNAL
     for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
         entry = tensor.external_data.add()
@@ -124,10 +130,7 @@ def set_external(tensor, location: str, offset: int, length: int) -> None:
 
 def set_inline(tensor, data: bytes) -> None:
     """Hold `data` as `tensor`'s raw_data (any other data field and external reference cleared)."""
-    for name in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data",
-                 "data_location"):
-        tensor.ClearField(name)
-    del tensor.external_data[:]
+    _clear_data(tensor)
     tensor.raw_data = bytes(data)
 
 
@@ -179,13 +182,24 @@ def array_of(tensor, folder: Path | None = None):
     return np.frombuffer(tensor_bytes(tensor, folder), dtype=dtype).reshape(tuple(tensor.dims))
 
 
-def stored_bytes(model) -> int:
-    """Bytes of initializer data a graph holds, inline or external (external ones not read)."""
+def stored_bytes(tensors) -> int:
+    """Bytes of data the initializers `tensors` hold, inline or external (external ones not read)."""
     total = 0
-    for t in model.graph.initializer:
+    for t in tensors:
         info = external_info(t)
         total += (info["length"] or 0) if info else (len(t.raw_data) or t.ByteSize())
     return total
+
+
+def _replace_graph(model, path: Path) -> None:
+    """Write the graph file `path` (its external data already in place) through a temporary
+    file in its folder, renamed over it."""
+    import onnx
+
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        graph_tmp = Path(scratch) / path.name
+        onnx.save_model(model, str(graph_tmp))
+        os.replace(graph_tmp, path)
 
 
 def save_graph(model, path: Path, folder: Path, external_data: str = "auto", keep: tuple[str, ...] = ()) -> None:
@@ -203,8 +217,7 @@ def save_graph(model, path: Path, folder: Path, external_data: str = "auto", kee
     path, folder = Path(path), Path(folder)
     own = data_file_of(path)
     movable = [t for t in model.graph.initializer if (external_info(t) or {}).get("location") not in keep]
-    total = sum((external_info(t) or {}).get("length") or len(t.raw_data) or t.ByteSize() for t in movable)
-    external = use_external_data(external_data, total, path.name)
+    external = use_external_data(external_data, stored_bytes(movable), path.name)
     if external and folder.resolve() == path.parent.resolve() and _compactable(movable, own):
         _compact_in_place(model, movable, path, own)
         return
@@ -250,8 +263,6 @@ def _compact_in_place(model, tensors: list, path: Path, own: str) -> None:
     tensor towards the start (in offset order, so no bytes are overwritten before they are
     read), then truncate it: no second copy of a large file on disk. A failure midway leaves a
     damaged data file, which is why only the exporter's private folder is compacted like this."""
-    import onnx
-
     data = path.parent / own
     order = sorted((t for t in tensors if external_info(t) is not None), key=lambda t: external_info(t)["offset"])
     end = 0
@@ -270,10 +281,7 @@ def _compact_in_place(model, tensors: list, path: Path, own: str) -> None:
                 set_external(t, own, new, info["length"])
             end = new + info["length"]
         f.truncate(end)
-    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-        graph_tmp = Path(scratch) / path.name
-        onnx.save_model(model, str(graph_tmp))
-        os.replace(graph_tmp, path)
+    _replace_graph(model, path)
 
 
 def place_graph(model, path: Path, written_in: Path, external_data: str = "auto") -> None:
@@ -281,16 +289,11 @@ def place_graph(model, path: Path, written_in: Path, external_data: str = "auto"
     data_file_of(path)` (a scratch folder on the same file system, or path's own folder): that
     file is moved beside the graph, or, when `use_external_data` says the weights stay inline,
     read back into the graph (small graphs only, by that rule)."""
-    import onnx
-
     path, written_in = Path(path), Path(written_in)
     own = data_file_of(path)
-    if not use_external_data(external_data, stored_bytes(model), path.name):
+    if not use_external_data(external_data, stored_bytes(model.graph.initializer), path.name):
         save_graph(model, path, written_in, external_data)
         return
-    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-        graph_tmp = Path(scratch) / path.name
-        onnx.save_model(model, str(graph_tmp))
-        if written_in.resolve() != path.parent.resolve():
-            os.replace(written_in / own, path.parent / own)
-        os.replace(graph_tmp, path)
+    if written_in.resolve() != path.parent.resolve():
+        os.replace(written_in / own, path.parent / own)
+    _replace_graph(model, path)

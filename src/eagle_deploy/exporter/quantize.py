@@ -69,11 +69,6 @@ DEFAULTS = {
 QUANT_OPS = ("MatMulNBits", "MatMulInteger", "DynamicQuantizeMatMul", "MatMulIntegerToFloat")
 
 
-def weight_bytes(model) -> int:
-    """Bytes of initializer data held by `model` (inline or already loaded external data)."""
-    return sum(len(t.raw_data) or t.ByteSize() for t in model.graph.initializer)
-
-
 def constant_matmuls(model, exact: Sequence[str] | None = None) -> list[str]:
     """Names of the MatMul nodes whose second input is an initializer (the quantisable ones),
     except the exact ones (`exact`, default exact_matmuls(model))."""

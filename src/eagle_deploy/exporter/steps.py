@@ -22,7 +22,7 @@ from eagle_deploy.contract.manifest import DraftEntry, GraphEntry, HeadRecord
 
 from .draft_head import EagleHead, ExportableDraft
 from .eagle3 import Eagle3Head, ExportableDraft3
-from .external_data import TensorFile, data_file_of, save_graph, use_external_data
+from .external_data import TensorFile, data_file_of, place_graph, use_external_data
 from .fused import drop_unused_norm_statistics
 from .streamed import fill_weights, onnx_with_weight_inputs
 from .target import ExportableTarget
@@ -104,8 +104,6 @@ class TargetOnnxFromHF:
 
     def __call__(self, hf_model: torch.nn.Module, folder: Path,
                  read: Callable[[torch.nn.Parameter], torch.Tensor] | None = None) -> GraphEntry:
-        import onnx
-
         dtype = TORCH_DTYPES[self.dtype]
         module = ExportableTarget(hf_model, self.kv_layout, self.feature_layers).eval()
         taps = len(self.feature_layers) * module.dims.hidden if self.feature_layers else None
@@ -116,12 +114,9 @@ class TargetOnnxFromHF:
         drop_unused_norm_statistics(model)  # fused graphs: the norms' unread optional outputs
         path = Path(folder) / c.TARGET_FILE
         with TensorFile(path.parent / data_file_of(path)) as out:
-            written = fill_weights(model, params, read or (lambda p: p.detach().to(dtype=dtype, copy=True)), out,
-                                   last_dim=module.dims.vocab)
-        if use_external_data(self.external_data, written, path.name):
-            onnx.save_model(model, str(path))  # its weights are already in <graph>.data
-        else:
-            save_graph(model, path, path.parent, self.external_data)  # small: inline
+            fill_weights(model, params, read or (lambda p: p.detach().to(dtype=dtype, copy=True)), out,
+                         last_dim=module.dims.vocab)
+        place_graph(model, path, path.parent, self.external_data)  # weights in <graph>.data, or inline if small
         return GraphEntry(c.TARGET_FILE, self.dtype, tuple(inputs), tuple(outputs),
                           feature_layers=tuple(self.feature_layers) if self.feature_layers else None,
                           ragged_batch=self.kv_layout == c.KV_SHARED)

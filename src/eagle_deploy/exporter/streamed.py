@@ -47,6 +47,17 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+def param_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:
+    """id(parameter) -> [(module, attribute, qualified name)] for every place it is registered
+    (tied weights appear more than once)."""
+    slots: dict[int, list] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((mod, attr, f"{mod_name}.{attr}" if mod_name else attr))
+    return slots
+
+
 class _WeightsAsInputs(nn.Module):
     """`inner` with its parameters replaced, for one call, by trailing forward arguments (in
     the order of `params`), so the tracer records them as graph inputs instead of constants."""
@@ -55,12 +66,8 @@ class _WeightsAsInputs(nn.Module):
         super().__init__()
         self.inner, self.n_inputs = inner, n_inputs
         self._params = params
-        slots: dict[int, list] = {}
-        for _, mod in inner.named_modules(remove_duplicate=False):
-            for attr, p in mod._parameters.items():
-                if p is not None:
-                    slots.setdefault(id(p), []).append((mod, attr))
-        self._slots = [slots[id(p)] for p in params]
+        slots = param_slots(inner)
+        self._slots = [[(mod, attr) for mod, attr, _ in slots[id(p)]] for p in params]
 
     def forward(self, *args):
         try:
@@ -99,36 +106,20 @@ def onnx_with_weight_inputs(module: nn.Module, args: tuple, input_names: list[st
     return model, params
 
 
-def _shape_of(name: str, params: dict, producer: dict) -> tuple[int, ...]:
-    """The shape of a weight-derived value (a parameter, or a fold of parameters)."""
-    if name in params:
-        return tuple(params[name].shape)
-    node = producer[name]
-    shapes = [_shape_of(i, params, producer) for i in node.input]
-    if node.op_type == "Transpose":
-        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), list(range(len(shapes[0])))[::-1])
-        return tuple(shapes[0][p] for p in perm)
-    if node.op_type == "Concat":
-        axis = next(a.i for a in node.attribute if a.name == "axis")
-        out = list(shapes[0])
-        out[axis] = sum(s[axis] for s in shapes)
-        return tuple(out)
-    return shapes[0]
-
-
 def fill_weights(model, params: dict[str, nn.Parameter], read: Callable[[nn.Parameter], torch.Tensor],
-                 out: TensorFile, last_dim: int | None = None) -> int:
+                 out: TensorFile, last_dim: int | None = None) -> None:
     """Turn the weight inputs of `model` (onnx_with_weight_inputs) into initializers written to
-    `out`, folding the weight-only FOLDED_OPS nodes, one final tensor at a time; returns the
-    bytes written. `read(param)` returns the parameter's value in the graph's dtype. Tensors
-    with a dimension of `last_dim` (the vocabulary: the embedding and LM head, which sharing may
-    move to shared.data) are written last, so removing them from the file only shortens it.
-    Raises ValueError for a weight-only node of another kind."""
+    `out`, folding the weight-only FOLDED_OPS nodes, one final tensor at a time. `read(param)`
+    returns the parameter's value in the graph's dtype. Tensors computed from a parameter with
+    a dimension of `last_dim` (the vocabulary: the embedding and LM head, which sharing may move
+    to shared.data) are written last, so removing them from the file only shortens it. Raises
+    ValueError for a weight-only node of another kind."""
     from onnx import helper
 
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
-    derived = set(params)  # values computed from weights alone
+    sources = {name: {name} for name in params}  # value computed from weights alone -> those parameters
+    derived = sources.keys()
     folded = []
     for node in graph.node:
         if node.input and all(i in derived for i in node.input):
@@ -136,7 +127,8 @@ def fill_weights(model, params: dict[str, nn.Parameter], read: Callable[[nn.Para
                 raise ValueError(f"a {node.op_type} node ({node.name}) computes from weights alone; "
                                  f"only {', '.join(FOLDED_OPS)} are folded")
             folded.append(node)
-            derived.update(node.output)
+            for o in node.output:
+                sources[o] = set().union(*(sources[i] for i in node.input))
     folded_ids = {id(n) for n in folded}
     finals: list[str] = []  # weight values read by the graph proper, in order of first use
     for node in graph.node:
@@ -144,7 +136,7 @@ def fill_weights(model, params: dict[str, nn.Parameter], read: Callable[[nn.Para
             finals += [i for i in node.input if i in derived and i not in finals]
     finals += [o.name for o in graph.output if o.name in derived and o.name not in finals]
     if last_dim:
-        vocab_sized = {n for n in finals if last_dim in _shape_of(n, params, producer)}
+        vocab_sized = {n for n in finals if any(last_dim in params[p].shape for p in sources[n])}
         finals = [n for n in finals if n not in vocab_sized] + [n for n in finals if n in vocab_sized]
 
     def value(name: str) -> torch.Tensor:
@@ -159,12 +151,10 @@ def fill_weights(model, params: dict[str, nn.Parameter], read: Callable[[nn.Para
             return torch.cat(xs, dim=attrs["axis"])
         return xs[0]  # Identity
 
-    written = 0
     inits = []
     for name in finals:
         t = value(name).contiguous()
         inits.append(out.tensor(name, raw_bytes(t), _onnx_type(t.dtype), t.shape))
-        written += t.numel() * t.element_size()
         del t
     kept = [n for n in graph.node if id(n) not in folded_ids]
     del graph.node[:]
@@ -176,4 +166,3 @@ def fill_weights(model, params: dict[str, nn.Parameter], read: Callable[[nn.Para
     del graph.value_info[:]
     graph.value_info.extend(info)
     graph.initializer.extend(inits)
-    return written

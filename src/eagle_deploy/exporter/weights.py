@@ -24,6 +24,7 @@ from torch import nn
 
 from eagle_deploy.contract.errors import first_line
 
+from .streamed import param_slots
 from .target import UnsupportedModelError, check_family, supported_families
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -95,12 +96,6 @@ class CheckpointWeights:
     def names(self) -> set[str]:
         return set(self._file)
 
-    def nbytes(self, name: str, dtype: torch.dtype) -> int:
-        n = 1
-        for d in self.shapes[name]:
-            n *= d
-        return n * torch.empty((), dtype=dtype).element_size()
-
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         path = self._file[name]
         try:
@@ -125,23 +120,12 @@ def _safetensors_data_end(path: Path) -> int:
     return 8 + n + max(ends, default=0)
 
 
-def _param_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:
-    """id(parameter) -> [(module, attribute, qualified name)] for every place it is registered
-    (tied weights appear more than once)."""
-    slots: dict[int, list] = {}
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        for attr, p in mod._parameters.items():
-            if p is not None:
-                slots.setdefault(id(p), []).append((mod, attr, f"{mod_name}.{attr}" if mod_name else attr))
-    return slots
-
-
 def checkpoint_key(model: nn.Module, weights: CheckpointWeights) -> dict[int, str]:
     """id(parameter) -> the checkpoint tensor holding it (a tied weight is stored under one of
     its names). Raises UnsupportedModelError naming the first missing tensor or wrong shape."""
     names = weights.names()
     keys = {}
-    for pid, slots in _param_slots(model).items():
+    for pid, slots in param_slots(model).items():
         found = next((q for _, _, q in slots if q in names), None)
         if found is None:
             raise _unloadable(weights.hf_dir, KeyError(f"{slots[0][2]} is not in the checkpoint"))
@@ -188,7 +172,7 @@ def skeleton_target(hf_dir: Path, dtype: torch.dtype = torch.float32) -> tuple[n
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its inv_freq, computed for real
     keys = checkpoint_key(model, weights)
-    slots = _param_slots(model)
+    slots = param_slots(model)
     for module in (model.get_input_embeddings(), model.get_output_embeddings()):
         pid = id(module.weight)
         if module.weight.is_meta:

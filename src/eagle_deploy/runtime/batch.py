@@ -479,8 +479,9 @@ class BatchEngine:
     def _run_chunk(self, call: _Call, alone: bool = False) -> None:
         """The next chunk of a chunked prefill on its slot's rows: rows [a, a + prefill_chunk) at
         past a, or the rest at once when at most prefill_chunk + 1 rows remain or no other slot
-        waits (`alone`), so no chunk is one row (onnxruntime's one-row kernels round differently). The call completes
-        with its chunks' outputs joined (`_join_chunks`) after the last. Lock held."""
+        waits (`alone`), so no chunk is one row (onnxruntime's one-row kernels round
+        differently). The call completes with its chunks' outputs joined (`_join_chunks`)
+        after the last. Lock held."""
         a, S = call.rows_done, call.seq
         b = S if alone else chunk_end(a, S, self.prefill_chunk)
         x = call.inputs
@@ -490,15 +491,13 @@ class BatchEngine:
                            np.array([[i - a for i in inside] or [0]], np.int64),
                            None if x.features is None else x.features[:, a:b], x.tapped_features)
         try:
-            out = self.backends[call.role].run(chunk, self._view(call.role, call.slot, call.slot + 1), a)
-            call.parts.append((a, b, {f.name: None if getattr(out, f.name) is None else getattr(out, f.name).copy()
-                                      for f in fields(out)}, inside))
-            self._held[call.role][call.slot] = b
-            self.solo_forwards += 1
+            part = _Call(call.slot, call.role, chunk, a)
+            self._run_solo(part)
+            call.parts.append((a, b, _copied(part.result), inside))
             self.prefill_chunks += 1
             call.rows_done = b
             if b == S:
-                call.result = _join_chunks(type(out), call.parts, want)
+                call.result = _join_chunks(call.parts, want)
         except BaseException as err:  # this request fails (KeyboardInterrupt and the like reach its thread)
             call.result, b = err, S
         if b == S:
@@ -511,9 +510,7 @@ class BatchEngine:
         for c in group:
             try:
                 self._run_solo(c)
-                out = c.result
-                c.result = type(out)(**{f.name: None if getattr(out, f.name) is None else getattr(out, f.name).copy()
-                                        for f in fields(out)})
+                c.result = _copied(c.result)
             except Exception as err:
                 c.result = err
 
@@ -591,22 +588,29 @@ def chunk_end(a: int, seq: int, chunk: int) -> int:
     return seq if seq - a <= chunk + 1 else a + chunk
 
 
-def _join_chunks(kind, parts: list, want: np.ndarray) -> StepOutputs:
+def _copied(out: StepOutputs) -> StepOutputs:
+    """`out` with its arrays copied (a backend reuses its output arrays on the next call)."""
+    return type(out)(**{f.name: None if getattr(out, f.name) is None else getattr(out, f.name).copy()
+                        for f in fields(out)})
+
+
+def _join_chunks(parts: list, want: np.ndarray) -> StepOutputs:
     """One prefill's outputs from its chunks [(a, b, outputs, logit rows)]: the per-token
     outputs concatenated along the rows, the per-logit ones (_PER_LOGIT) taken at `want` (the
     prefill's logits_indices) from the chunk holding each row."""
+    kind = type(parts[0][2])
     joined = {}
-    for name, first in parts[0][2].items():
-        if first is None:
-            joined[name] = None
-        elif name in _PER_LOGIT:
+    for f in fields(kind):
+        if getattr(parts[0][2], f.name) is None:
+            joined[f.name] = None
+        elif f.name in _PER_LOGIT:
             picks = []
             for i in (int(i) for i in want):
                 _, _, out, rows = next(p for p in parts if p[0] <= i < p[1])
-                picks.append(out[name][:, rows.index(i)])
-            joined[name] = np.stack(picks, axis=1)
+                picks.append(getattr(out, f.name)[:, rows.index(i)])
+            joined[f.name] = np.stack(picks, axis=1)
         else:
-            joined[name] = np.concatenate([out[name] for _, _, out, _ in parts], axis=1)
+            joined[f.name] = np.concatenate([getattr(out, f.name) for _, _, out, _ in parts], axis=1)
     return kind(**joined)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
 import sys
 import threading
@@ -214,7 +215,7 @@ def run_cell(client: Client, cfg: LoadConfig, model: str, mode: str, concurrency
             samples[i] = client.stream(path, body, p["id"], bool(hang_up[i]))
 
     finished = threading.Event()
-    turn = iter(range(10**9))
+    turn = itertools.count()
 
     def long_worker():
         while not finished.is_set():
@@ -310,10 +311,8 @@ def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
             got, wall = run_cell(client, cfg, model, mode, c, longs)
             cell = summarize(mode, c, got, wall)
             if cfg.long_prompts and cfg.long_clients:
-                done = [x for x in longs if x.ok]
-                cell["long"] = {"requests": len(longs), "ok": len(done),
-                                "ttft_ms_p50": _pct([x.ttft for x in done if x.ttft is not None], 50),
-                                "ttft_ms_p99": _pct([x.ttft for x in done if x.ttft is not None], 99)}
+                lg = summarize(mode, c, longs, wall)
+                cell["long"] = {k: lg[k] for k in ("requests", "ok", "ttft_ms_p50", "ttft_ms_p99")}
             if cfg.temperature == 0:
                 cell["same_as_first"] = same_text(got, first[mode]) if mode in first else None
                 cell["same_as_vanilla"] = same_text(got, first.get("vanilla", []))
