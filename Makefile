@@ -23,7 +23,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
-# The fast lane: everything but the real-model export and the Monte-Carlo distribution tests.
+# The fast lane: everything but the tests marked slow (the real SmolLM2 export, the real tritonserver, eagle-serve child processes, the filled-up tmpfs, the GGUF conversion) and the Monte-Carlo distribution tests.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not statistical"
 
