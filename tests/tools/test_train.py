@@ -27,6 +27,31 @@ def test_batched_generation_equals_one_prompt_at_a_time(gqa):
         assert out == gqa.expected(prompt, 20)  # and equals plain HF greedy (left padding is invisible)
 
 
+def test_finished_rows_leaving_the_batch_and_length_batches_change_nothing(gqa):
+    """Rows that produced an EOS leave the batch (compaction) and long prompts get smaller
+    batches (prefill_tokens): greedy outputs are those of the plain full batch."""
+    from eagle_deploy.train.data import generate_data
+
+    eos = [BatchedGenerator(gqa.hf, "cpu", eos_ids=[]).generate(PROMPTS[:1], 30)[0][5]]  # row 0 ends early
+    full = BatchedGenerator(gqa.hf, "cpu", eos_ids=eos, compact_below=0.0).generate(PROMPTS, 30)
+    assert len(full[0]) <= 6 and len({len(r) for r in full}) > 1  # rows end at different steps: compaction runs
+    assert BatchedGenerator(gqa.hf, "cpu", eos_ids=eos, compact_below=1.0).generate(PROMPTS, 30) == full
+
+    class Ids:  # a tokenizer stand-in without a chat template: the prompt text is its ids
+        chat_template = None
+
+        def encode(self, text, add_special_tokens=True):
+            return [int(t) for t in text.split()]
+
+    rows = [{"id": f"p{i}", "prompt": " ".join(map(str, p))} for i, p in enumerate(PROMPTS)]
+    whole = generate_data(gqa.hf, Ids(), rows, [0.0], 30, 8, "cpu", eos)
+    small = generate_data(gqa.hf, Ids(), rows, [0.0], 30, 8, "cpu", eos, prefill_tokens=10)
+    assert [whole.sequence(i).tolist() for i in range(4)] == [small.sequence(i).tolist() for i in range(4)]
+    for i, meta in enumerate(whole.meta):
+        k = int(meta["id"][1:])
+        assert whole.sequence(i).tolist() == PROMPTS[k] + full[k]
+
+
 def test_sampled_generation_is_seeded(gqa):
     gen = BatchedGenerator(gqa.hf, "cpu", eos_ids=[])
     a, b = gen.generate(PROMPTS, 12, temperature=1.0, seed=3), gen.generate(PROMPTS, 12, temperature=1.0, seed=3)

@@ -149,6 +149,12 @@ def test_prompt_files_in_the_usual_chat_layouts(tmp_path):
     bad.write_text("{oops\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: not JSON"):
         read_jsonl(bad)
+    # JSON strings may hold U+2028 / U+0085 / U+001C unescaped: only "\n" ends a JSONL record
+    # (str.splitlines() split the 573rd prompt of the licensed training set in two)
+    odd = tmp_path / "odd.jsonl"
+    text = json.dumps({"prompt": "a\u2028b\x85c\x1cd"}, ensure_ascii=False)
+    odd.write_text(text + "\n" + json.dumps({"prompt": "e"}), encoding="utf-8")
+    assert [r["prompt"] for r in read_jsonl(odd)] == ["a\u2028b\x85c\x1cd", "e"]
 
 
 def test_decontamination_drops_prompts_that_share_13_words_with_an_evaluation_set(tmp_path):
@@ -176,3 +182,50 @@ def test_the_train_log_counts_sequences_by_category(gqa, tmp_path, capsys):
     assert {c: v["sequences"] for c, v in by.items()} == {"chat": 3, "math": 3}
     assert all(v["response_tokens"] > 0 for v in by.values())
     assert "data by category: chat 3 seq /" in log
+
+
+def test_data_parts_resume_from_a_data_dir_and_refuse_other_settings(gqa, prompts, tmp_path, capsys):
+    """--stop-after data writes only the parts, into --data-dir; a later run with the same prompts
+    and settings reuses them (a committed folder resumes on another machine); a part made with
+    other generation settings or for other prompts is refused, naming what differs."""
+    parts, work = tmp_path / "tokens", tmp_path / "work"
+    log = _train(gqa, prompts, tmp_path / "head", work, capsys, "--data-dir", str(parts), "--stop-after", "data")
+    assert "stopped after the data stage" in log and "tok/s" in log
+    assert [p.name for p in parts.glob("*")] == ["part-00000.npz"]
+    assert not (work / cli.FEATURES_FILE).exists() and not (tmp_path / "head").exists()
+    made = parts.joinpath("part-00000.npz").stat().st_mtime_ns
+    _train(gqa, prompts, tmp_path / "head", tmp_path / "elsewhere", capsys, "--data-dir", str(parts))
+    assert parts.joinpath("part-00000.npz").stat().st_mtime_ns == made and (tmp_path / "head" / "config.json").exists()
+
+    argv = ["--model", str(gqa.target_dir), "--out", str(tmp_path / "h2"), "--data-dir", str(parts),
+            "--prompts", str(prompts), *SMALL]
+    argv[argv.index("--max-new-tokens") + 1] = "9"
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "part-00000.npz was generated with" in err and "'max_new_tokens': 8" in err and "--data-dir" in err
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"name {i} colours"}) + "\n" for i in range(6)))
+    argv = ["--model", str(gqa.target_dir), "--out", str(tmp_path / "h3"), "--data-dir", str(parts),
+            "--prompts", str(other), *SMALL]
+    assert cli.main(argv) == 2
+    assert "holds other prompts than this run's chunk (6 not in it" in capsys.readouterr().err
+
+
+def test_bf16_data_and_features_on_a_cpu(gqa, prompts, tmp_path, capsys, monkeypatch):
+    """--torch-dtype bf16 on a CPU: refused without native bf16; with it, a bf16 copy makes the
+    data and features (checked against fp32 in the log) and the fp32 model stays fp32."""
+    from eagle_deploy.train import data as train_data
+
+    assert train_data.cpu_has_native_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n")
+    assert train_data.cpu_has_native_bf16("flags\t: fpu amx_bf16 amx_tile\n")
+    assert not train_data.cpu_has_native_bf16("flags\t: fpu avx2 avx512f avx512_vnni\nbugs\t: avx512_bf16\n")
+    monkeypatch.setattr(train_data, "cpu_has_native_bf16", lambda cpuinfo=None: False)
+    assert cli.main(["--model", str(gqa.target_dir), "--out", str(tmp_path / "h"), "--work", str(tmp_path / "w"),
+                     "--prompts", str(prompts), *SMALL, "--torch-dtype", "bf16"]) == 2
+    assert "needs native bf16 instructions" in capsys.readouterr().err and not (tmp_path / "w").exists()
+    monkeypatch.setattr(train_data, "cpu_has_native_bf16", lambda cpuinfo=None: True)
+    log = _train(gqa, prompts, tmp_path / "head", tmp_path / "work", capsys, "--torch-dtype", "bf16")
+    cos = float(re.search(r"features checked against fp32 on 6 sequences: cosine similarity >= ([0-9.]+)", log)[1])
+    assert 0.999 <= cos <= 1.0
+    part = train_data.TokenData.load(tmp_path / "work" / "data" / "part-00000.npz")
+    assert part.header["generation"]["torch_dtype"] == "bf16"

@@ -49,7 +49,7 @@ def read_jsonl(path: Path) -> list[dict]:
         records = [(f"{path}:{n + 1}", r) for n, r in enumerate(json.loads(text))]
     else:
         records = []
-        for n, line in enumerate(text.splitlines()):
+        for n, line in enumerate(text.split("\n")):
             if line.strip():
                 try:
                     records.append((f"{path}:{n + 1}", json.loads(line)))
