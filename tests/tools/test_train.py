@@ -153,6 +153,34 @@ def test_short_training_lowers_the_loss_and_the_head_decodes_losslessly(gqa, tin
     assert np.mean(trained_tau) > np.mean(random_tau) + 0.15, (trained_tau, random_tau)
 
 
+def test_draft_vocabulary_cross_entropy(gqa, tiny_data):
+    """An EAGLE-1/2 head's loss over the draft vocabulary (target_lm: the LM-head rows of its
+    ids): over every id it is the full-vocabulary loss; over fewer ids the regression part is
+    unchanged and the cross-entropy and agreement are those of the restricted distributions."""
+    from eagle_deploy.train.trainer import _chain_ok, make_batch, step_losses
+
+    data, feats = tiny_data
+    cfg = TrainConfig(unroll=2, batch_tokens=512)
+    head = random_head(gqa.hf, seed=1).eval()
+    batch = make_batch(data, feats, list(range(8)), "cpu", cfg.max_seq_len)
+    W = gqa.hf.get_output_embeddings().weight.detach()
+    with torch.no_grad():
+        full, m_full = step_losses(head, batch, cfg, train=False)
+        every, m_every = step_losses(head, batch, cfg, train=False, target_lm=W.clone())
+        ids = torch.arange(0, W.shape[0], 4)
+        few, m_few = step_losses(head, batch, cfg, train=False, target_lm=W[ids])
+    assert torch.allclose(full, every, rtol=1e-5)
+    assert all(a == pytest.approx(b, rel=1e-4) for a, b in zip(m_full, m_every)) and len(m_full) == 2
+    for a, b in zip(m_full, m_few):
+        assert a["reg"] == b["reg"] and a["n"] == b["n"] and a["ce"] != b["ce"]
+    ok = _chain_ok(batch, 1)  # the positions step 1 scores
+    with torch.no_grad():
+        pred = unrolled_forward(head, batch.feats.float(), batch.tokens, 1)[0][ok]
+    t = batch.target.float()[ok]
+    p, logq = torch.softmax(t @ W[ids].t(), -1), torch.log_softmax(pred @ W[ids].t(), -1)
+    assert m_few[0]["ce"] == pytest.approx(float(-(p * logq).sum(-1).mean()), rel=1e-5)
+
+
 # ---------------------------------------------------------------- EAGLE-3 heads
 
 TAPS = (0, 1)

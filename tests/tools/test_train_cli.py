@@ -66,6 +66,9 @@ def test_changed_settings_retrain_but_reuse_data_and_features(gqa, prompts, tmp_
     assert "train: cached head" not in log and "features: cached" in log
     second = load_file(out / "model.safetensors")
     assert any(not (second[k] == v).all() for k, v in first.items())
+    log = _train(gqa, prompts, out, work, capsys, "--draft-vocab", "64")  # EAGLE-1/2 CE over 64 ids: retrained
+    assert "train: cached head" not in log and "cross-entropy over the 64 most frequent response tokens" in log
+    assert json.loads((out / "train_log.json").read_text())["draft_vocab"] == 64
 
 
 def _normalise(text: str) -> str:

@@ -50,9 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "EAGLE-3 head (three tapped layers fused by fc, CE over its own draft vocabulary, "
                         "training-time test over --unroll steps) (default: eagle)")
     p.add_argument("--draft-vocab", type=int, default=None,
-                   help="eagle3: draft vocabulary size, the most frequent response tokens of the data plus the EOS "
-                        "ids (default: draft_vocab.default_size, a quarter of the vocabulary but at least 8192: "
-                        "12288 for SmolLM2)")
+                   help="draft vocabulary size: the most frequent response tokens of the data plus the EOS ids. "
+                        "eagle3: the head's own vocabulary (default: draft_vocab.default_size, a quarter of the "
+                        "vocabulary but at least 8192: 12288 for SmolLM2). eagle: the cross-entropy is taken over "
+                        "these ids only, as `eagle-export --draft-vocab N` proposes them (SmolLM2's alias exports "
+                        "8192), which makes a CPU training step several times cheaper (default: the full "
+                        "vocabulary)")
     p.add_argument("--feature-layers", type=number_list(int, 0, "--feature-layers"), default=None,
                    help="eagle3: the target layers whose input hidden states are tapped (default: the reference's "
                         "2, L/2, L-3)")
@@ -157,7 +160,7 @@ def run(args, s: dict) -> int:
     session = open_session(args, s)
     checkpoint, hf, tokenizer, eos = load_target_for_training(session)
     vocab = hf.config.vocab_size
-    if args.arch == "eagle3" and args.draft_vocab is not None and not 1 <= args.draft_vocab <= vocab:
+    if args.draft_vocab is not None and not 1 <= args.draft_vocab <= vocab:
         raise ValueError(f"--draft-vocab {args.draft_vocab} must be in [1, {vocab}]")
     feature_layers(session, hf)  # bad --feature-layers fail here, before the data and feature stages
     timings = {}
@@ -328,6 +331,11 @@ def head_from_features(session: Session, hf, data, features):
         target_lm = hf.get_output_embeddings().weight.detach()[head.draft_to_target].float()
     else:
         head = random_head(hf, seed=args.seed)
+        if args.draft_vocab:
+            key.update(draft_vocab=args.draft_vocab)
+            ids = draft_ids(hf, data, args.draft_vocab)
+            target_lm = hf.get_output_embeddings().weight.detach()[torch.from_numpy(ids)].float()
+            session.log(f"train: cross-entropy over the {len(ids)} most frequent response tokens (--draft-vocab)")
     head_path = session.work / HEAD_FILE
     cached = torch.load(head_path, weights_only=False) if head_path.exists() else None
     if cached is not None and cached.get("key") == key:
@@ -361,7 +369,8 @@ def write_head(session: Session, checkpoint, hf, head, data, history, timings: d
     _save_token_counts(data, hf.config.vocab_size, args.out)
     card = {"target": {"spec": args.model, "source": str(checkpoint.source),
                        "sha256": sha256_file(checkpoint.source) if checkpoint.source.is_file() else None},
-            "settings": session.settings, "train": history, "timings_s": timings,
+            "settings": session.settings, "draft_vocab": args.draft_vocab, "torch_dtype": args.torch_dtype,
+            "train": history, "timings_s": timings,
             "data": {"sequences": len(data), "response_tokens": data.response_tokens, "device": session.device,
                      "by_category": session.by_category}}
     (args.out / "train_log.json").write_text(json.dumps(card, indent=2) + "\n")
@@ -467,21 +476,30 @@ def new_eagle3_head(hf, data, layers, size: int | None, seed: int):
     and its final norm from the target's; the rest random (random_eagle3_head)."""
     import torch
 
-    from eagle_deploy.exporter.draft_vocab import best_ranked, default_size
+    from eagle_deploy.exporter.draft_vocab import default_size
     from eagle_deploy.exporter.eagle3 import random_eagle3_head
 
     vocab = hf.config.vocab_size
-    size = size or min(default_size(vocab), vocab)
-    if not 1 <= size <= vocab:
-        raise ValueError(f"--draft-vocab {size} must be in [1, {vocab}]")
-    eos = hf.config.eos_token_id
-    eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)]
-    ids = best_ranked(-data.response_counts(vocab), size, eos_ids)
+    ids = draft_ids(hf, data, size or min(default_size(vocab), vocab))
     head = random_eagle3_head(hf, seed=seed, draft_ids=torch.from_numpy(ids), feature_layers=layers)
     with torch.no_grad():
         head.lm_head.weight.copy_(hf.get_output_embeddings().weight[torch.from_numpy(ids)])
         head.norm.weight.copy_(hf.model.norm.weight)
     return head
+
+
+def draft_ids(hf, data, size: int):
+    """[size] int64 numpy, sorted: the `size` most frequent response tokens of `data`, the EOS
+    ids always among them (draft_vocab.best_ranked, as eagle-export ranks token_counts.npy).
+    Raises ValueError outside [1, vocab]."""
+    from eagle_deploy.exporter.draft_vocab import best_ranked
+
+    vocab = hf.config.vocab_size
+    if not 1 <= size <= vocab:
+        raise ValueError(f"--draft-vocab {size} must be in [1, {vocab}]")
+    eos = hf.config.eos_token_id
+    eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)]
+    return best_ranked(-data.response_counts(vocab), size, eos_ids)
 
 
 def _init_from_layer(head, hf, layer: int) -> None:

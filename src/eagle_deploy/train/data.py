@@ -177,15 +177,18 @@ class BatchedGenerator:
     target as sequence-major views [P, B, kvh, hd]: the attention's matmuls then read it in
     place (the sequence-major buffers cost a strided copy of the whole past per layer and
     step: 35% of a bf16 step). Rows that have produced an EOS leave the batch
-    (`compact_below`: when fewer than that fraction of rows is still running).
+    (`compact_below`: when fewer than that fraction of rows is still running). Long prompts
+    are prefilled a few rows at a time (at most `prefill_tokens` padded prompt tokens per
+    forward, which bounds the [rows, heads, L, L] fp32 attention scores) and then decode in
+    the whole batch.
     """
 
     def __init__(self, hf_model, device: str = "cpu", eos_ids: Sequence[int] = (), dtype=torch.float32,
-                 compact_below: float = 0.75):
+                 compact_below: float = 0.75, prefill_tokens: int = 8192):
         self.target = target_in(hf_model, dtype, device)
         self.device, self.dtype = torch.device(device), dtype
         self.eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=self.device)
-        self.compact_below = compact_below
+        self.compact_below, self.prefill_tokens = compact_below, prefill_tokens
         d = self.target.dims
         self.kv_shape = (d.num_kv_heads, d.head_dim)
 
@@ -208,9 +211,15 @@ class BatchedGenerator:
         gen = torch.Generator(device=dev).manual_seed(seed)
         pos = (torch.arange(L, device=dev)[None] - pad).clamp(min=0)
         mask = torch.tril(torch.ones(L, L, dtype=torch.bool, device=dev))[None] & valid[:, None, :L]
-        last = torch.full((B, 1), L - 1, device=dev)
-        out = self.target(ids, pos, mask, last, *self._past(keys, values, 0))
-        self._store(keys, values, out[2:], 0)
+        logits = []
+        G = max(1, self.prefill_tokens // L)  # prompts per prefill forward: bounds [G, heads, L, L] scores
+        for g in range(0, B, G):
+            rows = slice(g, g + G)
+            out = self.target(ids[rows], pos[rows], mask[rows], torch.full((len(ids[rows]), 1), L - 1, device=dev),
+                              *self._past([k[rows] for k in keys], [v[rows] for v in values], 0))
+            self._store([k[rows] for k in keys], [v[rows] for v in values], out[2:], 0)
+            logits.append(out[0])
+        out = (torch.cat(logits),)
         tokens = torch.full((B, max_new_tokens), -1, dtype=torch.long, device=dev)
         rows = torch.arange(B, device=dev)  # the prompts still running, by batch row
         for step in range(max_new_tokens):
@@ -263,23 +272,13 @@ class BatchedGenerator:
 def generate_data(hf_model, tokenizer, prompts: list[dict], modes: Sequence[float], max_new_tokens: int,
                   batch_size: int, device: str, eos_ids: Sequence[int], seed: int = 0, progress=None,
                   dtype=torch.float32, prefill_tokens: int = 8192) -> TokenData:
-    """Responses of the target to every prompt for every temperature in `modes` (0 = greedy).
-
-    Prompts are batched by length (ascending), at most `batch_size` per batch and at most
-    `prefill_tokens` padded prompt tokens per batch, which bounds the prefill's attention
-    scores ([B, heads, L, L] fp32) for long prompts."""
-    gen = BatchedGenerator(hf_model, device, eos_ids, dtype=dtype)
+    """Responses of the target to every prompt for every temperature in `modes` (0 = greedy),
+    `batch_size` prompts of similar length per batch (prefill_tokens: BatchedGenerator's)."""
+    gen = BatchedGenerator(hf_model, device, eos_ids, dtype=dtype, prefill_tokens=prefill_tokens)
     encoded = [chat_ids(tokenizer, p["prompt"]) for p in prompts]
     order = np.argsort([len(e) for e in encoded], kind="stable")  # similar lengths share a batch
-    batches, i = [], 0
-    while i < len(order):
-        n = 1
-        while n < batch_size and i + n < len(order) and (n + 1) * len(encoded[order[i + n]]) <= prefill_tokens:
-            n += 1
-        batches.append(order[i:i + n])
-        i += n
     seqs, plens, meta = [], [], []
-    jobs = [(t, idx) for t in modes for idx in batches]
+    jobs = [(t, order[i:i + batch_size]) for t in modes for i in range(0, len(order), batch_size)]
     for j, (temp, idx) in enumerate(jobs):
         batch = [encoded[i] for i in idx]
         for i, p, r in zip(idx, batch, gen.generate(batch, max_new_tokens, temp, seed + j)):

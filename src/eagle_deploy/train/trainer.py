@@ -125,10 +125,15 @@ def make_batch(data: TokenData, features: list[torch.Tensor], idx, device, max_l
 def step_losses(head: EagleHead | Eagle3Head, batch: Batch, cfg: TrainConfig, train: bool,
                 target_lm: torch.Tensor | None = None) -> tuple[torch.Tensor, list[dict]]:
     """Weighted loss over unrolled steps and per-step metrics (loss parts, top-1 accuracy).
-    EAGLE-3 heads: `target_lm` [draft_vocab, H], the target's LM-head rows of the draft
-    vocabulary (frozen); metrics' acc is agreement with the target's top-1 among them."""
+    `target_lm` [draft_vocab, H]: the target's LM-head rows of the draft vocabulary (frozen);
+    metrics' acc is then agreement with the target's top-1 among them. EAGLE-3 heads need it;
+    for an EAGLE-1/2 head it restricts the cross-entropy to the tokens its export can propose
+    (`eagle-export --draft-vocab N` keeps the same N most frequent ids), which makes the
+    LM-head products, most of a CPU training step, vocab / draft_vocab times cheaper (None:
+    the full vocabulary)."""
     if isinstance(head, Eagle3Head):
         return _eagle3_losses(head, batch, cfg, target_lm)
+    logits = head.logits if target_lm is None else (lambda f: (f @ target_lm.t()).float())
     feats = batch.feats.float()
     if train and cfg.noise > 0:
         feats = feats + (torch.rand_like(feats) * 2 - 1) * cfg.noise
@@ -142,8 +147,8 @@ def step_losses(head: EagleHead | Eagle3Head, batch: Batch, cfg: TrainConfig, tr
         p, t = pred[ok], target[ok]
         reg = F.smooth_l1_loss(p, t)
         with torch.no_grad():
-            t_logits = head.logits(t)
-        logq = torch.log_softmax(head.logits(p), dim=-1)
+            t_logits = logits(t)
+        logq = torch.log_softmax(logits(p), dim=-1)
         if cfg.ce_topk:
             tp, ti = torch.topk(torch.softmax(t_logits, dim=-1), cfg.ce_topk, dim=-1)
             ce = -(tp / tp.sum(-1, keepdim=True) * logq.gather(-1, ti)).sum(-1).mean()
