@@ -20,6 +20,7 @@ import pytest
 
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.contract.manifest import Manifest
+from eagle_deploy.contract.tree_config import TreeConfig, TreeConfigError
 from eagle_deploy.exporter import trt_build as tb
 from eagle_deploy.runtime.backends.trt import (
     ProfileShapeError,
@@ -29,7 +30,6 @@ from eagle_deploy.runtime.backends.trt import (
     select_profile,
     step_shapes,
 )
-from eagle_deploy.runtime.tree import TreeConfig, TreeConfigError
 from tests.helpers import gpu_skip_reason
 
 MAX_LENGTH = 256

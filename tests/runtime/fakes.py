@@ -15,10 +15,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from eagle_deploy.contract.manifest import Dims, DraftEntry, GraphEntry, Manifest
+from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.runtime.api import EagleRuntime
 from eagle_deploy.runtime.backends.base import TargetOutputs
 from eagle_deploy.runtime.kv import KVBuffer
-from eagle_deploy.runtime.tree import TreeConfig
 from tests.helpers import ScriptedDrafter
 
 HIDDEN = 4

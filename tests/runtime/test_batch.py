@@ -16,6 +16,7 @@ import pytest
 
 from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.contract.profiles import draft_kv_capacity
+from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.runtime.api import EagleRuntime
 from eagle_deploy.runtime.batch import (
     BatchEngine,
@@ -27,7 +28,6 @@ from eagle_deploy.runtime.batch import (
     tree_under_load,
 )
 from eagle_deploy.runtime.drafter import EagleDrafter
-from eagle_deploy.runtime.tree import TreeConfig
 from tests.conftest import PROMPTS, THREADS
 from tests.helpers import ForcingDrafter, clone_runtime_export, wrong_token
 

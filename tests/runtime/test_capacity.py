@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.runtime.drafter import EagleDrafter
-from eagle_deploy.runtime.tree import TreeConfig
 from tests.helpers import CommitSpy, RecordingBackend, ReferenceScript, ScriptedDrafter, poison
 
 EXTRA = 32

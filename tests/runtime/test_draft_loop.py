@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.runtime.drafter import EagleDrafter
-from eagle_deploy.runtime.tree import TreeConfig
 from tests.conftest import PROMPTS, THREADS
 from tests.helpers import (
     CommitSpy,

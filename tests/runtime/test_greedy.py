@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_deploy.runtime.tree import TreeConfig
+from eagle_deploy.contract.tree_config import TreeConfig
 from tests.conftest import PROMPTS
 from tests.helpers import ReferenceScript, ScriptedDrafter, wrong_token
 

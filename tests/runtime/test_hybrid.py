@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.runtime.drafter import DraftRequest
 from eagle_deploy.runtime.hybrid import HybridDrafter, make_drafter, merge_chain
 from eagle_deploy.runtime.lookup import ContextLookup
 from eagle_deploy.runtime.planner import CostModel, Plan
-from eagle_deploy.runtime.tree import DraftTree, TreeConfig
+from eagle_deploy.runtime.tree import DraftTree
 from eagle_deploy.runtime.verify import verify_greedy
 from tests.conftest import PROMPTS
 

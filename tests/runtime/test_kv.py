@@ -113,7 +113,7 @@ def _scattered(pos, ref):
 
 @pytest.mark.parametrize("kind", ["scripted-scattered", "eagle-dynamic", "eagle1"])
 def test_target_kv_equals_fresh_prefill_after_every_round(model, kind):
-    from eagle_deploy.runtime.tree import TreeConfig
+    from eagle_deploy.contract.tree_config import TreeConfig
 
     prompt = PROMPTS[2]
     ref = model.ref(prompt, 48)

@@ -26,6 +26,7 @@ import pytest
 
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.contract.manifest import Manifest
+from eagle_deploy.contract.tree_config import TreeConfig, TreeConfigError
 from eagle_deploy.exporter import trt_build as tb
 from eagle_deploy.runtime.backends.base import StepInputs
 from eagle_deploy.runtime.backends.ort import OrtBackend
@@ -41,7 +42,6 @@ from eagle_deploy.runtime.decode import Decoder, TokenStopper
 from eagle_deploy.runtime.drafter import EagleDrafter, causal_mask
 from eagle_deploy.runtime.kv import CapacityError, KVBuffer
 from eagle_deploy.runtime.sampling import SamplingParams
-from eagle_deploy.runtime.tree import TreeConfig, TreeConfigError
 from tests.helpers import ScriptedDrafter, gpu_skip_reason, poison
 
 torch = pytest.importorskip("torch")

@@ -96,3 +96,18 @@ def prompt_set(name: str) -> list[dict]:
         raise ValueError(f"unknown prompt set {name!r}: expected humaneval, chat, train or a JSONL file "
                          "({\"prompt\": ...} per line)")
     return read_jsonl(Path(name))
+
+
+def across_categories(rows: list[dict], n: int) -> list[dict]:
+    """The first `n` rows taking the categories in turn (first-seen order), so a few prompts of
+    a set cover its categories; all rows when n <= 0 or n >= len(rows)."""
+    if n <= 0 or n >= len(rows):
+        return list(rows)
+    queues: dict[str, list[dict]] = {}
+    for row in rows:
+        queues.setdefault(str(row.get("category", "default")), []).append(row)
+    out, depth = [], 0
+    while len(out) < n:
+        out += [q[depth] for q in queues.values() if depth < len(q)][: n - len(out)]
+        depth += 1
+    return out

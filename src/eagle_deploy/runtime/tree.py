@@ -10,10 +10,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# TreeConfig's home is contract/tree_config.py (the package imports it from there); re-exported here because
-# tests and outside code import eagle_deploy.runtime.tree.TreeConfig / TreeConfigError
-from eagle_deploy.contract.tree_config import STATIC_TREES, TreeConfig, TreeConfigError  # noqa: F401  (re-exported)
-
 
 @dataclass(frozen=True)
 class DraftTree:

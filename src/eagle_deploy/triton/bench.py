@@ -2,7 +2,8 @@
 
     python -m eagle_deploy.triton.bench --engines engines/smollm2-135m [--max-tokens 64] [--out r.json]
 
-Two measurements, greedy, the same prompts (built-in: 3 code, 3 chat), `--max-tokens` each:
+Two measurements, greedy, the same prompts (`--prompts`, default the first `--limit` 6 of the chat
+evaluation set taken across its categories), `--max-tokens` each:
 
 1. Per-request latency at concurrency 1: `EagleRuntime.generate` in this process (threads =
    the machine's cores) vs HTTP `generate` on a 1-instance Triton model (threads "auto" = the
@@ -27,15 +28,6 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-PROMPTS = [
-    "Write a Python function that checks whether a number is prime.",
-    "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    "Write a Python function that reverses the words of a sentence.",
-    "Write a four-line poem about a lighthouse keeper.",
-    "Explain in two sentences why the sky is blue.",
-    "Give three tips for a good night's sleep.",
-]
 
 
 def _post(url: str, body: dict, timeout: float = 600) -> dict:
@@ -66,8 +58,12 @@ def throughput(server, model: str, prompts, max_tokens: int, requests: int, conc
 
 
 def run(engines: Path, max_tokens: int, reps: int, requests: int, concurrency: int, work: Path,
-        rounds: int = 2) -> dict:
+        rounds: int = 2, prompts: list[str] | None = None) -> dict:
+    """Both measurements on `engines` (see the module docstring); `prompts`: texts (default:
+    bench_prompts())."""
     from eagle_deploy.runtime.api import EagleRuntime
+
+    texts = prompts or bench_prompts()
 
     from .repo import write_repo
     from .serve import TritonServer
@@ -83,11 +79,11 @@ def run(engines: Path, max_tokens: int, reps: int, requests: int, concurrency: i
     server.start()
     try:
         per_prompt, identical = [], 0
-        for p in PROMPTS:  # warm-up (first-call allocations) on both sides
+        for p in texts:  # warm-up (first-call allocations) on both sides
             rt.generate(p, max_new_tokens=4)
             triton_generate(server, "eagle1", p, 4)
         for r in range(reps):
-            for i, p in enumerate(PROMPTS):
+            for i, p in enumerate(texts):
                 order = ("direct", "triton") if (i + r) % 2 == 0 else ("triton", "direct")
                 row = {"prompt": i, "rep": r, "order": list(order)}
                 for system in order:
@@ -108,13 +104,13 @@ def run(engines: Path, max_tokens: int, reps: int, requests: int, concurrency: i
                    "identical_texts": f"{identical}/{len(per_prompt)}", "requests": per_prompt}
         del rt  # free its sessions before the throughput runs
         _post(f"http://{server.http_url}/v2/repository/models/eagle2/load", {})  # idle workers cost no CPU
-        for p in PROMPTS[:2]:
+        for p in texts[:2]:
             triton_generate(server, "eagle2", p, 4)
             triton_generate(server, "eagle2", p, 4)
         runs = {"instances_1": [], "instances_2": []}
         for r in range(rounds):  # alternating A B B A ..., so drifting machine load hits both alike
             for model in (("eagle1", "eagle2") if r % 2 == 0 else ("eagle2", "eagle1")):
-                runs[f"instances_{model[-1]}"].append(throughput(server, model, PROMPTS, max_tokens, requests,
+                runs[f"instances_{model[-1]}"].append(throughput(server, model, texts, max_tokens, requests,
                                                                  concurrency))
         scaling = {k: {"tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in v), "runs": v}
                    for k, v in runs.items()}
@@ -127,6 +123,14 @@ def run(engines: Path, max_tokens: int, reps: int, requests: int, concurrency: i
             "throughput": scaling}
 
 
+def bench_prompts(name: str = "chat", limit: int = 6) -> list[str]:
+    """The first `limit` prompt texts of a prompt set or file (contract.prompts.prompt_set),
+    taken across its categories."""
+    from eagle_deploy.contract.prompts import across_categories, prompt_set
+
+    return [r["prompt"] for r in across_categories(prompt_set(name), limit)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eagle_deploy.triton.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", type=Path, required=True)
@@ -135,11 +139,13 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=12, help="requests per throughput run")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2, help="alternating throughput runs per instance count")
+    p.add_argument("--prompts", default="chat", help="prompt set (chat, humaneval) or JSONL file (default: chat)")
+    p.add_argument("--limit", type=int, default=6, help="prompts taken from it, across its categories (default: 6)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="eagle-triton-bench-") as work:
         result = run(args.engines.absolute(), args.max_tokens, args.reps, args.requests, args.concurrency, Path(work),
-                     args.rounds)
+                     args.rounds, bench_prompts(args.prompts, args.limit))
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
