@@ -38,7 +38,7 @@ import os
 import sys
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import add_tree_args, interruptible, number_list, tree_from_args
+from eagle_deploy.contract.cli_args import add_tree_args, cli_error, interruptible, number_list, tree_from_args
 
 from .peers import expand
 from .systems import BASELINES, PEERS
@@ -199,8 +199,7 @@ def main(argv=None) -> int:
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.max_new_tokens < 1 or (args.limit or 0) < 0 or (args.threads or 1) < 1:
-        print("eagle-bench: error: --max-new-tokens and --threads must be >= 1, --limit >= 0", file=sys.stderr)
-        return 2
+        return cli_error("eagle-bench", "--max-new-tokens and --threads must be >= 1, --limit >= 0")
     try:
         manifest = Manifest.load(args.engines)
         tree = None  # the manifest's own tree unless a tree flag is given
@@ -208,8 +207,7 @@ def main(argv=None) -> int:
             tree = tree_from_args(args, manifest.tree).validate(manifest.draft.graph_top_k)
         return _tune(args, tree, say) if args.tune else _bench(args, tree, say)
     except (ManifestError, TreeConfigError, FileNotFoundError, ModuleNotFoundError, ValueError) as err:
-        print(f"eagle-bench: error: {err}", file=sys.stderr)
-        return 2
+        return cli_error("eagle-bench", err)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,14 @@ from .errors import DISK_ERRORS, disk_errno
 from .tree_config import DEFAULT_DRAFTER, DEFAULT_TREE, DRAFTER_KINDS, STATIC_TREES, TreeConfig, TreeConfigError
 
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+BAD_INPUT = 2  # argparse's exit status for a usage error; every CLI's for input it refuses
+
+
+def cli_error(prog: str, message) -> int:
+    """Print `prog: error: message` on stderr (argparse's form) and return BAD_INPUT, the tail
+    of every CLI's refusal: `return cli_error("eagle-run", err)`."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return BAD_INPUT
 
 
 def interruptible(prog: str):

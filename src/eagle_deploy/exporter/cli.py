@@ -8,7 +8,14 @@ import threading
 import time
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import HelpFormatter, add_tree_args, disk_error, interruptible, tree_from_args
+from eagle_deploy.contract.cli_args import (
+    HelpFormatter,
+    add_tree_args,
+    cli_error,
+    disk_error,
+    interruptible,
+    tree_from_args,
+)
 from eagle_deploy.contract.dtypes import CLI_NAMES as CLI_DTYPES
 from eagle_deploy.contract.manifest import DRAFT_QUANTS
 
@@ -141,8 +148,7 @@ def main(argv=None) -> int:
             step(f"triton model: {triton_repo(out, args.triton_repo, args.triton_instances)}")
     except (ModelNotAvailableError, UnsupportedModelError, HeadCheckpointError, FileExistsError, FileNotFoundError,
             ValueError) as err:
-        print(f"eagle-export: error: {err}", file=sys.stderr)
-        return 2
+        return cli_error("eagle-export", err)
     except (OSError, RuntimeError) as err:  # a destination that cannot be written, even when a library wrapped it
         line = disk_error(err, args.out)
         if line is None and not isinstance(err, OSError):

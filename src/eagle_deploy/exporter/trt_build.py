@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
+from eagle_deploy.contract.cli_args import cli_error
 from eagle_deploy.contract.errors import import_tensorrt
 from eagle_deploy.contract.manifest import Dims, GraphEntry, Manifest, TrtRecord
 from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR
@@ -361,8 +362,7 @@ def main(argv=None) -> int:
                       progress=lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", file=sys.stderr),
                       options=options)
     except (FileNotFoundError, ValueError, EngineBuildError) as err:
-        print(f"trt_build: error: {err}", file=sys.stderr)
-        return 2
+        return cli_error("trt_build", err)
     except ImportError as err:
         print(f"trt_build: error: {err}", file=sys.stderr)
         return 3

@@ -10,6 +10,7 @@ from eagle_deploy.contract.cli_args import (
     HelpFormatter,
     add_engine_args,
     add_tree_args,
+    cli_error,
     interruptible,
     tree_from_args,
 )
@@ -98,8 +99,7 @@ def main(argv=None) -> int:
                                                         / max(memory["vanilla"]["peak_rss_mb"], 1e-9), 3)
         memory["export"] = export_sizes(args.engines)
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
-        print("eagle-run: error: " + " ".join(str(err).split()), file=sys.stderr)  # one line, no traceback
-        return 2
+        return cli_error("eagle-run", " ".join(str(err).split()))  # one line, no traceback
     except (ImportError, RuntimeError) as err:  # a backend that cannot run here (no GPU, no TensorRT)
         print(f"eagle-run: error: backend {args.backend!r} unavailable: {err}", file=sys.stderr)
         return 3

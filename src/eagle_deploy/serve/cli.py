@@ -25,6 +25,7 @@ from eagle_deploy.contract.cli_args import (
     HelpFormatter,
     add_engine_args,
     add_tree_args,
+    cli_error,
     interruptible,
     tree_from_args,
 )
@@ -161,8 +162,7 @@ def main(argv=None) -> int:
                          max_body_mb=args.max_body_mb, request_timeout_s=args.request_timeout_s, api_key=key,
                          protect_health_metrics=args.protect_health_metrics)
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
-        print("eagle-serve: error: " + " ".join(str(err).split()), file=sys.stderr)
-        return 2
+        return cli_error("eagle-serve", " ".join(str(err).split()))  # one line, no traceback
     except (ImportError, RuntimeError) as err:
         print(f"eagle-serve: error: backend {args.backend!r} unavailable: {err}", file=sys.stderr)
         return 3

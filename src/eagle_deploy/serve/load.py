@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from eagle_deploy.contract.cli_args import number_list
+from eagle_deploy.contract.cli_args import cli_error, number_list
 from eagle_deploy.contract.prompts import prompt_set
 
 SCHEMA = "eagle-serve-load/1"
@@ -398,9 +398,8 @@ def main(argv=None, prog: str = "python -m eagle_deploy.serve.load") -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if (not modes or any(m not in ("eagle", "vanilla") for m in modes) or args.max_tokens < 1 or (args.limit or 0) < 0
             or not 0 <= args.disconnect <= 1 or args.repeat < 1 or args.long_clients < 0 or args.rate < 0):
-        print("load: error: --modes takes eagle,vanilla; --max-tokens >= 1; --limit >= 0; --disconnect in [0, 1]; "
-              "--repeat >= 1; --long-clients >= 0; --rate >= 0", file=sys.stderr)
-        return 2
+        return cli_error("load", "--modes takes eagle,vanilla; --max-tokens >= 1; --limit >= 0; --disconnect in "
+                                 "[0, 1]; --repeat >= 1; --long-clients >= 0; --rate >= 0")
     try:
         sets = [str(p) for p in args.prompts] or [s.strip() for s in args.sets.split(",") if s.strip()]
         limit = args.limit if args.limit is not None else (0 if args.prompts else 8)
@@ -413,8 +412,7 @@ def main(argv=None, prog: str = "python -m eagle_deploy.serve.load") -> int:
         print(HEADER, file=sys.stderr, flush=True)
         result = run_load(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     except (ValueError, RuntimeError, ModuleNotFoundError) as err:
-        print(f"load: error: {err}", file=sys.stderr)
-        return 2
+        return cli_error("load", err)
     print(format_table(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

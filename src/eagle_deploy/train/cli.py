@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import interruptible, number_list
+from eagle_deploy.contract.cli_args import cli_error, interruptible, number_list
 
 FEATURES_FILE = "features.pt"
 HEAD_FILE = "head.pt"
@@ -120,8 +120,7 @@ def main(argv=None) -> int:
     try:
         return run(args, s)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
-        print(f"eagle-train: error: {err}", file=sys.stderr)
-        return 2
+        return cli_error("eagle-train", err)
 
 
 @dataclass

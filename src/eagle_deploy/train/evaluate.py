@@ -14,7 +14,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import interruptible
+from eagle_deploy.contract.cli_args import cli_error, interruptible
 from eagle_deploy.runtime.acceptance import pooled_depth_rates, pooled_tau
 
 
@@ -77,8 +77,7 @@ def main(argv=None) -> int:
         names = [n.strip() for arg in args.prompts for n in arg.split(",") if n.strip()]
         sets = {name: prompt_set(name) for name in names}
     except (ManifestError, TreeConfigError, FileNotFoundError, ModuleNotFoundError, ValueError) as err:
-        print(f"eagle-eval: error: {err}", file=sys.stderr)
-        return 2
+        return cli_error("eagle-eval", err)
     result = {"engines": str(args.engines), "tree": tree.to_json(), "max_new_tokens": args.max_new_tokens, "sets": {}}
     for name, prompts in sets.items():
         prompts = prompts[: args.limit] if args.limit else prompts

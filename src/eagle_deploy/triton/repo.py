@@ -39,6 +39,7 @@ from eagle_deploy.contract.cli_args import (
     HelpFormatter,
     add_drafter_args,
     add_tree_args,
+    cli_error,
     interruptible,
     tree_from_args,
 )
@@ -204,8 +205,7 @@ def main(argv=None) -> int:
     try:
         model_dir = write_repo(args.engines, args.out, tree=tree_from_args(args, None), **repo_kwargs(args))
     except (ValueError, ManifestError, FileExistsError, FileNotFoundError, StubEnvError) as err:
-        print(f"eagle-triton-repo: error: {err}", file=sys.stderr)
-        return 2
+        return cli_error("eagle-triton-repo", err)
     print(model_dir)
     return 0
 

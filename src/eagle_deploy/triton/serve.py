@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import interruptible
+from eagle_deploy.contract.cli_args import cli_error, interruptible
 
 from .env import default_env_dir, ensure_stub_env, python_version
 
@@ -208,8 +208,7 @@ def main(argv=None) -> int:
         ensure_stub_env()
         cmd = server_command(args.repo, args.http_port, args.grpc_port, args.metrics_port, extra, address=args.address)
     except (TritonUnavailable, FileNotFoundError, RuntimeError) as err:
-        print(f"eagle-triton-serve: error: {err}", file=sys.stderr)
-        return 2
+        return cli_error("eagle-triton-serve", err)
     if args.print_command:
         print(" ".join(cmd))
         return 0

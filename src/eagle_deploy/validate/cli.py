@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from eagle_deploy.contract import onnx_io as c
-from eagle_deploy.contract.cli_args import add_verify_arg, interruptible
+from eagle_deploy.contract.cli_args import add_verify_arg, cli_error, interruptible
 from eagle_deploy.contract.profiles import ProfileSpec
 
 REFERENCE = "torch-reference"
@@ -474,19 +474,16 @@ def main(argv=None) -> int:
 
     graphs = [g.strip() for g in args.graphs.split(",") if g.strip()]
     if not graphs or any(g not in ("target", "draft") for g in graphs):
-        print(f"eagle-validate: error: --graphs takes target and/or draft, got {args.graphs!r}", file=sys.stderr)
-        return 2
+        return cli_error("eagle-validate", f"--graphs takes target and/or draft, got {args.graphs!r}")
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
         report = run_validation(args.engines, args.work, graphs, log=say, verify=args.verify)
     except (ManifestError, ReferenceError, FileNotFoundError, ValueError, ImportError) as err:
-        print(f"eagle-validate: error: {err}", file=sys.stderr)
-        return 2
+        return cli_error("eagle-validate", err)
     except Exception as err:  # PolygraphyException (e.g. a runner that cannot load the graph), onnxruntime errors
         if type(err).__module__.split(".")[0] not in ("polygraphy", "onnxruntime"):
             raise
-        print(f"eagle-validate: error: {type(err).__name__}: {err}", file=sys.stderr)
-        return 2
+        return cli_error("eagle-validate", f"{type(err).__name__}: {err}")
     rows = [Row(**r) for r in report["rows"]]
     print(format_table(rows if args.all_outputs else collapse(rows)))
     for note in report["notes"]:
