@@ -52,6 +52,16 @@ def test_finished_rows_leaving_the_batch_and_length_batches_change_nothing(gqa):
         assert whole.sequence(i).tolist() == PROMPTS[k] + full[k]
 
 
+def test_length_batches_bound_the_padding():
+    from eagle_deploy.train.data import length_batches
+
+    lengths = [40, 10, 1000, 12, 30, 700, 45, 11, 999, 60]
+    got = [b.tolist() for b in length_batches(lengths, 3)]
+    assert got == [[1, 7, 3], [4, 0, 6], [9], [5, 8, 2]]  # ascending; <= 1.5x or +32 of each batch's shortest
+    assert sorted(i for b in got for i in b) == list(range(10))
+    assert [b.tolist() for b in length_batches([5] * 5, 2)] == [[0, 1], [2, 3], [4]]
+
+
 def test_sampled_generation_is_seeded(gqa):
     gen = BatchedGenerator(gqa.hf, "cpu", eos_ids=[])
     a, b = gen.generate(PROMPTS, 12, temperature=1.0, seed=3), gen.generate(PROMPTS, 12, temperature=1.0, seed=3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 from safetensors.numpy import load_file
@@ -32,7 +33,7 @@ def _train(gqa, prompts, out, work, capsys, *extra):
 
 def _stamps(work):
     return {p.name: p.stat().st_mtime_ns for p in [*sorted((work / "data").glob("part-*.npz")),
-                                                   work / cli.FEATURES_FILE, work / cli.HEAD_FILE]}
+                                                   work / cli.FEATURES_DIR, work / cli.HEAD_FILE]}
 
 
 def test_stages_are_cached_and_an_interrupted_run_resumes(gqa, prompts, tmp_path, capsys):
@@ -41,7 +42,7 @@ def test_stages_are_cached_and_an_interrupted_run_resumes(gqa, prompts, tmp_path
     assert "features: cached" not in log and "train: cached head" not in log
     first = load_file(out / "model.safetensors")
     stamps = _stamps(work)
-    assert set(stamps) == {"part-00000.npz", cli.FEATURES_FILE, cli.HEAD_FILE}
+    assert set(stamps) == {"part-00000.npz", cli.FEATURES_DIR, cli.HEAD_FILE}
     assert json.loads((out / "train_log.json").read_text())["data"]["sequences"] == 6
 
     log = _train(gqa, prompts, out, work, capsys)  # everything cached: nothing is rewritten
@@ -49,7 +50,7 @@ def test_stages_are_cached_and_an_interrupted_run_resumes(gqa, prompts, tmp_path
     assert _stamps(work) == stamps
     assert all((load_file(out / "model.safetensors")[k] == v).all() for k, v in first.items())
 
-    (work / cli.FEATURES_FILE).unlink()  # interrupted after the data stage
+    shutil.rmtree(work / cli.FEATURES_DIR)  # interrupted after the data stage
     (work / cli.HEAD_FILE).unlink()
     log = _train(gqa, prompts, out, work, capsys)
     assert "features: cached" not in log and "train: cached head" not in log
@@ -126,7 +127,7 @@ def test_bad_data_and_draft_vocab_fail_before_any_stage(gqa, tmp_path, capsys):
                    "eagle3", "--feature-layers", "0,1", "--draft-vocab", "999999", "--device", "cpu"])
     err = capsys.readouterr().err
     assert rc == 2 and "--draft-vocab 999999 must be in [1, 256]" in err
-    assert not (work / "data").exists() and not (work / cli.FEATURES_FILE).exists()
+    assert not (work / "data").exists() and not (work / cli.FEATURES_DIR).exists()
 
 
 def test_prompt_files_in_the_usual_chat_layouts(tmp_path):
@@ -195,7 +196,7 @@ def test_data_parts_resume_from_a_data_dir_and_refuse_other_settings(gqa, prompt
     log = _train(gqa, prompts, tmp_path / "head", work, capsys, "--data-dir", str(parts), "--stop-after", "data")
     assert "stopped after the data stage" in log and "tok/s" in log
     assert [p.name for p in parts.glob("*")] == ["part-00000.npz"]
-    assert not (work / cli.FEATURES_FILE).exists() and not (tmp_path / "head").exists()
+    assert not (work / cli.FEATURES_DIR).exists() and not (tmp_path / "head").exists()
     made = parts.joinpath("part-00000.npz").stat().st_mtime_ns
     _train(gqa, prompts, tmp_path / "head", tmp_path / "elsewhere", capsys, "--data-dir", str(parts))
     assert parts.joinpath("part-00000.npz").stat().st_mtime_ns == made and (tmp_path / "head" / "config.json").exists()
@@ -232,3 +233,19 @@ def test_bf16_data_and_features_on_a_cpu(gqa, prompts, tmp_path, capsys, monkeyp
     assert 0.999 <= cos <= 1.0
     part = train_data.TokenData.load(tmp_path / "work" / "data" / "part-00000.npz")
     assert part.header["generation"]["torch_dtype"] == "bf16"
+
+
+def test_features_go_in_blocks_that_a_time_budget_splits_across_runs(gqa, prompts, tmp_path, capsys, monkeypatch):
+    """Features are cached per block of sequences; with a spent time budget every run finishes
+    one more block and stops, the last run trains on all of them, as one uninterrupted run does."""
+    monkeypatch.setattr(cli, "FEATURE_BLOCK", 2)  # 6 sequences: 3 blocks
+    work = tmp_path / "work"
+    for left in (2, 1):
+        log = _train(gqa, prompts, tmp_path / "head", work, capsys, "--features-time-budget-min", "1e-9")
+        assert f"with {left} of 3 blocks left" in log and not (tmp_path / "head").exists()
+    assert sorted(p.name for p in (work / cli.FEATURES_DIR).iterdir()) == [f"block-0000{i}.pt" for i in range(2)]
+    log = _train(gqa, prompts, tmp_path / "head", work, capsys, "--features-time-budget-min", "1e-9")
+    assert "3 of 3 blocks done" in log and "blocks left" not in log
+    _train(gqa, prompts, tmp_path / "whole", tmp_path / "work2", capsys)
+    one = load_file(tmp_path / "whole" / "model.safetensors")
+    assert all((one[k] == v).all() for k, v in load_file(tmp_path / "head" / "model.safetensors").items())

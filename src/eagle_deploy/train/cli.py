@@ -2,13 +2,16 @@
 for a target by self-distillation.
 
 Stages, each cached in --work so an interrupted run resumes where it stopped:
-  1. data:     prompts -> the target's own responses (token ids; `data/part-*.npz`)
-  2. features: token ids -> target features (`features.pt`, fp16; EAGLE-3: the three taps and
-               the final features)
+  1. data:     prompts -> the target's own responses (token ids; `data/part-*.npz` of 256
+               prompts, or --data-dir: commit it and another machine resumes)
+  2. features: token ids -> target features (`features/block-*.pt` of 512 sequences, fp16;
+               EAGLE-3: the three taps and the final features)
   3. train:    head training (`head.pt` once trained, keyed by data, settings and seed)
   4. export:   the head in the published layout (`--out`: config.json + model.safetensors;
                EAGLE-3: the yuhuili/SpecForge layout with d2t/t2d)
-Existing token data (e.g. the ids shipped in data/tokens/) can be reused with --data.
+Existing token data (e.g. the ids shipped in data/tokens/) can be reused with --data. A long
+run goes in bounded chunks: --stop-after data with --gen-time-budget-min, then --stop-after
+features with --features-time-budget-min, each resumed by the same command.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ from pathlib import Path
 
 from eagle_deploy.contract.cli_args import cli_error, interruptible, number_list
 
-FEATURES_FILE = "features.pt"
+FEATURES_DIR = "features"
+FEATURE_BLOCK = 512  # sequences per cached feature block (SmolLM2: ~1 minute on 2 cores in bf16)
 HEAD_FILE = "head.pt"
 
 PRESETS = {
@@ -94,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-time-budget-min", type=float, default=0.0,
                    help="stop generating new data chunks after this many minutes (0: no limit); with --stop-after "
                         "data, a bounded chunk of a long generation that a later run resumes")
+    p.add_argument("--features-time-budget-min", type=float, default=0.0,
+                   help="stop computing new feature blocks after this many minutes (0: no limit; one block is "
+                        "always computed); the same command resumes after the finished blocks")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="folder of the generated token-data parts (default: WORK/data). Parts are a few MB of token "
                         "ids: commit this folder and a run on another machine with the same prompts, seed and "
@@ -172,7 +179,7 @@ def run(args, s: dict) -> int:
     t = time.perf_counter()
     features = features_from_data(session, hf, data)
     timings["features_s"] = round(time.perf_counter() - t, 1)
-    if args.stop_after == "features":
+    if features is None or args.stop_after == "features":
         session.log(f"stopped after the feature stage ({timings['features_s']} s)")
         return 0
     t = time.perf_counter()
@@ -264,33 +271,62 @@ def feature_layers(session: Session, hf):
     return tuple(layers)
 
 
-def features_from_data(session: Session, hf, data) -> list:
-    """Stage 2: the target's features for every sequence, cached in WORK/features.pt by data key
-    (EAGLE-3: [taps; final] per position)."""
+def features_from_data(session: Session, hf, data) -> list | None:
+    """Stage 2: the target's features for every sequence (EAGLE-3: [taps; final] per position),
+    computed and cached in blocks of FEATURE_BLOCK sequences (WORK/features/block-*.pt, each
+    keyed by its token ids, taps and dtype), so a long stage resumes after its last finished
+    block. None when --features-time-budget-min ended the stage first."""
     import torch
     from tqdm import tqdm
 
     from .data import compute_features
 
     layers = feature_layers(session, hf)
-    key = {**data_key(data), **({"feature_layers": list(layers)} if layers else {})}
-    feat_path, device = session.work / FEATURES_FILE, session.device
-    cached = torch.load(feat_path, weights_only=True) if feat_path.exists() else None
-    if cached is not None and cached.get("key") == key:
-        session.log("features: cached")
-        return [f.to(device) for f in cached["features"]]
+    args, device = session.args, session.device
+    folder = session.work / FEATURES_DIR
+    blocks = [list(range(b, min(b + FEATURE_BLOCK, len(data)))) for b in range(0, len(data), FEATURE_BLOCK)]
+    features: list = []
+    todo = 0
     bar = tqdm(total=int(data.tokens.size), desc="features", unit="tok", file=sys.stderr)
-    t = time.perf_counter()
-    features = compute_features(hf, data, device, batch_tokens=65536 if device != "cpu" else 4096,
-                                dtype=session.stage_dtype, progress=bar.update, feature_layers=layers)
+    t0, computed, checked = time.perf_counter(), 0, session.stage_dtype == next(hf.parameters()).dtype
+    for b, idx in enumerate(blocks):
+        part = data.subset(idx)
+        key = {**data_key(part), "torch_dtype": args.torch_dtype,
+               **({"feature_layers": list(layers)} if layers else {})}
+        path = folder / f"block-{b:05d}.pt"
+        cached = torch.load(path, weights_only=True) if path.exists() and not args.no_cache_features else None
+        if cached is not None and cached.get("key") == key:
+            features += [f.to(device) for f in cached["features"]]
+            bar.update(int(part.tokens.size))
+            continue
+        todo += 1
+        budget = 60 * args.features_time_budget_min
+        if computed and budget and time.perf_counter() - t0 > budget:  # every run finishes one block at least
+            continue  # counted: the log says how many blocks are left
+        feats = compute_features(hf, part, device, batch_tokens=65536 if device != "cpu" else 4096,
+                                 dtype=session.stage_dtype, progress=bar.update, feature_layers=layers)
+        computed += int(part.tokens.size)
+        if not checked:
+            session.log(check_features(hf, part, feats, device, layers))
+            checked = True
+        if not args.no_cache_features:
+            folder.mkdir(exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            torch.save({"key": key, "features": [f.cpu() for f in feats]}, tmp)
+            tmp.replace(path)
+        features += feats
+        todo -= 1
     bar.close()
-    seconds = time.perf_counter() - t
-    session.log(f"features: {data.tokens.size} tokens in {seconds:.1f} s "
-                f"({data.tokens.size / max(seconds, 1e-9):.0f} tok/s, {session.args.torch_dtype})")
-    if session.stage_dtype != next(hf.parameters()).dtype:
-        session.log(check_features(hf, data, features, device, layers))
-    if not session.args.no_cache_features:
-        torch.save({"key": key, "features": [f.cpu() for f in features]}, feat_path)
+    seconds = time.perf_counter() - t0
+    if not computed:
+        session.log("features: cached")
+    else:
+        session.log(f"features: {computed} tokens computed in {seconds:.1f} s ({computed / max(seconds, 1e-9):.0f} "
+                    f"tok/s, {args.torch_dtype}), {len(blocks) - todo} of {len(blocks)} blocks done")
+    if todo:
+        session.log(f"features: the time budget ended with {todo} of {len(blocks)} blocks left in {folder}; "
+                    "the same command resumes after the finished ones")
+        return None
     return features
 
 
