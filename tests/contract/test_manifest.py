@@ -163,6 +163,18 @@ DAMAGED = {
     "unknown engine": (_set("engines.onnx-cuda", {}), "engines.onnx-cuda: expected no such field (known: trt, tuning)"),
     "format version": (_set("format_version", 2),
                        "format_version: expected 1 (what this runtime reads), found 2; re-export"),
+    "boolean format version": (_set("format_version", True),
+                               "format_version: expected 1 (what this runtime reads), found true; re-export"),
+    "extra key beside a graph's fields": (_set("target.ragged_batch", True),
+                                          "target.ragged_batch: expected no such field (known: path, dtype, inputs, "
+                                          "outputs, quant, sha256, extra), found true"),
+    "eagle head with sizes": (_set("draft.extra.head", {"kind": "eagle", "hidden": 8}),
+                              "draft.extra.head.hidden: expected no such field (known: kind), found 8"),
+    "eagle3 head without its sizes": (_set("draft.extra.head", {"kind": "eagle3", "feature_layers": [0]}),
+                                      "draft.extra.head.hidden: expected an integer >= 1, found nothing"),
+    "a shape dimension that is neither": (_set("target.inputs.0.shape", ["batch", -1]),
+                                          "target.inputs[0].shape[1]: expected a dimension (integer >= 0 or a "
+                                          "symbol), found -1"),
 }
 
 
@@ -173,6 +185,20 @@ def test_a_damaged_manifest_is_one_line_naming_the_field(case):
     damage(data)
     message = _error(data)
     assert text in message, message
+
+
+def test_several_problems_name_the_first_and_count_the_rest():
+    data = _data()
+    data["dims"]["hidden"], data["tree"]["depth"], data["notes"] = "x", 0, [1]
+    assert _error(data) == ("x/manifest.json dims.hidden: expected an integer >= 1, found 'x' (and 2 more)")
+
+
+def test_standalone_engine_records_name_their_source():
+    with pytest.raises(ManifestError, match=r"^tuning record chosen\.kind: expected one of dynamic, static, "
+                                            r"found nothing \(the key is missing\)$"):
+        TuningRecord.from_json({"date": "d", "backend": "ort", "chosen": {"total_tokens": 4, "depth": 2, "top_k": 2}})
+    with pytest.raises(ManifestError, match=r"^TensorRT record \(top level\): expected a JSON object, found \[\]$"):
+        TrtRecord.from_json([])
 
 
 def test_load_names_the_manifest_file(tmp_path):

@@ -48,6 +48,29 @@ def test_chat_errors_name_the_field(kw, param):
     assert err.status == 400 and err.param == param and err.body()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("kw, message, code", [
+    ({"max_tokens": 0.0}, "max_tokens must be >= 1, got 0", "invalid_value"),
+    ({"max_tokens": 2.5}, "max_tokens must be an integer, got 2.5", "invalid_type"),
+    ({"seed": True}, "seed must be an integer, got True", "invalid_type"),
+    ({"top_p": 1.5}, "top_p must be in (0.0, 1.0], got 1.5", "invalid_value"),
+    ({"temperature": float("nan")}, "temperature must be a finite number, got nan", "invalid_value"),
+    ({"stream": "yes"}, "stream must be true or false, got 'yes'", "invalid_type"),
+    ({"mode": "turbo"}, "mode must be one of eagle, vanilla, got 'turbo'", "invalid_value"),
+    ({"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+     'only text content parts are supported ({"type": "text", "text": ...})', "unsupported_value"),
+])
+def test_error_messages_and_codes(kw, message, code):
+    with pytest.raises(p.ApiError) as info:
+        chat(**kw)
+    assert (info.value.message, info.value.code) == (message, code)
+
+
+def test_null_is_absent_and_integral_floats_are_integers():
+    r = chat(max_tokens=16.0, temperature=None, seed=None, stop=None, stream_options=None)
+    assert (r.max_tokens, r.temperature, r.seed, r.stop) == (16, 1.0, None, ())
+    assert chat(max_completion_tokens=5, max_tokens="ignored").max_tokens == 5
+
+
 def test_harmless_fields_are_accepted():
     chat(logprobs=False, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, response_format={"type": "text"},
          tools=[], metadata={"a": 1}, store=False)

@@ -1,7 +1,9 @@
 """The OpenAI wire format: request parsing and validation, response bodies, SSE framing.
 
-Requests are validated here, before anything reaches the engine; a bad field raises
-`ApiError` (HTTP 400) whose body is OpenAI's error shape
+Requests are validated here, before anything reaches the engine, by one pydantic model per
+endpoint (`_ChatBody`, `_CompletionBody`: strict types, so `true` is no integer; null is the
+same as absent). The first bad field raises `ApiError` (HTTP 400) whose body is OpenAI's error
+shape
 
     {"error": {"message": ..., "type": "invalid_request_error", "param": FIELD, "code": ...}}
 
@@ -21,12 +23,14 @@ rejected rather than ignored; other unknown fields are ignored. Text that reache
 from __future__ import annotations
 
 import json
-import math
-import numbers
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, Optional, get_args
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 CHAT, COMPLETION = "chat", "completion"
 ROLES = {"system", "developer", "user", "assistant"}
@@ -97,140 +101,129 @@ def parse_json(raw: bytes) -> dict:
 
 def parse_chat(body: dict) -> CompletionRequest:
     """A /v1/chat/completions body -> CompletionRequest. Raises ApiError (400)."""
-    req = CompletionRequest(CHAT, _model(body), messages=_messages(body))
-    if body.get("max_completion_tokens") is not None:
-        req.max_tokens = _integer(body, "max_completion_tokens", None, 1)
-    else:
-        req.max_tokens = _integer(body, "max_tokens", None, 1)
-    _rejected(body, CHAT)
-    return _common(body, req)
+    r = _read(_ChatBody, body)
+    return _request(r, CompletionRequest(CHAT, r.model, messages=[m.model_dump() for m in r.messages],
+                                         max_tokens=r.max_completion_tokens or r.max_tokens))
 
 
 def parse_completion(body: dict) -> CompletionRequest:
     """A /v1/completions body -> CompletionRequest. Raises ApiError (400)."""
-    req = CompletionRequest(COMPLETION, _model(body), prompt=_prompt(body))
-    req.max_tokens = _integer(body, "max_tokens", 16, 1)  # OpenAI's default for completions
-    _rejected(body, COMPLETION)
-    return _common(body, req)
+    r = _read(_CompletionBody, body)
+    return _request(r, CompletionRequest(COMPLETION, r.model, prompt=r.prompt, max_tokens=r.max_tokens))
 
 
-def _common(body: dict, req: CompletionRequest) -> CompletionRequest:
-    n = _integer(body, "n", 1, 1)
-    if n != 1:
-        raise invalid("n", f"n must be 1 (one choice per request), got {n}", "unsupported_value")
-    req.temperature = _number(body, "temperature", 1.0, minimum=0.0)
-    req.top_p = _number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, open_min=True)
-    req.top_k = _integer(body, "top_k", 0, 0)
-    req.seed = _integer(body, "seed", None, 0)
-    req.stop = _stop(body)
-    req.stream = _boolean(body, "stream", False)
-    options = body.get("stream_options")
-    if options is not None:
-        if not req.stream:
-            raise invalid("stream_options", "stream_options is only allowed when stream is true")
-        if not isinstance(options, dict):
-            raise invalid("stream_options", "stream_options must be an object", "invalid_type")
-        req.include_usage = _boolean(options, "include_usage", False, "stream_options.include_usage")
-    mode = body.get("mode")
-    if mode is not None and mode not in MODES:
-        raise invalid("mode", f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    req.mode = mode
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise invalid("user", "user must be a string", "invalid_type")
-    req.user = user
-    if body.get("request_timeout_s") is not None:
-        req.request_timeout_s = _number(body, "request_timeout_s", None, minimum=0.0, open_min=True)
+def _request(r: _Tail, req: CompletionRequest) -> CompletionRequest:
+    req.temperature, req.top_p, req.top_k, req.seed, req.stop = r.temperature, r.top_p, r.top_k, r.seed, r.stop or ()
+    req.stream, req.mode, req.user, req.request_timeout_s = r.stream, r.mode, r.user, r.request_timeout_s
+    req.include_usage = r.stream_options is not None and r.stream_options.include_usage
     return req
 
 
-def _text(value: str, param: str) -> str:
-    """`value` unchanged if it is valid Unicode (encodable as UTF-8); raises ApiError naming
-    `param` if it holds a lone surrogate (JSON allows "\\ud800"; no tokenizer does)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise invalid(param, f"{param} is not valid Unicode: a lone surrogate "
-                             f"\\u{ord(value[err.start]):04x} at character {err.start}") from None
-    return value
+# ---- request validation: pydantic models, each error one ApiError naming the field ---------
+
+def _api(message: str, code: str = "invalid_value", at: str = "") -> PydanticCustomError:
+    """A failed check of the field that raises it (`at`: a path below it); "{param}" in
+    `message` becomes the field's name."""
+    return PydanticCustomError("api", "{message}", {"message": message, "code": code, "at": at})
 
 
-def _model(body: dict) -> str:
-    model = body.get("model")
-    if model is None:
-        raise invalid("model", "you must provide a model parameter", "missing_required_parameter")
-    if not isinstance(model, str) or not model:
-        raise invalid("model", "model must be a non-empty string", "invalid_type")
-    return model
+class _Range:
+    """Annotation metadata: the allowed range in words ("must be >= 1"); integer: the value is
+    shown as the integer it was read as (16.0 as 16)."""
+
+    def __init__(self, text: str, integer: bool = False):
+        self.text, self.integer = text, integer
 
 
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if messages is None:
-        raise invalid("messages", "you must provide messages", "missing_required_parameter")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "messages must be a non-empty list of {role, content} objects", "invalid_type")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise invalid(f"messages[{i}]", f"messages[{i}] must be an object with role and content", "invalid_type")
-        role = m.get("role")
+def _integral(v):
+    return int(v) if isinstance(v, float) and v.is_integer() else v  # 16.0 is 16; 2.5 stays no integer
+
+
+def _int(minimum: int):
+    return Annotated[int, BeforeValidator(_integral), Field(ge=minimum), _Range(f"must be >= {minimum}", True)]
+
+
+def _number(minimum: float, maximum: float | None = None, open_min: bool = False):
+    bounds = Field(allow_inf_nan=False, **{"gt" if open_min else "ge": minimum}, le=maximum)
+    hi = f"{maximum}]" if maximum is not None else "inf)"
+    return Annotated[float, bounds, _Range(f"must be in {'(' if open_min else '['}{minimum}, {hi}")]
+
+
+class _Body(BaseModel):
+    """Absent and null are the same; fields this server does not know are ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data):
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class _Message(_Body):
+    role: Any = Field(None, validate_default=True)
+    content: Any = Field(None, validate_default=True)
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, role):
         if role not in ROLES:
-            raise invalid(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, "
-                                                 f"got {role!r} (tools are not supported)")
-        content = _text(_content(m.get("content"), i), f"messages[{i}].content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return out
+            raise _api(f"{{param}} must be one of {', '.join(sorted(ROLES))}, got {role!r} (tools are not supported)")
+        return "system" if role == "developer" else role
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, content) -> str:
+        """A string or a list of {"type": "text", "text": str} parts (joined)."""
+        if isinstance(content, list) and content:
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise _api('only text content parts are supported ({"type": "text", "text": ...})',
+                               "unsupported_value", f"[{j}]")
+            content = "".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise _api("{param} must be a string or a list of text parts", "invalid_type")
+        return _unicode(content)
 
 
-def _content(content, i: int) -> str:
-    """A message's content: a string or a list of {"type": "text", "text": str} parts (joined)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:
-        texts = []
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise invalid(f"messages[{i}].content[{j}]", "only text content parts are supported "
-                                                             '({"type": "text", "text": ...})', "unsupported_value")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise invalid(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts",
-                  "invalid_type")
+class _StreamOptions(_Body):
+    include_usage: bool = False
 
 
-def _prompt(body: dict) -> str | list[int]:
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise invalid("prompt", "you must provide a prompt", "missing_required_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise invalid("prompt", "the prompt is empty")
-        return _text(prompt, "prompt")
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        return [int(t) for t in prompt]
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise invalid("prompt", "one prompt per request: batches of prompts are not supported", "unsupported_value")
-    raise invalid("prompt", "prompt must be a non-empty string or a non-empty list of token ids", "invalid_type")
+class _ChatHead(_Body):
+    model: Annotated[str, Field(min_length=1)]
+    messages: Annotated[list[_Message], Field(min_length=1)]
+    max_completion_tokens: Optional[_int(1)] = None
+    max_tokens: Optional[_int(1)] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _newer_name_first(cls, data):
+        """max_completion_tokens replaces max_tokens (which is then not read)."""
+        if isinstance(data, dict) and data.get("max_completion_tokens") is not None:
+            return {k: v for k, v in data.items() if k != "max_tokens"}
+        return data
 
 
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or any(not isinstance(s, str) or s == "" for s in stops):
-        raise invalid("stop", "stop must be a non-empty string or a list of non-empty strings", "invalid_type")
-    if len(stops) > MAX_STOPS:
-        raise invalid("stop", f"at most {MAX_STOPS} stop strings are allowed, got {len(stops)}")
-    for i, s in enumerate(stops):
-        if len(s) > MAX_STOP_CHARS:
-            raise invalid("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters; stop[{i}] has "
-                                  f"{len(s)}")
-        _text(s, "stop")
-    return tuple(stops)
+class _CompletionHead(_Body):
+    model: Annotated[str, Field(min_length=1)]
+    prompt: Any
+    max_tokens: _int(1) = 16  # OpenAI's default for completions
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, prompt) -> str | list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise _api("the prompt is empty")
+            return _unicode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return prompt
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise _api("one prompt per request: batches of prompts are not supported", "unsupported_value")
+        raise _api("prompt must be a non-empty string or a non-empty list of token ids", "invalid_type")
 
 
 # field -> (is the value harmless?, why it is refused)
@@ -251,52 +244,133 @@ _REFUSED = {
 }
 
 
-def _rejected(body: dict, kind: str) -> None:
-    for name, (harmless, why) in _REFUSED.items():
-        if name in body and not harmless(body[name]):
-            raise invalid(name, why, "unsupported_value")
+class _Tail(_Body):
+    """The fields both endpoints take, checked after the prompt (a subclass lists this class
+    first among its bases, so that its own fields come first)."""
+
+    logprobs: Any = None  # refused (see _REFUSED) unless harmless
+    top_logprobs: Any = None
+    tools: Any = None
+    functions: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+    n: _int(1) = 1
+    temperature: _number(0.0) = 1.0
+    top_p: _number(0.0, 1.0, open_min=True) = 1.0
+    top_k: _int(0) = 0
+    seed: Optional[_int(0)] = None
+    stop: Any = None
+    stream: bool = False
+    stream_options: Optional[_StreamOptions] = None
+    mode: Optional[Literal[MODES]] = None
+    user: Optional[str] = None
+    request_timeout_s: Optional[_number(0.0, open_min=True)] = None
+
+    @field_validator(*_REFUSED)
+    @classmethod
+    def _refused(cls, value, info):
+        harmless, why = _REFUSED[info.field_name]
+        if not harmless(value):
+            raise _api(why, "unsupported_value")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise _api(f"n must be 1 (one choice per request), got {n}", "unsupported_value")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop) -> tuple[str, ...]:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or any(not isinstance(s, str) or s == "" for s in stops):
+            raise _api("stop must be a non-empty string or a list of non-empty strings", "invalid_type")
+        if len(stops) > MAX_STOPS:
+            raise _api(f"at most {MAX_STOPS} stop strings are allowed, got {len(stops)}")
+        for i, s in enumerate(stops):
+            if len(s) > MAX_STOP_CHARS:
+                raise _api(f"a stop string may have at most {MAX_STOP_CHARS} characters; stop[{i}] has {len(s)}")
+            _unicode(s)
+        return tuple(stops)
+
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _only_when_streaming(cls, options, info):
+        if not info.data.get("stream"):
+            raise _api("stream_options is only allowed when stream is true")
+        return options
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+class _ChatBody(_Tail, _ChatHead):
+    pass
 
 
-def _integer(body: dict, name: str, default, minimum: int):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if not _is_int(v):
-        raise invalid(name, f"{name} must be an integer, got {v!r}", "invalid_type")
-    if v < minimum:
-        raise invalid(name, f"{name} must be >= {minimum}, got {v}")
-    return int(v)
+class _CompletionBody(_Tail, _CompletionHead):
+    pass
 
 
-def _number(body: dict, name: str, default: float, minimum: float, maximum: float | None = None,
-            open_min: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, numbers.Real) or isinstance(v, bool):
-        raise invalid(name, f"{name} must be a number, got {v!r}", "invalid_type")
-    if not math.isfinite(v):
-        raise invalid(name, f"{name} must be a finite number, got {v!r}")
-    if v < minimum or (open_min and v == minimum) or (maximum is not None and v > maximum):
-        lo = "(" if open_min else "["
-        hi = f"{maximum}]" if maximum is not None else "inf)"
-        raise invalid(name, f"{name} must be in {lo}{minimum}, {hi}, got {v}")
-    return float(v)
+def _unicode(value: str) -> str:
+    """`value` unchanged if it is valid Unicode (encodable as UTF-8); else the error names the
+    field holding it (JSON allows a lone surrogate such as "\\ud800"; no tokenizer does)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise _api(f"{{param}} is not valid Unicode: a lone surrogate \\u{ord(value[err.start]):04x} at character "
+                   f"{err.start}") from None
+    return value
 
 
-def _boolean(body: dict, name: str, default: bool, param: str | None = None) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise invalid(param or name, f"{param or name} must be true or false, got {v!r}", "invalid_type")
-    return v
+# what a field must be when pydantic finds it of the wrong type
+_TYPES = {"int_type": "an integer", "int_from_float": "an integer", "float_type": "a number",
+          "bool_type": "true or false"}
+_REQUIRED = {"model": "you must provide a model parameter", "messages": "you must provide messages",
+             "prompt": "you must provide a prompt"}
+_SHAPES = {"model": "model must be a non-empty string",
+           "messages": "messages must be a non-empty list of {role, content} objects",
+           "stream_options": "stream_options must be an object", "user": "user must be a string"}
+
+
+def _read(model: type[_Body], body: dict) -> _Body:
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        raise _api_error(model, err.errors()[0]) from None  # fields in the order of the request's documentation
+
+
+def _api_error(model: type[_Body], e: dict) -> ApiError:
+    """One pydantic error as OpenAI's: the field (`messages[1].content`), a sentence, a code."""
+    loc, kind, value, ctx = e["loc"], e["type"], e.get("input"), e.get("ctx") or {}
+    param = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in loc).lstrip(".")
+    if kind == "api":
+        param += ctx["at"]
+        return invalid(param or None, ctx["message"].replace("{param}", param), ctx["code"])
+    if kind == "string_unicode":
+        return invalid(param, f"{param} is not valid Unicode (a lone surrogate)")
+    if kind == "missing" and param in _REQUIRED:
+        return invalid(param, _REQUIRED[param], "missing_required_parameter")
+    if param in _SHAPES:
+        return invalid(param, _SHAPES[param], "invalid_type")
+    if kind == "model_type":  # messages[i]
+        return invalid(param, f"{param} must be an object with role and content", "invalid_type")
+    if kind in _TYPES:
+        return invalid(param, f"{param} must be {_TYPES[kind]}, got {value!r}", "invalid_type")
+    if kind == "finite_number":
+        return invalid(param, f"{param} must be a finite number, got {value!r}")
+    if kind == "literal_error":
+        return invalid(param, f"{param} must be one of {', '.join(MODES)}, got {value!r}")
+    field = model.model_fields[loc[0]]  # a number out of its range: the field's _Range says which
+    metadata = [*field.metadata, *(m for a in get_args(field.annotation) for m in getattr(a, "__metadata__", ()))]
+    said = next((m for m in metadata if isinstance(m, _Range)), None)
+    if said is None:
+        return invalid(param, f"{param} is invalid ({e['msg']})")
+    return invalid(param, f"{param} {said.text}, got {_integral(value) if said.integer else value}")
 
 
 # ---- responses ------------------------------------------------------------------------------
