@@ -87,3 +87,10 @@ def test_ctrl_c_during_eagle_run_stream(mha, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert rc == 130 and len(fake.text) >= 3
     assert err.strip().splitlines()[-1] == "eagle-run: interrupted" and "Traceback" not in err
+
+
+def test_cli_error_is_one_line_and_status_2(capsys):
+    from eagle_deploy.contract.cli_args import BAD_INPUT, cli_error
+
+    assert cli_error("eagle-x", ValueError("manifest.json tools.a\nb:  expected\tan integer")) == BAD_INPUT == 2
+    assert capsys.readouterr().err == "eagle-x: error: manifest.json tools.a b: expected an integer\n"

@@ -33,6 +33,13 @@ def test_completion_prompts():
     assert p.parse_completion({"model": "m", "prompt": [3, 4]}).prompt == [3, 4]
 
 
+def test_a_role_of_another_type_is_a_400_not_a_crash():
+    for role in ([], {"a": 1}, 3, None):
+        with pytest.raises(p.ApiError) as info:
+            chat(messages=[{"role": role, "content": "hi"}])
+        assert info.value.status == 400 and info.value.param == "messages[0].role", role
+
+
 @pytest.mark.parametrize("kw, param", [
     ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": -5}, "max_completion_tokens"),
     ({"temperature": float("inf")}, "temperature"), ({"temperature": True}, "temperature"), ({"top_p": 1.5}, "top_p"),

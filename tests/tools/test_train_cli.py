@@ -67,9 +67,9 @@ def test_changed_settings_retrain_but_reuse_data_and_features(gqa, prompts, tmp_
     assert "train: cached head" not in log and "features: cached" in log
     second = load_file(out / "model.safetensors")
     assert any(not (second[k] == v).all() for k, v in first.items())
-    log = _train(gqa, prompts, out, work, capsys, "--draft-vocab", "64")  # EAGLE-1/2 CE over 64 ids: retrained
-    assert "train: cached head" not in log and "cross-entropy over the 64 most frequent response tokens" in log
-    assert json.loads((out / "train_log.json").read_text())["draft_vocab"] == 64
+    log = _train(gqa, prompts, out, work, capsys, "--draft-vocab", "16")  # CE over 16 ids (< ce_topk 32): retrained
+    assert "train: cached head" not in log and "cross-entropy over the 16 most frequent response tokens" in log
+    assert json.loads((out / "train_log.json").read_text())["draft_vocab"] == 16
 
 
 def _normalise(text: str) -> str:
@@ -212,7 +212,53 @@ def test_data_parts_resume_from_a_data_dir_and_refuse_other_settings(gqa, prompt
     argv = ["--model", str(gqa.target_dir), "--out", str(tmp_path / "h3"), "--data-dir", str(parts),
             "--prompts", str(other), *SMALL]
     assert cli.main(argv) == 2
-    assert "holds other prompts than this run's chunk (6 not in it" in capsys.readouterr().err
+    assert "holds other prompts than this run's chunk (6 of its ids not in it" in capsys.readouterr().err
+    (tmp_path / "same").mkdir()  # the same file name and ids, other texts: refused too
+    (tmp_path / "same" / "prompts.jsonl").write_text(prompts.read_text().replace("count to", "spell"))
+    argv[argv.index("--prompts") + 1] = str(tmp_path / "same" / "prompts.jsonl")
+    assert cli.main(argv) == 2
+    assert "(0 of its ids not in it; same ids, other texts otherwise)" in capsys.readouterr().err
+
+
+def test_parts_of_another_target_and_damaged_caches(gqa, mha, prompts, tmp_path, capsys):
+    """A part made by another target is refused; a part that cannot be read is an error naming
+    it; a feature block that cannot be read is recomputed."""
+    parts, work = tmp_path / "tokens", tmp_path / "work"
+    _train(gqa, prompts, tmp_path / "head", work, capsys, "--data-dir", str(parts))
+    argv = ["--model", str(mha.target_dir), "--out", str(tmp_path / "h2"), "--data-dir", str(parts),
+            "--prompts", str(prompts), *SMALL]
+    assert cli.main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err) == 1 and "was generated with other settings (target:" in err[0]
+
+    block = work / cli.FEATURES_DIR / "block-00000.pt"
+    block.write_bytes(block.read_bytes()[:100])
+    log = _train(gqa, prompts, tmp_path / "head", work, capsys, "--data-dir", str(parts))
+    assert f"features: {block} cannot be read" in log and "train: cached head" in log  # same features again
+    part = parts / "part-00000.npz"
+    part.write_text("version https://git-lfs.github.com/spec/v1\n")
+    argv[1] = str(gqa.target_dir)
+    assert cli.main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err) == 1 and f"{part} is not a readable token-data part" in err[0]
+
+
+def test_bad_chunk_settings_fail_before_any_stage(gqa, prompts, tmp_path, capsys):
+    work = tmp_path / "w"
+    base = ["--model", str(gqa.target_dir), "--out", str(tmp_path / "h"), "--work", str(work), "--prompts",
+            str(prompts), *SMALL]
+    assert cli.main([*base, "--features-time-budget-min", "5", "--no-cache-features"]) == 2
+    assert "drop --no-cache-features" in capsys.readouterr().err
+    assert cli.main([*base, "--gen-time-budget-min", "-1"]) == 2
+    assert "must be >= 0" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert cli.main([*base, "--data-dir", str(tmp_path / "afile")]) == 2
+    assert "--data-dir" in capsys.readouterr().err and not work.exists()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    base[base.index("--prompts") + 1] = str(empty)
+    assert cli.main(base) == 2
+    assert f"no prompts to answer in {empty}" in capsys.readouterr().err
 
 
 def test_bf16_data_and_features_on_a_cpu(gqa, prompts, tmp_path, capsys, monkeypatch):
@@ -249,3 +295,13 @@ def test_features_go_in_blocks_that_a_time_budget_splits_across_runs(gqa, prompt
     _train(gqa, prompts, tmp_path / "whole", tmp_path / "work2", capsys)
     one = load_file(tmp_path / "whole" / "model.safetensors")
     assert all((one[k] == v).all() for k, v in load_file(tmp_path / "head" / "model.safetensors").items())
+
+
+def test_the_data_key_sees_the_order_of_sequences():
+    from eagle_deploy.train.data import TokenData
+
+    a = TokenData.from_sequences([[1, 2, 3], [4, 5]], [1, 1], [{}, {}])
+    b = TokenData.from_sequences([[4, 5], [1, 2, 3]], [1, 1], [{}, {}])
+    c = TokenData.from_sequences([[1, 2, 3], [4, 5]], [2, 1], [{}, {}])
+    assert len({json.dumps(cli.data_key(d)) for d in (a, b, c)}) == 3
+    assert cli.data_key(a) == cli.data_key(TokenData.from_sequences([[1, 2, 3], [4, 5]], [1, 1], [{}, {}]))

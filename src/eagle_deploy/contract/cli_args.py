@@ -17,9 +17,10 @@ BAD_INPUT = 2  # argparse's exit status for a usage error; every CLI's for input
 
 
 def cli_error(prog: str, message) -> int:
-    """Print `prog: error: message` on stderr (argparse's form) and return BAD_INPUT, the tail
-    of every CLI's refusal: `return cli_error("eagle-run", err)`."""
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    """Print `prog: error: message` on stderr (argparse's form) as one line (whitespace runs,
+    newlines included, collapsed) and return BAD_INPUT, the tail of every CLI's refusal:
+    `return cli_error("eagle-run", err)`."""
+    print(f"{prog}: error: " + " ".join(str(message).split()), file=sys.stderr)
     return BAD_INPUT
 
 

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                                                         / max(memory["vanilla"]["peak_rss_mb"], 1e-9), 3)
         memory["export"] = export_sizes(args.engines)
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
-        return cli_error("eagle-run", " ".join(str(err).split()))  # one line, no traceback
+        return cli_error("eagle-run", err)  # one line, no traceback
     except (ImportError, RuntimeError) as err:  # a backend that cannot run here (no GPU, no TensorRT)
         print(f"eagle-run: error: backend {args.backend!r} unavailable: {err}", file=sys.stderr)
         return 3

@@ -162,7 +162,7 @@ def main(argv=None) -> int:
                          max_body_mb=args.max_body_mb, request_timeout_s=args.request_timeout_s, api_key=key,
                          protect_health_metrics=args.protect_health_metrics)
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
-        return cli_error("eagle-serve", " ".join(str(err).split()))  # one line, no traceback
+        return cli_error("eagle-serve", err)  # one line, no traceback
     except (ImportError, RuntimeError) as err:
         print(f"eagle-serve: error: backend {args.backend!r} unavailable: {err}", file=sys.stderr)
         return 3

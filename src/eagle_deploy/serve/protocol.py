@@ -167,7 +167,7 @@ class _Message(_Body):
     @field_validator("role")
     @classmethod
     def _role(cls, role):
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise _api(f"{{param}} must be one of {', '.join(sorted(ROLES))}, got {role!r} (tools are not supported)")
         return "system" if role == "developer" else role
 

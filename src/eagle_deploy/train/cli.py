@@ -42,8 +42,6 @@ PRESETS = {
 }
 ARCHS = ("eagle", "eagle3")
 STAGES = ("data", "features")
-# settings that change what a data part holds: a part made with other values is refused
-GENERATION_KEYS = ("modes", "max_new_tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +141,7 @@ class Session:
     device: str
     work: Path
     data_dir: Path | None = None  # generated token-data parts (--data-dir, default WORK/data)
+    target: dict = field(default_factory=dict)  # which target the caches were made by (target_fingerprint)
     log_lines: list = field(default_factory=list)
     by_category: dict = field(default_factory=dict)  # {category: {"sequences", "response_tokens"}} of the data
 
@@ -207,7 +206,15 @@ def open_session(args, s: dict) -> Session:
     if args.torch_dtype == "bf16" and not device.startswith("cuda") and not cpu_has_native_bf16():
         raise ValueError("--torch-dtype bf16 on a CPU needs native bf16 instructions (avx512_bf16 or amx_bf16 in "
                          "/proc/cpuinfo); this CPU emulates bf16, slower than fp32: use --torch-dtype fp32")
+    if args.gen_time_budget_min < 0 or args.features_time_budget_min < 0:
+        raise ValueError("--gen-time-budget-min and --features-time-budget-min must be >= 0")
+    if args.features_time_budget_min and args.no_cache_features:
+        raise ValueError("--features-time-budget-min needs the feature cache (a block computed and not kept would "
+                         "be computed again by every run): drop --no-cache-features")
     work = args.work or args.out.parent / (args.out.name + ".work")
+    for folder, flag in ((work, "--work"), (args.data_dir, "--data-dir")):
+        if folder is not None and folder.exists() and not folder.is_dir():
+            raise ValueError(f"{flag} {folder} is a file, not a folder")
     work.mkdir(parents=True, exist_ok=True)
     return Session(args, s, device, work, args.data_dir or work / "data")
 
@@ -222,6 +229,7 @@ def load_target_for_training(session: Session):
 
     checkpoint = resolve_model(session.args.model)
     hf = load_target(checkpoint)
+    session.target = target_fingerprint(checkpoint)
     if session.args.torch_dtype == "bf16" and session.device.startswith("cuda"):
         hf.to(torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint.hf_dir))
@@ -255,8 +263,35 @@ def load_or_generate_data(session: Session, hf, tokenizer, eos):
 
 
 def data_key(data) -> dict:
-    """Identifies token data for the feature and head caches (count, size, checksum of the ids)."""
-    return {"sequences": len(data), "tokens": int(data.tokens.size), "sum": int(data.tokens.sum())}
+    """Identifies token data for the feature and head caches: counts and a sha256 of the ids,
+    the sequence boundaries and the prompt lengths (so the same sequences in another order are
+    other data)."""
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for a in (data.tokens, data.offsets, data.prompt_lens):
+        digest.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+    return {"sequences": len(data), "tokens": int(data.tokens.size), "sha256": digest.hexdigest()}
+
+
+def target_fingerprint(checkpoint) -> dict:
+    """{"name", "sha256"} of the target every cached part, block and head was made by: the
+    sha256 of its source file (a GGUF or one checkpoint file), else of its config.json with the
+    names and sizes of its weight files."""
+    import hashlib
+
+    from eagle_deploy.contract.verify import sha256_file
+
+    source = Path(checkpoint.source)
+    if source.is_file():
+        return {"name": checkpoint.name, "sha256": sha256_file(source)}
+    folder = Path(checkpoint.hf_dir)
+    digest = hashlib.sha256((folder / "config.json").read_bytes() if (folder / "config.json").is_file() else b"")
+    for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        digest.update(f"{f.name}:{f.stat().st_size}".encode())
+    return {"name": checkpoint.name, "sha256": digest.hexdigest()}
 
 
 def feature_layers(session: Session, hf):
@@ -295,10 +330,10 @@ def features_from_data(session: Session, hf, data) -> list | None:
     t0, computed, checked = time.perf_counter(), 0, session.stage_dtype == next(hf.parameters()).dtype
     for b, idx in enumerate(blocks):
         part = data.subset(idx)
-        key = {**data_key(part), "torch_dtype": args.torch_dtype,
+        key = {**data_key(part), "torch_dtype": args.torch_dtype, "target": session.target,
                **({"feature_layers": list(layers)} if layers else {})}
         path = folder / f"block-{b:05d}.pt"
-        cached = torch.load(path, weights_only=True) if path.exists() and not args.no_cache_features else None
+        cached = _cached_block(path, session.log) if not args.no_cache_features else None
         if cached is not None and cached.get("key") == key:
             features += [f.to(device) for f in cached["features"]]
             bar.update(int(part.tokens.size))
@@ -334,6 +369,24 @@ def features_from_data(session: Session, hf, data) -> list | None:
     return features
 
 
+def _cached_block(path: Path, log) -> dict | None:
+    """A feature block written by features_from_data, or None when there is none or it cannot
+    be read (truncated, not a block: it is then recomputed and overwritten, with a log line)."""
+    import torch
+
+    if not path.exists():
+        return None
+    try:
+        cached = torch.load(path, weights_only=True)
+    except Exception as err:  # truncated zip, not a torch file, a git-LFS pointer ...
+        log(f"features: {path} cannot be read ({type(err).__name__}); recomputing it")
+        return None
+    if not isinstance(cached, dict) or not isinstance(cached.get("features"), list):
+        log(f"features: {path} is not a feature block; recomputing it")
+        return None
+    return cached
+
+
 def check_features(hf, data, features, device: str, layers, sequences: int = 8, minimum: float = 0.999) -> str:
     """Features computed in a lower precision against fp32 on the first `sequences` sequences:
     the smallest cosine similarity over their positions must be >= `minimum`. Returns the log
@@ -362,7 +415,8 @@ def head_from_features(session: Session, hf, data, features):
     from .trainer import TrainConfig, train_head
 
     args, s = session.args, session.settings
-    key = {"data": data_key(data), "settings": s, "seed": args.seed, "init_from_layer": args.init_from_layer}
+    key = {"data": data_key(data), "settings": s, "seed": args.seed, "init_from_layer": args.init_from_layer,
+           "torch_dtype": args.torch_dtype, "target": session.target}
     target_lm = None
     if args.arch == "eagle3":
         key.update(arch="eagle3", draft_vocab=args.draft_vocab, feature_layers=args.feature_layers)
@@ -436,38 +490,44 @@ def _generate(session: Session, hf, tokenizer, eos):
     prompts = [prompts[i] for i in np.random.default_rng(args.seed).permutation(len(prompts))]
     if s["limit"]:
         prompts = prompts[: s["limit"]]
+    if not prompts:
+        raise ValueError(f"no prompts to answer in {args.prompts}" + (" after decontamination" if dropped else ""))
     modes = [float(m) for m in str(s["modes"]).split(",")]
     parts = session.data_dir
     parts.mkdir(parents=True, exist_ok=True)
     chunk = max(s["gen_batch"], PART_PROMPTS)
-    generation = {**{k: s[k] for k in GENERATION_KEYS}, "torch_dtype": args.torch_dtype,
-                  "seed": args.seed if any(m > 0 for m in modes) else None}  # greedy parts: seed only orders prompts
+    generation = {"modes": modes, "max_new_tokens": s["max_new_tokens"], "torch_dtype": args.torch_dtype,
+                  "seed": args.seed if any(m > 0 for m in modes) else None,  # greedy parts: seed only orders prompts
+                  "target": session.target}
     bar = tqdm(total=len(prompts) * len(modes), desc="generate", unit="resp", file=sys.stderr)
     done, made, t0 = [], 0, time.perf_counter()
-    for c0 in range(0, len(prompts), chunk):
-        path = parts / f"part-{c0 // chunk:05d}.npz"
-        ids = {p["id"] for p in prompts[c0:c0 + chunk]}
-        if args.gen_time_budget_min and time.perf_counter() - t0 > 60 * args.gen_time_budget_min and not path.exists():
-            log(f"generation time budget reached after {c0} of {len(prompts)} prompts ({made} new part(s) in "
-                f"{parts}); the same command resumes after them")
-            break
-        if not path.exists():
-            t = time.perf_counter()
-            part = generate_data(hf, tokenizer, prompts[c0:c0 + chunk], modes, s["max_new_tokens"], s["gen_batch"],
-                                 session.device, eos, seed=args.seed + c0, progress=bar.update,
-                                 dtype=session.stage_dtype)
-            part.header = {"generation": generation, "recipe": s, "prompts": str(args.prompts),
-                           "seconds": round(time.perf_counter() - t, 1)}
-            part.save(path)
-            made += 1
-            log(f"data: {path.name}: {len(part)} sequences, {part.response_tokens} response tokens in "
-                f"{part.header['seconds']} s ({part.response_tokens / max(part.header['seconds'], 1e-9):.0f} tok/s)")
-        else:
-            bar.update(min(chunk, len(prompts) - c0) * len(modes))
-        part = TokenData.load(path)
-        check_part(path, part, generation, ids)
-        done.append(part)
-    bar.close()
+    try:
+        for c0 in range(0, len(prompts), chunk):
+            path = parts / f"part-{c0 // chunk:05d}.npz"
+            rows = prompts[c0:c0 + chunk]
+            budget = 60 * args.gen_time_budget_min
+            if budget and time.perf_counter() - t0 > budget and not path.exists():
+                log(f"generation time budget reached after {c0} of {len(prompts)} prompts ({made} new part(s) in "
+                    f"{parts}); the same command resumes after them")
+                break
+            if not path.exists():
+                t = time.perf_counter()
+                part = generate_data(hf, tokenizer, rows, modes, s["max_new_tokens"], s["gen_batch"], session.device,
+                                     eos, seed=args.seed + c0, progress=bar.update, dtype=session.stage_dtype)
+                part.header = {"generation": generation, "chunk": chunk_digest(rows), "recipe": s,
+                               "prompts": str(args.prompts), "seconds": round(time.perf_counter() - t, 1)}
+                part.save(path)
+                made += 1
+                tok_s = part.response_tokens / max(part.header["seconds"], 1e-9)
+                log(f"data: {path.name}: {len(part)} sequences, {part.response_tokens} response tokens in "
+                    f"{part.header['seconds']} s ({tok_s:.0f} tok/s)")
+            else:
+                bar.update(len(rows) * len(modes))
+            part = read_part(path)
+            check_part(path, part, generation, rows)
+            done.append(part)
+    finally:
+        bar.close()
     if not done:
         raise RuntimeError(f"no token data: the generation time budget ended before the first part in {parts}")
     data = TokenData.concat(done)
@@ -475,18 +535,43 @@ def _generate(session: Session, hf, tokenizer, eos):
     return data
 
 
-def check_part(path: Path, part, generation: dict, ids: set) -> None:
-    """A data part must hold this chunk's prompts, generated with these settings. Raises
-    ValueError naming the difference."""
+def chunk_digest(rows: list[dict]) -> str:
+    """sha256 of a chunk's prompts (the set of ids with their texts; a part's answers do not
+    depend on their order): what a part was generated from."""
+    import hashlib
+
+    lines = sorted(json.dumps([row["id"], row["prompt"]], ensure_ascii=False) for row in rows)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def read_part(path: Path):
+    """TokenData.load, or ValueError naming the file when it is not a readable part."""
+    from .data import TokenData
+
+    try:
+        return TokenData.load(path)
+    except Exception as err:  # truncated, a git-LFS pointer, not an npz, missing arrays ...
+        raise ValueError(f"{path} is not a readable token-data part ({type(err).__name__}: "
+                         f"{' '.join(str(err).split())[:120]}): restore it (an un-fetched git-LFS file?) or "
+                         "delete it to regenerate it") from None
+
+
+def check_part(path: Path, part, generation: dict, rows: list[dict]) -> None:
+    """A data part must hold this chunk's prompts (chunk_digest), generated by this target with
+    these settings. Raises ValueError naming the difference."""
     made = part.header.get("generation")
     fix = "use another --data-dir (or --work), or delete the part to regenerate it"
     if made != generation:
-        raise ValueError(f"{path} was generated with {made or 'settings this version does not record'}, "
-                         f"this run uses {generation}: {fix}")
-    have = {m["id"] for m in part.meta}
-    if have != ids:
-        raise ValueError(f"{path} holds other prompts than this run's chunk ({len(have - ids)} not in it: another "
-                         f"prompt file, --seed or --limit): {fix}")
+        differ = sorted(k for k in {*(made or {}), *generation} if (made or {}).get(k) != generation.get(k))
+        raise ValueError(f"{path} was generated with other settings ({', '.join(differ) or 'not recorded'}: "
+                         f"{ {k: (made or {}).get(k) for k in differ} }, this run: "
+                         f"{ {k: generation.get(k) for k in differ} }): {fix}")
+    if part.header.get("chunk") != chunk_digest(rows):
+        ids = {r["id"] for r in rows}
+        missing = len({m["id"] for m in part.meta} - ids)
+        raise ValueError(f"{path} holds other prompts than this run's chunk ({missing} of its ids not in it; same "
+                         f"ids, other texts otherwise): another prompt file, --seed, --limit or --gen-batch above "
+                         f"{PART_PROMPTS}: {fix}")
 
 
 def log_categories(data, log) -> dict:

@@ -150,7 +150,7 @@ def step_losses(head: EagleHead | Eagle3Head, batch: Batch, cfg: TrainConfig, tr
             t_logits = logits(t)
         logq = torch.log_softmax(logits(p), dim=-1)
         if cfg.ce_topk:
-            tp, ti = torch.topk(torch.softmax(t_logits, dim=-1), cfg.ce_topk, dim=-1)
+            tp, ti = torch.topk(torch.softmax(t_logits, dim=-1), min(cfg.ce_topk, t_logits.shape[-1]), dim=-1)
             ce = -(tp / tp.sum(-1, keepdim=True) * logq.gather(-1, ti)).sum(-1).mean()
         else:
             ce = -(torch.softmax(t_logits, dim=-1) * logq).sum(-1).mean()
