@@ -75,6 +75,13 @@ def test_saved_manifest_loads_back_equal_with_the_format_1_layout(tmp_path):
     assert isinstance(loaded.tree, TreeConfig) and isinstance(loaded.target.inputs[0], TensorSpec)
 
 
+def test_json_beyond_the_parsers_limits_is_a_manifest_error(tmp_path):
+    for text in ('{"format_version": ' + "9" * 5000 + "}", "[" * 100_000 + "]" * 100_000):
+        (tmp_path / c.MANIFEST_FILE).write_text(text)
+        with pytest.raises(ManifestError, match=r"manifest.json is not a manifest JSON can read"):
+            Manifest.load(tmp_path)
+
+
 def test_records_are_frozen():
     m = _manifest()
     with pytest.raises(AttributeError):

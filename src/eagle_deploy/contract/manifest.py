@@ -426,6 +426,9 @@ class Manifest:
             raise ManifestError(f"{path} is not valid JSON: {err}") from None
         except (OSError, UnicodeDecodeError) as err:
             raise ManifestError(f"{path} cannot be read ({type(err).__name__}: {err}); re-export") from None
+        except (ValueError, RecursionError) as err:  # json's own limits: a 4,300-digit integer, deep nesting
+            raise ManifestError(f"{path} is not a manifest JSON can read ({type(err).__name__}: "
+                                f"{' '.join(str(err).split())[:100]}); re-export") from None
         return cls.from_json(data, str(path))
 
     @classmethod
