@@ -214,10 +214,11 @@ class BatchedGenerator:
         logits = []
         G = max(1, self.prefill_tokens // L)  # prompts per prefill forward: bounds [G, heads, L, L] scores
         for g in range(0, B, G):
-            rows = slice(g, g + G)
-            out = self.target(ids[rows], pos[rows], mask[rows], torch.full((len(ids[rows]), 1), L - 1, device=dev),
-                              *self._past([k[rows] for k in keys], [v[rows] for v in values], 0))
-            self._store([k[rows] for k in keys], [v[rows] for v in values], out[2:], 0)
+            group = slice(g, g + G)
+            k_rows, v_rows = [k[group] for k in keys], [v[group] for v in values]  # views: written in place
+            out = self.target(ids[group], pos[group], mask[group], torch.full((len(ids[group]), 1), L - 1, device=dev),
+                              *self._past(k_rows, v_rows, 0))
+            self._store(k_rows, v_rows, out[2:], 0)
             logits.append(out[0])
         out = (torch.cat(logits),)
         tokens = torch.full((B, max_new_tokens), -1, dtype=torch.long, device=dev)
