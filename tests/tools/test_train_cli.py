@@ -206,18 +206,27 @@ def test_data_parts_resume_from_a_data_dir_and_refuse_other_settings(gqa, prompt
     argv[argv.index("--max-new-tokens") + 1] = "9"
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert "part-00000.npz was generated with" in err and "'max_new_tokens': 8" in err and "--data-dir" in err
+    assert "part-00000.npz was generated with other settings (max_new_tokens: 8 there, 9 here)" in err
+    assert "--data-dir" in err
     other = tmp_path / "other.jsonl"
     other.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"name {i} colours"}) + "\n" for i in range(6)))
     argv = ["--model", str(gqa.target_dir), "--out", str(tmp_path / "h3"), "--data-dir", str(parts),
             "--prompts", str(other), *SMALL]
     assert cli.main(argv) == 2
-    assert "holds other prompts than this run's chunk (6 of its ids not in it" in capsys.readouterr().err
+    assert "holds other prompts than this run's chunk (6 of its ids are not in" in capsys.readouterr().err
     (tmp_path / "same").mkdir()  # the same file name and ids, other texts: refused too
     (tmp_path / "same" / "prompts.jsonl").write_text(prompts.read_text().replace("count to", "spell"))
     argv[argv.index("--prompts") + 1] = str(tmp_path / "same" / "prompts.jsonl")
     assert cli.main(argv) == 2
-    assert "(0 of its ids not in it; same ids, other texts otherwise)" in capsys.readouterr().err
+    assert "(the same ids with other texts: another prompt file)" in capsys.readouterr().err
+    argv[argv.index("--prompts") + 1] = str(prompts)  # a larger --limit cannot grow the short last part
+    argv[argv.index("--limit") + 1] = "5"
+    assert cli.main(argv) == 2
+    argv[argv.index("--limit") + 1] = "7"
+    (tmp_path / "seven.jsonl").write_text(prompts.read_text() + json.dumps({"id": "p6", "prompt": "more"}) + "\n")
+    argv[argv.index("--prompts") + 1] = str(tmp_path / "seven.jsonl")
+    assert cli.main(argv) == 2
+    assert "this run's chunk has 1 more prompts: a larger --limit" in capsys.readouterr().err
 
 
 def test_parts_of_another_target_and_damaged_caches(gqa, mha, prompts, tmp_path, capsys):
@@ -275,8 +284,9 @@ def test_bf16_data_and_features_on_a_cpu(gqa, prompts, tmp_path, capsys, monkeyp
     assert "needs native bf16 instructions" in capsys.readouterr().err and not (tmp_path / "w").exists()
     monkeypatch.setattr(train_data, "cpu_has_native_bf16", lambda cpuinfo=None: True)
     log = _train(gqa, prompts, tmp_path / "head", tmp_path / "work", capsys, "--torch-dtype", "bf16")
-    cos = float(re.search(r"features checked against fp32 on 6 sequences: cosine similarity >= ([0-9.]+)", log)[1])
-    assert 0.999 <= cos <= 1.0
+    found = re.search(r"features checked against fp32 on 6 sequences: cosine similarity >= ([0-9.]+) per sequence "
+                      r"\(mean\), >= ([0-9.]+) per position", log)
+    assert 0.999 <= float(found[1]) <= 1.0 and 0.99 <= float(found[2]) <= float(found[1])
     part = train_data.TokenData.load(tmp_path / "work" / "data" / "part-00000.npz")
     assert part.header["generation"]["torch_dtype"] == "bf16"
 

@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(large targets); on a CPU with native bf16 (avx512_bf16 or amx_bf16 in /proc/cpuinfo): a "
                         "bf16 copy runs the data and feature stages (measured 1.7x faster generation, 1.8x faster "
                         "features than fp32 on SmolLM2) and the first feature batch is checked against fp32 "
-                        "(cosine >= 0.999); the head still trains in fp32 (default: fp32)")
+                        "(mean cosine >= 0.999 per sequence, >= 0.99 per position); the head still trains in fp32 "
+                        "(default: fp32)")
     p.add_argument("--no-cache-features", action="store_true",
                    help="keep features in memory only (large data on a GPU)")
     p.add_argument("--gen-time-budget-min", type=float, default=0.0,
@@ -326,36 +327,35 @@ def features_from_data(session: Session, hf, data) -> list | None:
     blocks = [list(range(b, min(b + FEATURE_BLOCK, len(data)))) for b in range(0, len(data), FEATURE_BLOCK)]
     features: list = []
     todo = 0
-    bar = tqdm(total=int(data.tokens.size), desc="features", unit="tok", file=sys.stderr)
     t0, computed, checked = time.perf_counter(), 0, session.stage_dtype == next(hf.parameters()).dtype
-    for b, idx in enumerate(blocks):
-        part = data.subset(idx)
-        key = {**data_key(part), "torch_dtype": args.torch_dtype, "target": session.target,
-               **({"feature_layers": list(layers)} if layers else {})}
-        path = folder / f"block-{b:05d}.pt"
-        cached = _cached_block(path, session.log) if not args.no_cache_features else None
-        if cached is not None and cached.get("key") == key:
-            features += [f.to(device) for f in cached["features"]]
-            bar.update(int(part.tokens.size))
-            continue
-        todo += 1
-        budget = 60 * args.features_time_budget_min
-        if computed and budget and time.perf_counter() - t0 > budget:  # every run finishes one block at least
-            continue  # counted: the log says how many blocks are left
-        feats = compute_features(hf, part, device, batch_tokens=65536 if device != "cpu" else 4096,
-                                 dtype=session.stage_dtype, progress=bar.update, feature_layers=layers)
-        computed += int(part.tokens.size)
-        if not checked:
-            session.log(check_features(hf, part, feats, device, layers))
-            checked = True
-        if not args.no_cache_features:
-            folder.mkdir(exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            torch.save({"key": key, "features": [f.cpu() for f in feats]}, tmp)
-            tmp.replace(path)
-        features += feats
-        todo -= 1
-    bar.close()
+    with tqdm(total=int(data.tokens.size), desc="features", unit="tok", file=sys.stderr) as bar:  # closed on errors too
+        for b, idx in enumerate(blocks):
+            part = data.subset(idx)
+            key = {**data_key(part), "torch_dtype": args.torch_dtype, "target": session.target,
+                   **({"feature_layers": list(layers)} if layers else {})}
+            path = folder / f"block-{b:05d}.pt"
+            cached = _cached_block(path, session.log) if not args.no_cache_features else None
+            if cached is not None and cached.get("key") == key:
+                features += [f.to(device) for f in cached["features"]]
+                bar.update(int(part.tokens.size))
+                continue
+            todo += 1
+            budget = 60 * args.features_time_budget_min
+            if computed and budget and time.perf_counter() - t0 > budget:  # every run finishes one block at least
+                continue  # counted: the log says how many blocks are left
+            feats = compute_features(hf, part, device, batch_tokens=65536 if device != "cpu" else 4096,
+                                     dtype=session.stage_dtype, progress=bar.update, feature_layers=layers)
+            computed += int(part.tokens.size)
+            if not checked:
+                session.log(check_features(hf, part, feats, device, layers))
+                checked = True
+            if not args.no_cache_features:
+                folder.mkdir(exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                torch.save({"key": key, "features": [f.cpu() for f in feats]}, tmp)
+                tmp.replace(path)
+            features += feats
+            todo -= 1
     seconds = time.perf_counter() - t0
     if not computed:
         session.log("features: cached")
@@ -387,21 +387,25 @@ def _cached_block(path: Path, log) -> dict | None:
     return cached
 
 
-def check_features(hf, data, features, device: str, layers, sequences: int = 8, minimum: float = 0.999) -> str:
+def check_features(hf, data, features, device: str, layers, sequences: int = 8, mean_min: float = 0.999,
+                   position_min: float = 0.99) -> str:
     """Features computed in a lower precision against fp32 on the first `sequences` sequences:
-    the smallest cosine similarity over their positions must be >= `minimum`. Returns the log
-    line; raises RuntimeError below it."""
+    each sequence's mean cosine similarity over its positions must be >= `mean_min` and every
+    position's >= `position_min` (bf16 on SmolLM2's own answers: means 0.9997-0.9999, single
+    positions down to 0.997, so a per-position 0.999 refused good data). Returns the log line;
+    raises RuntimeError below either bound."""
     import torch
 
     from .data import compute_features
 
     few = data.subset(range(min(sequences, len(data))))
     exact = compute_features(hf, few, device, batch_tokens=4096, dtype=torch.float32, feature_layers=layers)
-    cos = min(float(torch.nn.functional.cosine_similarity(a.float(), features[i].float(), dim=-1).min())
-              for i, a in enumerate(exact))
-    line = f"features checked against fp32 on {len(few)} sequences: cosine similarity >= {cos:.5f}"
-    if cos < minimum:
-        raise RuntimeError(line + f", below {minimum}: use --torch-dtype fp32")
+    cos = [torch.nn.functional.cosine_similarity(a.float(), features[i].float(), dim=-1) for i, a in enumerate(exact)]
+    mean, worst = min(float(c.mean()) for c in cos), min(float(c.min()) for c in cos)
+    line = (f"features checked against fp32 on {len(few)} sequences: cosine similarity >= {mean:.5f} per sequence "
+            f"(mean), >= {worst:.5f} per position")
+    if mean < mean_min or worst < position_min:
+        raise RuntimeError(line + f", below {mean_min} / {position_min}: use --torch-dtype fp32")
     return line
 
 
@@ -562,16 +566,21 @@ def check_part(path: Path, part, generation: dict, rows: list[dict]) -> None:
     made = part.header.get("generation")
     fix = "use another --data-dir (or --work), or delete the part to regenerate it"
     if made != generation:
-        differ = sorted(k for k in {*(made or {}), *generation} if (made or {}).get(k) != generation.get(k))
-        raise ValueError(f"{path} was generated with other settings ({', '.join(differ) or 'not recorded'}: "
-                         f"{ {k: (made or {}).get(k) for k in differ} }, this run: "
-                         f"{ {k: generation.get(k) for k in differ} }): {fix}")
+        made = made or {}
+        differ = sorted(k for k in {*made, *generation} if made.get(k) != generation.get(k))
+        raise ValueError(f"{path} was generated with other settings ("
+                         + "; ".join(f"{k}: {made.get(k)} there, {generation.get(k)} here" for k in differ)
+                         + f"): {fix}")
     if part.header.get("chunk") != chunk_digest(rows):
-        ids = {r["id"] for r in rows}
-        missing = len({m["id"] for m in part.meta} - ids)
-        raise ValueError(f"{path} holds other prompts than this run's chunk ({missing} of its ids not in it; same "
-                         f"ids, other texts otherwise): another prompt file, --seed, --limit or --gen-batch above "
-                         f"{PART_PROMPTS}: {fix}")
+        ids, have = {r["id"] for r in rows}, {m["id"] for m in part.meta}
+        if have < ids:
+            why = (f"this run's chunk has {len(ids - have)} more prompts: a larger --limit adds parts after full "
+                   f"ones of {PART_PROMPTS} but cannot grow a short last part")
+        elif have == ids:
+            why = "the same ids with other texts: another prompt file"
+        else:
+            why = f"{len(have - ids)} of its ids are not in this run's chunk: another prompt file, --seed or --limit"
+        raise ValueError(f"{path} holds other prompts than this run's chunk ({why}): {fix}")
 
 
 def log_categories(data, log) -> dict:
