@@ -326,8 +326,8 @@ def features_from_data(session: Session, hf, data) -> list | None:
     folder = session.work / FEATURES_DIR
     blocks = [list(range(b, min(b + FEATURE_BLOCK, len(data)))) for b in range(0, len(data), FEATURE_BLOCK)]
     features: list = []
-    todo = 0
-    t0, computed, checked = time.perf_counter(), 0, session.stage_dtype == next(hf.parameters()).dtype
+    t0, computed, finished = time.perf_counter(), 0, 0
+    checked, budget = session.stage_dtype == next(hf.parameters()).dtype, 60 * args.features_time_budget_min
     with tqdm(total=int(data.tokens.size), desc="features", unit="tok", file=sys.stderr) as bar:  # closed on errors too
         for b, idx in enumerate(blocks):
             part = data.subset(idx)
@@ -338,11 +338,10 @@ def features_from_data(session: Session, hf, data) -> list | None:
             if cached is not None and cached.get("key") == key:
                 features += [f.to(device) for f in cached["features"]]
                 bar.update(int(part.tokens.size))
+                finished += 1
                 continue
-            todo += 1
-            budget = 60 * args.features_time_budget_min
             if computed and budget and time.perf_counter() - t0 > budget:  # every run finishes one block at least
-                continue  # counted: the log says how many blocks are left
+                continue  # left: the log says how many
             feats = compute_features(hf, part, device, batch_tokens=65536 if device != "cpu" else 4096,
                                      dtype=session.stage_dtype, progress=bar.update, feature_layers=layers)
             computed += int(part.tokens.size)
@@ -355,15 +354,15 @@ def features_from_data(session: Session, hf, data) -> list | None:
                 torch.save({"key": key, "features": [f.cpu() for f in feats]}, tmp)
                 tmp.replace(path)
             features += feats
-            todo -= 1
-    seconds = time.perf_counter() - t0
+            finished += 1
+    left, seconds = len(blocks) - finished, time.perf_counter() - t0
     if not computed:
         session.log("features: cached")
     else:
         session.log(f"features: {computed} tokens computed in {seconds:.1f} s ({computed / max(seconds, 1e-9):.0f} "
-                    f"tok/s, {args.torch_dtype}), {len(blocks) - todo} of {len(blocks)} blocks done")
-    if todo:
-        session.log(f"features: the time budget ended with {todo} of {len(blocks)} blocks left in {folder}; "
+                    f"tok/s, {args.torch_dtype}), {finished} of {len(blocks)} blocks done")
+    if left:
+        session.log(f"features: the time budget ended with {left} of {len(blocks)} blocks left in {folder}; "
                     "the same command resumes after the finished ones")
         return None
     return features
@@ -452,7 +451,6 @@ def write_head(session: Session, checkpoint, hf, head, data, history, timings: d
     """Stage 4: the head in the published EAGLE layout, token counts and the training log."""
     import torch
 
-    from eagle_deploy.contract.verify import sha256_file
     from eagle_deploy.exporter.draft_head import head_config_for, save_head
     from eagle_deploy.exporter.eagle3 import Eagle3Head, save_eagle3_head
 
@@ -464,8 +462,8 @@ def write_head(session: Session, checkpoint, hf, head, data, history, timings: d
         head.config = head_config_for(hf.config)
         save_head(head, args.out)
     _save_token_counts(data, hf.config.vocab_size, args.out)
-    card = {"target": {"spec": args.model, "source": str(checkpoint.source),
-                       "sha256": sha256_file(checkpoint.source) if checkpoint.source.is_file() else None},
+    card = {"target": {"spec": args.model, "source": str(checkpoint.source),  # its sha256: hashed once, at start
+                       "sha256": session.target["sha256"] if checkpoint.source.is_file() else None},
             "settings": session.settings, "draft_vocab": args.draft_vocab, "torch_dtype": args.torch_dtype,
             "train": history, "timings_s": timings,
             "data": {"sequences": len(data), "response_tokens": data.response_tokens, "device": session.device,
@@ -504,12 +502,11 @@ def _generate(session: Session, hf, tokenizer, eos):
                   "seed": args.seed if any(m > 0 for m in modes) else None,  # greedy parts: seed only orders prompts
                   "target": session.target}
     bar = tqdm(total=len(prompts) * len(modes), desc="generate", unit="resp", file=sys.stderr)
-    done, made, t0 = [], 0, time.perf_counter()
+    done, made, t0, budget = [], 0, time.perf_counter(), 60 * args.gen_time_budget_min
     try:
         for c0 in range(0, len(prompts), chunk):
             path = parts / f"part-{c0 // chunk:05d}.npz"
             rows = prompts[c0:c0 + chunk]
-            budget = 60 * args.gen_time_budget_min
             if budget and time.perf_counter() - t0 > budget and not path.exists():
                 log(f"generation time budget reached after {c0} of {len(prompts)} prompts ({made} new part(s) in "
                     f"{parts}); the same command resumes after them")
@@ -526,9 +523,9 @@ def _generate(session: Session, hf, tokenizer, eos):
                 log(f"data: {path.name}: {len(part)} sequences, {part.response_tokens} response tokens in "
                     f"{part.header['seconds']} s ({tok_s:.0f} tok/s)")
             else:
+                part = read_part(path)
+                check_part(path, part, generation, rows)
                 bar.update(len(rows) * len(modes))
-            part = read_part(path)
-            check_part(path, part, generation, rows)
             done.append(part)
     finally:
         bar.close()

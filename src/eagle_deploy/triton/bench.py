@@ -63,10 +63,10 @@ def run(engines: Path, max_tokens: int, reps: int, requests: int, concurrency: i
     bench_prompts())."""
     from eagle_deploy.runtime.api import EagleRuntime
 
-    texts = prompts or bench_prompts()
-
     from .repo import write_repo
     from .serve import TritonServer
+
+    texts = prompts or bench_prompts()
 
     cores = os.cpu_count() or 1
     repo = work / "repo"
