@@ -19,7 +19,7 @@ from tests.helpers import RecordingBackend, clone_runtime_export
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 STATS_KEYS = {"prompt_tokens", "new_tokens", "finish_reason", "target_forwards", "draft_forwards", "mean_accept_len",
-              "tokens_per_s", "ttft_ms", "time_ms", "accepted_per_round", "mode", "acceptance", "lossless"}
+              "tokens_per_s", "ttft_ms", "time_ms", "accepted_per_round", "mode", "drafter", "acceptance", "lossless"}
 
 
 @pytest.fixture(scope="module")

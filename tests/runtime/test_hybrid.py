@@ -126,7 +126,9 @@ def test_greedy_output_is_vanilla_greedy(model, kind, planned):
         r = rt.generate(prompt, max_new_tokens=48)
         want = model.ref(prompt)[: len(r.token_ids)]
         assert r.token_ids == want and r.stats.new_tokens == 48 or r.finish_reason == "stop"
-        assert r.token_ids == rt.generate(prompt, max_new_tokens=48, mode="vanilla").token_ids
+        v = rt.generate(prompt, max_new_tokens=48, mode="vanilla")
+        assert r.token_ids == v.token_ids
+        assert r.stats.to_json()["drafter"] == kind and v.stats.drafter is None  # what drafted, in the JSON
         assert sum(r.stats.accepted_per_round) == r.stats.new_tokens - 1
         assert len(r.stats.tree_size_per_round) == r.stats.rounds
         assert r.stats.draft_rounds == sum(n > 1 for n in r.stats.tree_size_per_round)
@@ -160,6 +162,7 @@ def test_batched_hybrid_greedy_equals_vanilla(gqa):
     for prompt, r in zip(prompts, results):
         assert r.token_ids == gqa.ref(prompt)[: len(r.token_ids)] and len(r.token_ids) == 40
     assert all(isinstance(rt.decoder.drafter, HybridDrafter) for rt in eng.runtimes)
+    assert {r.stats.drafter for r in results} == {"hybrid"}
     assert len({id(rt.decoder.drafter.planner.costs) for rt in eng.runtimes}) == 1  # one device cost model
 
 

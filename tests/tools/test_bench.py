@@ -19,7 +19,7 @@ from eagle_deploy.bench import divergence as dv
 from eagle_deploy.bench import tune as tn
 from eagle_deploy.runtime.backends.base import TargetOutputs
 from eagle_deploy.runtime.tree import DraftTree
-from tests.tools.tiny_export import PROMPTS, copy_export, prompt_file, tiny_export
+from tests.tools.tiny_export import PROMPTS, copy_export, prompt_file, specbench_file, tiny_export
 
 RUN_KEYS = {"new_tokens", "seconds", "tokens_per_s", "ttft_ms", "finish_reason", "token_ids"}
 TOP_KEYS = {"schema", "engines", "manifest", "date", "machine", "config", "tree", "numerics", "prompts", "aggregate",
@@ -363,24 +363,11 @@ def test_memory_probe_peak_is_the_child_process_own(export_dir):
         assert modes[mode]["rss_loaded_mb"] >= modes[mode]["rss_before_load_mb"]
 
 
-def _specbench_file(tmp_path, per_task: int = 3) -> Path:
-    rows, qid = [], 0
-    tasks = ["writing", "roleplay", "coding", "translation", "summarization", "qa", "math_reasoning", "rag"]
-    for task in tasks:
-        for i in range(per_task):
-            qid += 1
-            second = ["and a second turn"] if task in ("writing", "roleplay", "coding") else []
-            turns = [f"{task} question {i}"] + second
-            rows.append({"question_id": qid, "category": task, "turns": turns})
-    path = tmp_path / "question.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
-
-
 def test_specbench_questions_become_tasks(tmp_path):
-    from eagle_deploy.bench.run import load_prompts, specbench_prompts
+    from eagle_deploy.bench.run import load_prompts
+    from eagle_deploy.contract.prompts import specbench_prompts
 
-    path = _specbench_file(tmp_path)
+    path = specbench_file(tmp_path)
     rows = specbench_prompts(path)
     tasks = {r["category"] for r in rows}
     assert tasks == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
@@ -398,7 +385,7 @@ def test_specbench_questions_become_tasks(tmp_path):
 
 def test_specbench_run_reports_every_task(export_dir, tmp_path, capsys):
     out = tmp_path / "spec.json"
-    rc = cli.main(["--engines", str(export_dir), "--specbench", str(_specbench_file(tmp_path, 1)), "--limit", "1",
+    rc = cli.main(["--engines", str(export_dir), "--specbench", str(specbench_file(tmp_path, 1)), "--limit", "1",
                    "--max-new-tokens", "8", "--threads", "1", "--out", str(out), "-q", "--no-memory"])
     assert rc == 0
     res = json.loads(out.read_text())

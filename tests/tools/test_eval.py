@@ -9,7 +9,7 @@ import pytest
 
 from eagle_deploy.runtime.acceptance import depth_rates
 from eagle_deploy.train import evaluate as ev
-from tests.tools.tiny_export import PROMPTS, prompt_file, tiny_export
+from tests.tools.tiny_export import PROMPTS, prompt_file, specbench_file, tiny_export
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,32 @@ def test_cli_reports_tau_per_category(export_dir, tmp_path, capsys):
         assert len(s["depth_acceptance"]) == res["tree"]["depth"]
         assert f"{cat:>12}  tau {s['tau']:.3f}" in text
     assert f"== {name}" in text
+
+
+def test_cli_reports_spec_bench_per_task(export_dir, tmp_path, capsys):
+    """--specbench: Spec-Bench's first turns, --limit per task, τ and per-depth acceptance per
+    task; no other set unless --prompts names one."""
+    out = tmp_path / "eval.json"
+    rc = ev.main(["--engines", str(export_dir), "--specbench", str(specbench_file(tmp_path, 2)), "--limit", "1",
+                  "--max-new-tokens", "6", "--threads", "1", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert list(res["sets"]) == ["specbench"]
+    result = res["sets"]["specbench"]
+    tasks = {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
+    assert set(result["summary"]) == tasks | {"all"}
+    assert [p["category"] for p in result["prompts"]].count("rag") == 1  # --limit 1 per task
+    assert len(result["prompts"]) == len(tasks)
+    assert all(r["id"].startswith("specbench-") for r in result["prompts"])
+    text = capsys.readouterr().out
+    for task in tasks:
+        s = result["summary"][task]
+        assert s["tau"] >= 1.0 and s["rounds"] > 0 and s["depth_acceptance"][0] is not None
+        assert f"{task:>12}  tau {s['tau']:.3f}" in text
+    own = str(prompt_file(tmp_path))
+    rc = ev.main(["--engines", str(export_dir), "--specbench", str(specbench_file(tmp_path, 1)), "--limit", "1",
+                  "--prompts", own, "--max-new-tokens", "4", "--threads", "1", "--json", str(out)])
+    assert rc == 0 and set(json.loads(out.read_text())["sets"]) == {own, "specbench"}
 
 
 def test_cli_accepts_comma_separated_sets(export_dir, tmp_path, capsys):

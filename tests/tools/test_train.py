@@ -241,7 +241,8 @@ def test_eagle3_short_training_lowers_the_loss_and_the_head_decodes_losslessly(g
     assert feats[0].shape[-1] == 3 * gqa.hf.config.hidden_size  # two taps, then the final features
     from eagle_deploy.train.cli import new_eagle3_head
 
-    head = new_eagle3_head(gqa.hf, data, TAPS, 128, seed=2)  # the 128 most frequent response tokens (+ EOS)
+    # the 128 most frequent response tokens (+ EOS)
+    head = new_eagle3_head(gqa.hf, data.response_counts(gqa.hf.config.vocab_size), TAPS, 128, seed=2)
     assert head.cfg.draft_vocab == 128 and 0 in head.draft_to_target.tolist()
     target_lm = gqa.hf.get_output_embeddings().weight.detach()[head.draft_to_target]
     cfg = TrainConfig(epochs=12, lr=3e-3, warmup_steps=5, batch_tokens=512, unroll=2, val_fraction=0.2, seed=0)

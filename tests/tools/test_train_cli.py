@@ -72,6 +72,51 @@ def test_changed_settings_retrain_but_reuse_data_and_features(gqa, prompts, tmp_
     assert json.loads((out / "train_log.json").read_text())["draft_vocab"] == 16
 
 
+def test_init_head_continues_from_a_trained_head(gqa, prompts, tmp_path, capsys):
+    """--init-head: training starts from that head's weights (at lr 0 the written head is that
+    head, tensor for tensor), the head cache keys on it, and the written token counts add its
+    own to the data's."""
+    import numpy as np
+
+    first, work = tmp_path / "first", tmp_path / "work"
+    _train(gqa, prompts, first, work, capsys)
+    start = load_file(first / "model.safetensors")
+    counts = np.load(first / "token_counts.npy")
+    assert counts.sum() > 0
+
+    still = tmp_path / "still"
+    log = _train(gqa, prompts, still, work, capsys, "--init-head", str(first), "--lr", "0")
+    assert "train: cached head" not in log and f"init: starting from the head in {first}" in log
+    kept = load_file(still / "model.safetensors")
+    assert set(kept) == set(start) and all((kept[k] == v).all() for k, v in start.items())
+    assert (np.load(still / "token_counts.npy") == 2 * counts).all()  # the same data counted twice
+    assert json.loads((still / "train_log.json").read_text())["init_head"]["path"] == str(first)
+
+    moved = tmp_path / "moved"
+    log = _train(gqa, prompts, moved, work, capsys, "--init-head", str(first))
+    assert "train: cached head" not in log
+    tuned = load_file(moved / "model.safetensors")
+    assert any(not (tuned[k] == v).all() for k, v in start.items())
+    log = _train(gqa, prompts, moved, work, capsys, "--init-head", str(first))
+    assert "train: cached head" in log
+
+
+def test_a_bad_init_head_fails_before_any_stage(gqa, prompts, tmp_path, capsys):
+    work = tmp_path / "w"
+    base = ["--model", str(gqa.target_dir), "--out", str(tmp_path / "h"), "--work", str(work), "--prompts",
+            str(prompts), *SMALL]
+    assert cli.main([*base, "--init-head", str(tmp_path / "none")]) == 2
+    assert "--init-head" in capsys.readouterr().err and not (work / "data").exists()
+    # an EAGLE-1/2 head where --arch eagle3 is asked for
+    assert cli.main([*base, "--init-head", str(gqa.head_dir), "--arch", "eagle3", "--feature-layers", "0,1"]) == 2
+    err = capsys.readouterr().err
+    assert "is an EAGLE-1/2 head but --arch is eagle3" in err and not (work / "data").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main([*base, "--init-head", str(empty)]) == 2
+    assert f"draft head folder {empty} has no config.json" in capsys.readouterr().err and not (work / "data").exists()
+
+
 def _normalise(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 

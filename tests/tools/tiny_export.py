@@ -41,3 +41,19 @@ def prompt_file(folder: Path, rows=PROMPTS) -> Path:
     path = Path(folder) / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def specbench_file(tmp_path, per_task: int = 3) -> Path:
+    """A question.jsonl in Spec-Bench's layout: `per_task` questions of three MT-bench categories
+    and of the five other tasks (MT-bench questions have a second turn)."""
+    rows, qid = [], 0
+    tasks = ["writing", "roleplay", "coding", "translation", "summarization", "qa", "math_reasoning", "rag"]
+    for task in tasks:
+        for i in range(per_task):
+            qid += 1
+            second = ["and a second turn"] if task in ("writing", "roleplay", "coding") else []
+            turns = [f"{task} question {i}"] + second
+            rows.append({"question_id": qid, "category": task, "turns": turns})
+    path = tmp_path / "question.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path

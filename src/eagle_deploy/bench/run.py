@@ -54,47 +54,11 @@ class BenchConfig:
     specbench: Path | None = None  # Spec-Bench's question.jsonl, run as the set "specbench"
 
 
-SPECBENCH_MT = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-
-
-def specbench_prompts(path: Path, limit: int = 0) -> list[dict]:
-    """Spec-Bench (hemingkx/Spec-Bench, Apache-2.0) questions from its `question.jsonl` at
-    `path`: [{id, category, prompt}], category = the Spec-Bench task (mt_bench for MT-bench's
-    eight categories, translation, summarization, qa, math_reasoning, rag); the first turn of
-    each question; the first `limit` of each task (0 = all), spread over MT-bench's categories.
-    Raises ValueError on a file that is not Spec-Bench's layout."""
-    import json
-
-    by_task: dict[str, list[dict]] = {}
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                q = json.loads(line)
-                task = "mt_bench" if q["category"] in SPECBENCH_MT else str(q["category"])
-                row = {"id": f"specbench-{q['question_id']}", "category": task, "prompt": str(q["turns"][0]),
-                       "sub": q["category"]}
-            except (ValueError, KeyError, IndexError, TypeError) as err:
-                raise ValueError(f"{path} line {n} is not a Spec-Bench question "
-                                 f"({{\"question_id\", \"category\", \"turns\"}}): {err}") from None
-            by_task.setdefault(task, []).append(row)
-    out = []
-    for task, rows in by_task.items():
-        if limit and task == "mt_bench":  # round-robin over its categories, so a subset covers all eight
-            subs: dict[str, list[dict]] = {}
-            for r in rows:
-                subs.setdefault(r["sub"], []).append(r)
-            rows = [r for group in zip(*subs.values()) for r in group] or rows
-        out += [{k: v for k, v in r.items() if k != "sub"} for r in (rows[:limit] if limit else rows)]
-    return out
-
-
 def load_prompts(sets: list[str], limit: int = 0, specbench: Path | None = None) -> list[dict]:
     """[{id, set, category, prompt}] from each set (humaneval | chat | JSONL path), first
     `limit` of each (0 = all), then Spec-Bench's questions from `specbench` (set "specbench",
     category = its task; `limit` per task)."""
-    from eagle_deploy.contract.prompts import prompt_set
+    from eagle_deploy.contract.prompts import prompt_set, specbench_prompts
 
     out = []
     if specbench is not None:

@@ -340,7 +340,7 @@ class EagleRuntime:
     def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, text: TextStream | None,
                 mode: str) -> Generator[str, None, GenerationResult]:
         stopper = text or TokenStopper(self.eos_ids)
-        stats = Stats()
+        stats = Stats(drafter=None if mode == "vanilla" else self.drafter_kind)
         tokens: list[int] = []
         # one request at a time owns the KV buffers: a stream resumed after another request
         # started on this instance would decode from overwritten KV, so it fails instead

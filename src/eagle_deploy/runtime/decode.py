@@ -35,10 +35,14 @@ class Stats:
     """Per-request counters; times in seconds. `to_json()` is the JSON form (eagle-run --json,
     eagle-bench records); acceptance figures are defined in `acceptance`.
 
-    mode: "eagle" or "vanilla"; acceptance: "lossless" or "threshold" (NOT lossless).
+    mode: "eagle" or "vanilla"; acceptance: "lossless" or "threshold" (NOT lossless); drafter:
+    what proposed the drafts of an "eagle" request ("eagle": the head's tree, "hybrid": head +
+    context lookup, "lookup": context lookup alone; set by EagleRuntime), None for vanilla or
+    when no runtime set it.
     """
 
     mode: str = "eagle"
+    drafter: str | None = None
     acceptance: str = "lossless"
     row_exact: bool = False  # decoded row-exact (Decoder, row_exact)
     prompt_tokens: int = 0
@@ -116,7 +120,8 @@ class Stats:
                         "total": round(self.t_total * 1e3, 2)},
             "accepted_per_round": self.accepted_per_round, "tree_depth_per_round": self.tree_depth_per_round,
             "tree_size_per_round": self.tree_size_per_round, "draft_rounds": self.draft_rounds,
-            "mode": self.mode, "acceptance": self.acceptance, "lossless": self.lossless, "row_exact": self.row_exact,
+            "mode": self.mode, "drafter": self.drafter, "acceptance": self.acceptance, "lossless": self.lossless,
+            "row_exact": self.row_exact,
             "speculative": SpecCounts.from_stats(self).usage(),
         }
 

@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"preset value (cpu-quick: {default})")
     p.add_argument("--init-from-layer", type=int, default=None,
                    help="initialise the head's layer from this target layer")
+    p.add_argument("--init-head", type=Path, default=None, metavar="HEAD_DIR",
+                   help="start from this trained head (published layout, of --arch's kind, for the same target) "
+                        "instead of a random one: continue training on new data (e.g. the shipped head on a new "
+                        "prompt mix). Its token_counts.npy, if any, is added to the data's counts for the draft "
+                        "vocabulary and the written token_counts.npy; an EAGLE-3 head keeps its own draft "
+                        "vocabulary and taps")
     p.add_argument("--torch-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="target precision for data generation and features. bf16 on CUDA: the target is converted "
                         "(large targets); on a CPU with native bf16 (avx512_bf16 or amx_bf16 in /proc/cpuinfo): a "
@@ -173,6 +179,7 @@ def run(args, s: dict) -> int:
     if args.draft_vocab is not None and not 1 <= args.draft_vocab <= vocab:
         raise ValueError(f"--draft-vocab {args.draft_vocab} must be in [1, {vocab}]")
     feature_layers(session, hf)  # bad --feature-layers fail here, before the data and feature stages
+    init = load_init_head(session, hf)  # and a bad --init-head
     timings = {}
     t = time.perf_counter()
     data = load_or_generate_data(session, hf, tokenizer, eos)
@@ -187,10 +194,10 @@ def run(args, s: dict) -> int:
         session.log(f"stopped after the feature stage ({timings['features_s']} s)")
         return 0
     t = time.perf_counter()
-    head, history = head_from_features(session, hf, data, features)
+    head, history = head_from_features(session, hf, data, features, init)
     timings["train_s"] = round(time.perf_counter() - t, 1)
     timings["total_s"] = round(time.perf_counter() - t_start, 1)
-    write_head(session, checkpoint, hf, head, data, history, timings)
+    write_head(session, checkpoint, hf, head, data, history, timings, init)
     print(args.out)
     return 0
 
@@ -408,9 +415,10 @@ def check_features(hf, data, features, device: str, layers, sequences: int = 8, 
     return line
 
 
-def head_from_features(session: Session, hf, data, features):
-    """Stage 3: train a head; a finished head for the same data, settings and seed is reused
-    from WORK/head.pt (so a run interrupted during export restarts there)."""
+def head_from_features(session: Session, hf, data, features, init: InitHead | None = None):
+    """Stage 3: train a head (from `init`'s weights when given, else random); a finished head
+    for the same data, settings, seed and starting head is reused from WORK/head.pt (so a run
+    interrupted during export restarts there)."""
     import torch
 
     from eagle_deploy.exporter.draft_head import random_head
@@ -419,17 +427,20 @@ def head_from_features(session: Session, hf, data, features):
 
     args, s = session.args, session.settings
     key = {"data": data_key(data), "settings": s, "seed": args.seed, "init_from_layer": args.init_from_layer,
-           "torch_dtype": args.torch_dtype, "target": session.target}
+           "torch_dtype": args.torch_dtype, "target": session.target,
+           **({"init_head": init.sha256} if init is not None else {})}
     target_lm = None
+    counts = response_counts(data, hf.config.vocab_size, init)
     if args.arch == "eagle3":
         key.update(arch="eagle3", draft_vocab=args.draft_vocab, feature_layers=args.feature_layers)
-        head = new_eagle3_head(hf, data, feature_layers(session, hf), args.draft_vocab, args.seed)
+        head = (init.head if init is not None
+                else new_eagle3_head(hf, counts, feature_layers(session, hf), args.draft_vocab, args.seed))
         target_lm = hf.get_output_embeddings().weight.detach()[head.draft_to_target].float()
     else:
-        head = random_head(hf, seed=args.seed)
+        head = init.head if init is not None else random_head(hf, seed=args.seed)
         if args.draft_vocab:
             key.update(draft_vocab=args.draft_vocab)
-            ids = draft_ids(hf, data, args.draft_vocab)
+            ids = draft_ids(hf, counts, args.draft_vocab)
             target_lm = hf.get_output_embeddings().weight.detach()[torch.from_numpy(ids)].float()
             session.log(f"train: cross-entropy over the {len(ids)} most frequent response tokens (--draft-vocab)")
     head_path = session.work / HEAD_FILE
@@ -447,23 +458,24 @@ def head_from_features(session: Session, hf, data, features):
     return head, history
 
 
-def write_head(session: Session, checkpoint, hf, head, data, history, timings: dict) -> None:
+def write_head(session: Session, checkpoint, hf, head, data, history, timings: dict,
+               init: InitHead | None = None) -> None:
     """Stage 4: the head in the published EAGLE layout, token counts and the training log."""
     import torch
 
-    from eagle_deploy.exporter.draft_head import head_config_for, save_head
+    from eagle_deploy.exporter.draft_head import save_head
     from eagle_deploy.exporter.eagle3 import Eagle3Head, save_eagle3_head
 
     args = session.args
     head.to("cpu", torch.float32)
     if isinstance(head, Eagle3Head):
         save_eagle3_head(head, args.out)
-    else:
-        head.config = head_config_for(hf.config)
+    else:  # its config: the target's geometry (random_head), or the --init-head's own
         save_head(head, args.out)
-    _save_token_counts(data, hf.config.vocab_size, args.out)
+    _save_token_counts(response_counts(data, hf.config.vocab_size, init), args.out)
     card = {"target": {"spec": args.model, "source": str(checkpoint.source),  # its sha256: hashed once, at start
                        "sha256": session.target["sha256"] if checkpoint.source.is_file() else None},
+            "init_head": {"path": str(args.init_head), "sha256": init.sha256} if init is not None else None,
             "settings": session.settings, "draft_vocab": args.draft_vocab, "torch_dtype": args.torch_dtype,
             "train": history, "timings_s": timings,
             "data": {"sequences": len(data), "response_tokens": data.response_tokens, "device": session.device,
@@ -590,18 +602,80 @@ def log_categories(data, log) -> dict:
     return counts
 
 
-def _save_token_counts(data, vocab: int, out: Path) -> None:
-    """Response-token frequencies beside the head (for `eagle-export --draft-vocab N`)."""
+def _save_token_counts(counts, out: Path) -> None:
+    """Response-token frequencies ([vocab] int64) beside the head (for `eagle-export --draft-vocab N`)."""
     import numpy as np
 
     from eagle_deploy.exporter.draft_head import TOKEN_COUNTS_FILE
 
-    np.save(out / TOKEN_COUNTS_FILE, data.response_counts(vocab))
+    np.save(out / TOKEN_COUNTS_FILE, counts)
 
 
-def new_eagle3_head(hf, data, layers, size: int | None, seed: int):
+@dataclass
+class InitHead:
+    """A trained head to start from (--init-head): the module, and a sha256 over its files
+    (config.json, the weights, token_counts.npy) for the head cache's key."""
+
+    head: object  # EagleHead | Eagle3Head
+    sha256: str
+    counts: object | None  # [vocab] int64 numpy: its token_counts.npy, or None
+
+
+def load_init_head(session: Session, hf) -> InitHead | None:
+    """--init-head, loaded for `hf` and checked against --arch (and an EAGLE-3 head against
+    --feature-layers / --draft-vocab) before any stage runs. Raises ValueError naming the
+    mismatch (HeadCheckpointError, a ValueError, for unreadable or misshapen files)."""
+    import hashlib
+
+    import numpy as np
+
+    from eagle_deploy.contract.verify import sha256_file
+    from eagle_deploy.exporter.draft_head import TOKEN_COUNTS_FILE
+    from eagle_deploy.exporter.eagle3 import Eagle3Head
+    from eagle_deploy.exporter.heads import load_head
+
+    folder = session.args.init_head
+    if folder is None:
+        return None
+    if not folder.is_dir():
+        raise ValueError(f"--init-head {folder} is not a folder (a trained head: config.json + model.safetensors)")
+    head = load_head(folder, hf)
+    kind = "eagle3" if isinstance(head, Eagle3Head) else "eagle"
+    if kind != session.args.arch:
+        raise ValueError(f"--init-head {folder} is an {'EAGLE-3' if kind == 'eagle3' else 'EAGLE-1/2'} head but "
+                         f"--arch is {session.args.arch}")
+    if kind == "eagle3":
+        layers, size = tuple(head.cfg.feature_layers), len(head.draft_to_target)
+        if layers != feature_layers(session, hf):
+            raise ValueError(f"--init-head {folder} taps layers {list(layers)}, not --feature-layers "
+                             f"{list(feature_layers(session, hf))}")
+        if session.args.draft_vocab not in (None, size):
+            raise ValueError(f"--init-head {folder} has a draft vocabulary of {size}, not --draft-vocab "
+                             f"{session.args.draft_vocab}")
+    digest = hashlib.sha256()
+    for f in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".bin",
+                                                                              ".npy") and p.name != "train_log.json"):
+        digest.update(f"{f.name}:{sha256_file(f)}".encode())
+    counts = None
+    if (folder / TOKEN_COUNTS_FILE).is_file():
+        counts = np.load(folder / TOKEN_COUNTS_FILE)
+        if counts.shape != (hf.config.vocab_size,):
+            raise ValueError(f"--init-head {folder / TOKEN_COUNTS_FILE} has shape {counts.shape}, not "
+                             f"({hf.config.vocab_size},)")
+    session.log(f"init: starting from the head in {folder} ({kind})")
+    return InitHead(head, digest.hexdigest(), counts)
+
+
+def response_counts(data, vocab: int, init: InitHead | None = None):
+    """[vocab] int64 numpy: the data's response-token counts, plus the starting head's
+    token_counts.npy when it has one (the frequencies of everything the head was trained on)."""
+    counts = data.response_counts(vocab)
+    return counts + init.counts.astype(counts.dtype) if init is not None and init.counts is not None else counts
+
+
+def new_eagle3_head(hf, counts, layers, size: int | None, seed: int):
     """An EAGLE-3 head for `hf` with the target's geometry, tapping `layers`, over a draft
-    vocabulary of the `size` most frequent response tokens of `data` (EOS ids included; default
+    vocabulary of the `size` most frequent response tokens by `counts` ([vocab]; EOS ids included; default
     draft_vocab.default_size), its LM head initialised from the target's rows of those tokens
     and its final norm from the target's; the rest random (random_eagle3_head)."""
     import torch
@@ -610,7 +684,7 @@ def new_eagle3_head(hf, data, layers, size: int | None, seed: int):
     from eagle_deploy.exporter.eagle3 import random_eagle3_head
 
     vocab = hf.config.vocab_size
-    ids = draft_ids(hf, data, size or min(default_size(vocab), vocab))
+    ids = draft_ids(hf, counts, size or min(default_size(vocab), vocab))
     head = random_eagle3_head(hf, seed=seed, draft_ids=torch.from_numpy(ids), feature_layers=layers)
     with torch.no_grad():
         head.lm_head.weight.copy_(hf.get_output_embeddings().weight[torch.from_numpy(ids)])
@@ -618,10 +692,10 @@ def new_eagle3_head(hf, data, layers, size: int | None, seed: int):
     return head
 
 
-def draft_ids(hf, data, size: int):
-    """[size] int64 numpy, sorted: the `size` most frequent response tokens of `data`, the EOS
-    ids always among them (draft_vocab.best_ranked, as eagle-export ranks token_counts.npy).
-    Raises ValueError outside [1, vocab]."""
+def draft_ids(hf, counts, size: int):
+    """[size] int64 numpy, sorted: the `size` most frequent response tokens by `counts` ([vocab]
+    int64, `response_counts`), the EOS ids always among them (draft_vocab.best_ranked, as
+    eagle-export ranks token_counts.npy). Raises ValueError outside [1, vocab]."""
     from eagle_deploy.exporter.draft_vocab import best_ranked
 
     vocab = hf.config.vocab_size
@@ -629,7 +703,7 @@ def draft_ids(hf, data, size: int):
         raise ValueError(f"--draft-vocab {size} must be in [1, {vocab}]")
     eos = hf.config.eos_token_id
     eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)]
-    return best_ranked(-data.response_counts(vocab), size, eos_ids)
+    return best_ranked(-counts, size, eos_ids)
 
 
 def _init_from_layer(head, hf, layer: int) -> None:

