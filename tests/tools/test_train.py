@@ -130,6 +130,31 @@ def tiny_data(gqa):
     return data, compute_features(gqa.hf, data, "cpu", batch_tokens=1024)
 
 
+@pytest.mark.parametrize("layers", [None, (0, 1)], ids=["eagle", "eagle3-taps"])
+def test_features_are_the_export_shaped_targets_features(gqa, tiny_data, layers):
+    """compute_features (transformers' SDPA forward, right-padded batches of mixed lengths)
+    gives, per position, the features of the ExportableTarget the target graph is traced from
+    (EAGLE-3: its taps then the final features), up to float rounding."""
+    from eagle_deploy.train.data import target_in
+
+    data, _ = tiny_data
+    few = data.subset(range(6))
+    assert len({len(few.sequence(i)) for i in range(6)}) > 1  # mixed lengths: padding is exercised
+    feats = compute_features(gqa.hf, few, "cpu", batch_tokens=200, out_dtype=torch.float32, feature_layers=layers)
+    target = target_in(gqa.hf, torch.float32, "cpu", layers)
+    dims = target.dims
+    for i in range(len(few)):
+        ids = torch.from_numpy(few.sequence(i))[None]
+        n = ids.shape[1]
+        past = [torch.zeros(0, 1, dims.num_kv_heads, dims.head_dim)] * (2 * dims.num_layers)
+        with torch.no_grad():
+            out = target(ids, torch.arange(n)[None], torch.tril(torch.ones(n, n, dtype=torch.bool))[None],
+                         torch.zeros(1, 1, dtype=torch.long), *past)
+        want = torch.cat((out[2], out[1]), dim=-1)[0] if layers else out[1][0]
+        assert feats[i].shape == want.shape
+        assert torch.allclose(feats[i], want, atol=2e-5, rtol=1e-4), (i, float((feats[i] - want).abs().max()))
+
+
 def test_short_training_lowers_the_loss_and_the_head_decodes_losslessly(gqa, tiny_data, tmp_path):
     data, feats = tiny_data
     cfg = TrainConfig(epochs=12, lr=3e-3, warmup_steps=5, batch_tokens=512, unroll=2, val_fraction=0.2, seed=0)
