@@ -11,6 +11,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from eagle_deploy.train import cli
+from eagle_deploy.train import data as train_data
 from eagle_deploy.train.data import prompt_set
 
 SMALL = ["--limit", "6", "--modes", "0", "--max-new-tokens", "8", "--gen-batch", "4", "--epochs", "1",
@@ -24,10 +25,10 @@ def prompts(tmp_path):
     return path
 
 
-def _train(gqa, prompts, out, work, capsys, *extra):
+def _train(gqa, prompts, out, work, capsys, *extra, status=0):
     code = cli.main(["--model", str(gqa.target_dir), "--out", str(out), "--work", str(work), "--prompts", str(prompts),
                      *SMALL, *extra])
-    assert code == 0
+    assert code == status
     return capsys.readouterr().err
 
 
@@ -318,7 +319,6 @@ def test_bad_chunk_settings_fail_before_any_stage(gqa, prompts, tmp_path, capsys
 def test_bf16_data_and_features_on_a_cpu(gqa, prompts, tmp_path, capsys, monkeypatch):
     """--torch-dtype bf16 on a CPU: refused without native bf16; with it, a bf16 copy makes the
     data and features (checked against fp32 in the log) and the fp32 model stays fp32."""
-    from eagle_deploy.train import data as train_data
 
     assert train_data.cpu_has_native_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n")
     assert train_data.cpu_has_native_bf16("flags\t: fpu amx_bf16 amx_tile\n")
@@ -341,8 +341,9 @@ def test_features_go_in_blocks_that_a_time_budget_splits_across_runs(gqa, prompt
     one more block and stops, the last run trains on all of them, as one uninterrupted run does."""
     monkeypatch.setattr(cli, "FEATURE_BLOCK", 2)  # 6 sequences: 3 blocks
     work = tmp_path / "work"
-    for left in (2, 1):
-        log = _train(gqa, prompts, tmp_path / "head", work, capsys, "--features-time-budget-min", "1e-9")
+    for left in (2, 1):  # exit status 3: run the same command again
+        log = _train(gqa, prompts, tmp_path / "head", work, capsys, "--features-time-budget-min", "1e-9",
+                     status=cli.UNFINISHED)
         assert f"with {left} of 3 blocks left" in log and not (tmp_path / "head").exists()
     assert sorted(p.name for p in (work / cli.FEATURES_DIR).iterdir()) == [f"block-0000{i}.pt" for i in range(2)]
     log = _train(gqa, prompts, tmp_path / "head", work, capsys, "--features-time-budget-min", "1e-9")
@@ -350,6 +351,27 @@ def test_features_go_in_blocks_that_a_time_budget_splits_across_runs(gqa, prompt
     _train(gqa, prompts, tmp_path / "whole", tmp_path / "work2", capsys)
     one = load_file(tmp_path / "whole" / "model.safetensors")
     assert all((one[k] == v).all() for k, v in load_file(tmp_path / "head" / "model.safetensors").items())
+
+
+def test_a_generation_budget_makes_a_part_per_run_and_says_when_prompts_are_left(gqa, prompts, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """--stop-after data with a spent --gen-time-budget-min: every run adds one part and exits
+    with status 3 while prompts are left, then 0; the parts are those of one uninterrupted run."""
+    monkeypatch.setattr(cli, "PART_PROMPTS", 2)  # 6 prompts, --gen-batch 2: 3 parts
+    parts = tmp_path / "tokens"
+    chunked = ["--gen-batch", "2", "--data-dir", str(parts), "--stop-after", "data"]
+    for n, left in ((1, 4), (2, 2)):
+        log = _train(gqa, prompts, tmp_path / "h", tmp_path / "w", capsys, *chunked, "--gen-time-budget-min", "1e-9",
+                     status=cli.UNFINISHED)
+        assert len(list(parts.glob("part-*.npz"))) == n and f"{left} prompts left: run the same command again" in log
+    log = _train(gqa, prompts, tmp_path / "h", tmp_path / "w", capsys, *chunked, "--gen-time-budget-min", "1e-9")
+    assert len(list(parts.glob("part-*.npz"))) == 3 and "prompts left" not in log
+    whole = tmp_path / "whole"
+    _train(gqa, prompts, tmp_path / "h", tmp_path / "w2", capsys, "--gen-batch", "2", "--data-dir", str(whole),
+           "--stop-after", "data")
+    for name in ("part-00000.npz", "part-00001.npz", "part-00002.npz"):
+        a, b = train_data.TokenData.load(parts / name), train_data.TokenData.load(whole / name)
+        assert (a.tokens == b.tokens).all() and (a.offsets == b.offsets).all()
 
 
 def test_the_data_key_sees_the_order_of_sequences():

@@ -12,6 +12,10 @@ Stages, each cached in --work so an interrupted run resumes where it stopped:
 Existing token data (e.g. the ids shipped in data/tokens/) can be reused with --data. A long
 run goes in bounded chunks: --stop-after data with --gen-time-budget-min, then --stop-after
 features with --features-time-budget-min, each resumed by the same command.
+
+Exit status: 0 when the asked stages finished, 3 when a time budget ended a stage first (the
+same command continues it: `while eagle-train ...; [ $? -eq 3 ]; do :; done`), 2 on bad input
+or a refused cache, 130 when interrupted.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ FEATURES_DIR = "features"
 PART_PROMPTS = 1024
 FEATURE_BLOCK = 512  # sequences per cached feature block (SmolLM2: ~1 minute on 2 cores in bf16)
 HEAD_FILE = "head.pt"
+UNFINISHED = 3  # exit status: a time budget ended the data or feature stage first; run the same command again
 
 PRESETS = {
     # fits in ~60 minutes on a 2-core CPU, data generation included
@@ -151,6 +156,7 @@ class Session:
     target: dict = field(default_factory=dict)  # which target the caches were made by (target_fingerprint)
     log_lines: list = field(default_factory=list)
     by_category: dict = field(default_factory=dict)  # {category: {"sequences", "response_tokens"}} of the data
+    prompts_left: int = 0  # prompts the generation time budget left unanswered
 
     @property
     def stage_dtype(self):
@@ -185,14 +191,18 @@ def run(args, s: dict) -> int:
     data = load_or_generate_data(session, hf, tokenizer, eos)
     timings["data_s"] = round(time.perf_counter() - t, 1)
     if args.stop_after == "data":
-        session.log(f"stopped after the data stage ({timings['data_s']} s): parts in {session.data_dir}")
-        return 0
+        session.log(f"stopped after the data stage ({timings['data_s']} s): parts in {session.data_dir}"
+                    + (f"; {session.prompts_left} prompts left: run the same command again (exit status "
+                       f"{UNFINISHED})" if session.prompts_left else ""))
+        return UNFINISHED if session.prompts_left else 0
     t = time.perf_counter()
     features = features_from_data(session, hf, data)
     timings["features_s"] = round(time.perf_counter() - t, 1)
     if features is None or args.stop_after == "features":
-        session.log(f"stopped after the feature stage ({timings['features_s']} s)")
-        return 0
+        session.log(f"stopped after the feature stage ({timings['features_s']} s)"
+                    + (f": blocks left, run the same command again (exit status {UNFINISHED})"
+                       if features is None else ""))
+        return UNFINISHED if features is None else 0
     t = time.perf_counter()
     head, history = head_from_features(session, hf, data, features, init)
     timings["train_s"] = round(time.perf_counter() - t, 1)
@@ -519,9 +529,10 @@ def _generate(session: Session, hf, tokenizer, eos):
         for c0 in range(0, len(prompts), chunk):
             path = parts / f"part-{c0 // chunk:05d}.npz"
             rows = prompts[c0:c0 + chunk]
-            if budget and time.perf_counter() - t0 > budget and not path.exists():
+            if budget and made and time.perf_counter() - t0 > budget and not path.exists():  # one part at least
                 log(f"generation time budget reached after {c0} of {len(prompts)} prompts ({made} new part(s) in "
                     f"{parts}); the same command resumes after them")
+                session.prompts_left = len(prompts) - c0
                 break
             if not path.exists():
                 t = time.perf_counter()
