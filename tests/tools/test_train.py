@@ -188,6 +188,23 @@ def test_short_training_lowers_the_loss_and_the_head_decodes_losslessly(gqa, tin
     assert np.mean(trained_tau) > np.mean(random_tau) + 0.15, (trained_tau, random_tau)
 
 
+def test_sequences_whose_prompt_fills_max_seq_len_are_skipped(gqa, tiny_data):
+    """A sequence truncated to max_seq_len within its prompt has no scored position (a batch of
+    only such sequences once crashed training with a float loss): it is left out, and said."""
+    from eagle_deploy.train.trainer import scored_sequences
+
+    data, feats = tiny_data
+    plens = np.asarray(data.prompt_lens)
+    cut = int(np.median(plens))  # every prompt of >= cut tokens fills the first `cut` tokens
+    scored = scored_sequences(data, cut)
+    assert (scored == (plens < cut)).all() and 0 < scored.sum() < len(data)
+    lines = []
+    cfg = TrainConfig(epochs=1, batch_tokens=2 * cut, max_seq_len=cut, val_fraction=0.2, warmup_steps=1, seed=0)
+    history = train_head(random_head(gqa.hf, seed=1), data, feats, cfg, "cpu", log=lines.append)
+    assert f"train: {int((~scored).sum())} sequences skipped" in lines[0]
+    assert history["train_sequences"] + history["val_sequences"] == scored.sum() and history["steps_done"] > 0
+
+
 def test_draft_vocabulary_cross_entropy(gqa, tiny_data):
     """An EAGLE-1/2 head's loss over the draft vocabulary (target_lm: the LM-head rows of its
     ids): over every id it is the full-vocabulary loss; over fewer ids the regression part is

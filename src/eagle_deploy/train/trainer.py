@@ -210,6 +210,14 @@ def _batches(data: TokenData, order: np.ndarray, batch_tokens: int, max_len: int
     return batches
 
 
+def scored_sequences(data: TokenData, max_len: int) -> np.ndarray:
+    """[sequences] bool: the sequence has a position the loss scores within its first
+    `max_len` tokens (make_batch's truncation): its last prompt token is before the last kept
+    one (`Batch.chain_start_ok`)."""
+    kept = np.minimum(np.diff(data.offsets), max_len)
+    return np.maximum(np.asarray(data.prompt_lens) - 1, 0) < kept - 1
+
+
 def split(data: TokenData, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Train/validation split by prompt id (all samples of one prompt on one side)."""
     ids = sorted({m["id"] for m in data.meta})
@@ -254,6 +262,13 @@ def train_head(head: EagleHead | Eagle3Head, data: TokenData, features: list[tor
     params = [p for n, p in head.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     train_idx, val_idx = split(data, cfg.val_fraction, cfg.seed)
+    scored = scored_sequences(data, cfg.max_seq_len)
+    if not scored.all():  # prompts as long as max_seq_len: nothing of theirs is scored
+        log(f"train: {int((~scored).sum())} sequences skipped: their prompts fill the first {cfg.max_seq_len} tokens "
+            "(max_seq_len), so none of their response positions would be trained on")
+        train_idx, val_idx = train_idx[scored[train_idx]], val_idx[scored[val_idx]]
+        if not train_idx.size:
+            raise ValueError(f"no training sequence has a response position within max_seq_len {cfg.max_seq_len}")
     rng = np.random.default_rng(cfg.seed)
     per_epoch = len(_batches(data, train_idx, cfg.batch_tokens, cfg.max_seq_len, None))
     total_steps = max(1, int(math.ceil(per_epoch * cfg.epochs)))
