@@ -334,6 +334,12 @@ def test_bf16_data_and_features_on_a_cpu(gqa, prompts, tmp_path, capsys, monkeyp
     assert 0.999 <= float(found[1]) <= 1.0 and 0.99 <= float(found[2]) <= float(found[1])
     part = train_data.TokenData.load(tmp_path / "work" / "data" / "part-00000.npz")
     assert part.header["generation"]["torch_dtype"] == "bf16"
+    # the bf16 parts resume on a CPU without native bf16 (fp32): kept, said, not regenerated
+    made = (tmp_path / "work" / "data" / "part-00000.npz").stat().st_mtime_ns
+    monkeypatch.setattr(train_data, "cpu_has_native_bf16", lambda cpuinfo=None: False)
+    log = _train(gqa, prompts, tmp_path / "head", tmp_path / "work", capsys, "--stop-after", "data")
+    assert "part-00000.npz was generated in bf16, this run generates in fp32: kept" in log
+    assert (tmp_path / "work" / "data" / "part-00000.npz").stat().st_mtime_ns == made
 
 
 def test_features_go_in_blocks_that_a_time_budget_splits_across_runs(gqa, prompts, tmp_path, capsys, monkeypatch):
