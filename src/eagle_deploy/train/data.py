@@ -245,7 +245,7 @@ class BatchedGenerator:
         columns zeroed, so they stay finite where the decode steps mask them out); returns the
         last position's logits [G, 1, V] float32."""
         out = self.hf.model(input_ids=ids, attention_mask=valid.long(), position_ids=pos, use_cache=True)
-        cache, keep = out.past_key_values, valid[:, None, :, None]
+        cache, keep = out.cache, valid[:, None, :, None]
         for i, (k, v) in enumerate(zip(keys, values)):
             layer = cache.layers[i]
             k[..., : ids.shape[1]] = torch.where(keep, layer.keys, 0).transpose(2, 3)  # [G, kvh, hd, L]
