@@ -47,23 +47,11 @@ from onnx import TensorProto, helper, numpy_helper
 from eagle_deploy.exporter.quantize import nbits_model_from_onnx
 from tests import tiny
 from tests.conftest import MAX_LENGTH, THREADS
-from tests.helpers import causal_mask, prefill, run_step
+from tests.helpers import AVX512, causal_mask, prefill, run_step
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 x86_only = pytest.mark.skipif(not X86, reason="names MLAS kernel choices of x86-64")
 
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
-
-
-# MLAS picks other kernels with AVX-512 (the Xeon the table above was first measured on) than
-# with AVX2 only (Zen 3): the one-row int4 path and GroupQueryAttention's softmax lanes differ
-AVX512 = X86 and "avx512f" in _cpu_flags()
 OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
 SMOLLM2_MATMULS = [(576, 576), (576, 960), (576, 1536), (1536, 576)]  # K x N: o, qkv, gate/up, down
 LM_HEAD = (576, 49152)
