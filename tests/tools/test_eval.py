@@ -63,10 +63,11 @@ def test_cli_reports_spec_bench_per_task(export_dir, tmp_path, capsys):
     assert len(result["prompts"]) == len(tasks)
     assert all(r["id"].startswith("specbench-") for r in result["prompts"])
     text = capsys.readouterr().out
+    assert "drafter: the head's tree every round" in text
     for task in tasks:
         s = result["summary"][task]
         assert s["tau"] >= 1.0 and s["rounds"] > 0 and s["depth_acceptance"][0] is not None
-        assert f"{task:>12}  tau {s['tau']:.3f}" in text
+        assert f"{task:>14}  tau {s['tau']:.3f}" in text  # aligned on math_reasoning
     own = str(prompt_file(tmp_path))
     rc = ev.main(["--engines", str(export_dir), "--specbench", str(specbench_file(tmp_path, 1)), "--limit", "1",
                   "--prompts", own, "--max-new-tokens", "4", "--threads", "1", "--json", str(out)])

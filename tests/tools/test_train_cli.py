@@ -112,6 +112,8 @@ def test_a_bad_init_head_fails_before_any_stage(gqa, prompts, tmp_path, capsys):
     assert cli.main([*base, "--init-head", str(gqa.head_dir), "--arch", "eagle3", "--feature-layers", "0,1"]) == 2
     err = capsys.readouterr().err
     assert "is an EAGLE-1/2 head but --arch is eagle3" in err and not (work / "data").exists()
+    assert cli.main([*base, "--init-head", str(gqa.head_dir), "--init-from-layer", "0"]) == 2
+    assert "--init-head and --init-from-layer" in capsys.readouterr().err and not (work / "data").exists()
     empty = tmp_path / "empty"
     empty.mkdir()
     assert cli.main([*base, "--init-head", str(empty)]) == 2

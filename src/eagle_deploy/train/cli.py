@@ -13,8 +13,9 @@ Existing token data (e.g. the ids shipped in data/tokens/) can be reused with --
 run goes in bounded chunks: --stop-after data with --gen-time-budget-min, then --stop-after
 features with --features-time-budget-min, each resumed by the same command.
 
-Exit status: 0 when the asked stages finished, 3 when a time budget ended a stage first (the
-same command continues it: `while eagle-train ...; [ $? -eq 3 ]; do :; done`), 2 on bad input
+Exit status: 0 when the asked stages finished, 3 when --gen-time-budget-min or
+--features-time-budget-min ended the data or feature stage first (run the same command again
+until it exits 0; --time-budget-min only shortens training and never gives 3), 2 on bad input
 or a refused cache, 130 when interrupted.
 """
 from __future__ import annotations
@@ -96,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="initialise the head's layer from this target layer")
     p.add_argument("--init-head", type=Path, default=None, metavar="HEAD_DIR",
                    help="start from this trained head (published layout, of --arch's kind, for the same target) "
-                        "instead of a random one: continue training on new data (e.g. the shipped head on a new "
+                        "instead of a random one (SmolLM2's shipped head: src/eagle_deploy/data/heads/smollm2-135m): "
+                        "continue training on new data (e.g. the shipped head on a new "
                         "prompt mix). Its token_counts.npy, if any, is added to the data's counts for the draft "
                         "vocabulary and the written token_counts.npy; an EAGLE-3 head keeps its own draft "
                         "vocabulary and taps")
@@ -655,6 +657,8 @@ def load_init_head(session: Session, hf) -> InitHead | None:
     folder = session.args.init_head
     if folder is None:
         return None
+    if session.args.init_from_layer is not None:
+        raise ValueError("--init-head and --init-from-layer both set the head's layer: give one")
     if not folder.is_dir():
         raise ValueError(f"--init-head {folder} is not a folder (a trained head: config.json + model.safetensors)")
     head = load_head(folder, hf)

@@ -93,11 +93,14 @@ def main(argv=None) -> int:
         bar = tqdm(total=len(prompts), desc=name, file=sys.stderr)
         result["sets"][name] = evaluate(rt, prompts, args.max_new_tokens, bar.update)
         bar.close()
+    print(f"drafter: the head's tree every round ({tree.total_tokens} / {tree.depth} / {tree.top_k}; no context "
+          "lookup, no cost-aware rounds: the head alone)")
     for name, res in result["sets"].items():
         print(f"== {name}")
+        width = max([12] + [len(cat) for cat in res["summary"]])
         for cat, s in res["summary"].items():
             rates = " ".join("-" if r is None else f"{r:.2f}" for r in s["depth_acceptance"])
-            print(f"{cat:>12}  tau {s['tau']:.3f}  rounds {s['rounds']:5d}  per-depth acceptance {rates}")
+            print(f"{cat:>{width}}  tau {s['tau']:.3f}  rounds {s['rounds']:5d}  per-depth acceptance {rates}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
