@@ -14,23 +14,15 @@ import numpy as np
 import torch
 
 from eagle_deploy.contract import onnx_io as c
+from eagle_deploy.contract.cpu import cpu_info
 from eagle_deploy.runtime.backends.base import StepInputs, feature_inputs
 from eagle_deploy.runtime.drafter import DraftRequest, causal_mask  # noqa: F401 (re-exported for the tests)
 from eagle_deploy.runtime.kv import KVBuffer
 from eagle_deploy.runtime.tree import DraftTree
 
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
-
-
 # onnxruntime's MLAS picks other kernels with AVX-512 (the Xeon the batch-invariance table was
 # first measured on) than with AVX2 only (AMD Zen 3): tests/exporter/test_batch_invariance.py
-AVX512 = "avx512f" in _cpu_flags()
+AVX512 = "avx512f" in cpu_info().flags
 
 # --------------------------------------------------------------------------- references
 

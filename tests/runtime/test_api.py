@@ -250,6 +250,21 @@ def test_cli_seed_is_reproducible_and_matches_the_api(mha, capsys):
     assert runs[0]["stats"]["lossless"] is True
 
 
+def test_cli_summary_names_the_drafter_and_the_rounds_it_drafted(mha, capsys):
+    base = ["--engines", str(mha.export_dir), "--prompt", "ab ab ab ab", "--raw", "--max-new-tokens", "12",
+            "--threads", str(THREADS)]
+    for drafter in ("hybrid", "lookup", "eagle"):
+        assert cli.main(base + ["--drafter", drafter, "--json"]) == 0
+        stats = json.loads(capsys.readouterr().out)["stats"]
+        assert cli.main(base + ["--drafter", drafter]) == 0
+        summary = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[eagle")]
+        rounds = len(stats["accepted_per_round"])
+        assert summary and summary[0].startswith(
+            f"[eagle: {drafter} drafter, {stats['draft_rounds']} of {rounds} rounds drafted] "), summary
+    assert cli.main(base + ["--vanilla"]) == 0
+    assert any(line.startswith("[vanilla] ") for line in capsys.readouterr().err.splitlines())
+
+
 def test_whole_number_settings_given_as_floats_or_huge_ints_run(mha):
     """top_k=3.0, seed=1.0 and max_new_tokens=10**30 are whole numbers: they run like 3, 1
     and a request bounded by the KV capacity (no TypeError after the prefill)."""

@@ -104,7 +104,7 @@ def test_not_lossless_is_labelled(v16, capsys):
             "--threads", str(THREADS), "--temperature", "1", "--seed", "1"]
     assert cli.main(base + ["--acceptance", "threshold", "--threshold", "0.2"]) == 0
     _, err = capsys.readouterr()
-    summary = [line for line in err.splitlines() if line.startswith("[eagle]")]
+    summary = [line for line in err.splitlines() if line.startswith("[eagle")]
     assert len(summary) == 1 and "NOT LOSSLESS" in summary[0]
     assert any(line.startswith("note:") and "NOT LOSSLESS" in line for line in err.splitlines())
     assert cli.main(base) == 0

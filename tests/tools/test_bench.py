@@ -17,6 +17,7 @@ import pytest
 from eagle_deploy.bench import cli, report
 from eagle_deploy.bench import divergence as dv
 from eagle_deploy.bench import tune as tn
+from eagle_deploy.contract.cpu import cpu_info
 from eagle_deploy.runtime.backends.base import TargetOutputs
 from eagle_deploy.runtime.tree import DraftTree
 from tests.tools.tiny_export import PROMPTS, copy_export, prompt_file, specbench_file, tiny_export
@@ -47,6 +48,8 @@ def test_end_to_end_json_and_png(export_dir, tmp_path, capsys):
     stdout = json.loads(captured.out)  # --json: the aggregate on stdout
     assert set(stdout) >= {"aggregate", "greedy_identity", "json", "png"}
     assert TOP_KEYS <= set(res) and res["schema"] == "eagle-bench/1"
+    here = cpu_info()  # the figures name the CPU they were measured on (lscpu's model and the ISA)
+    assert (res["machine"]["cpu_model"], res["machine"]["isa"]) == (here.model, here.isa) and here.model
     png = Path(stdout["png"])
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(res["prompts"]) == 2 * len(PROMPTS)
@@ -280,6 +283,7 @@ def test_tune_writes_the_tree_to_the_manifest(export_dir, tmp_path):
     t = m.engines.tuning.to_json()
     assert {"date", "machine", "target_ms", "draft_ms", "calibration", "candidates", "measured", "chosen",
             "previous"} <= set(t)
+    assert t["machine"]["cpu_model"] == cpu_info().model and t["machine"]["isa"] == cpu_info().isa
     assert set(t["target_ms"]) >= {"1", "2", "4", "8"} and set(t["draft_ms"]) >= {"1", "2"}
     assert {r["top_k"] for r in t["calibration"]["runs"]} == {1, 2}
     assert record["chosen"] in [r["tree"] for r in t["measured"]]

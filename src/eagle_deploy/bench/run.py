@@ -18,12 +18,12 @@ EAGLE's and vanilla's peak memory each in a fresh process, and the export's size
 from __future__ import annotations
 
 import datetime as _dt
-import os
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from eagle_deploy.contract.cpu import cpu_info
 from eagle_deploy.runtime.memory import peak_rss_mb
 
 from . import divergence as dv
@@ -77,7 +77,7 @@ def machine_info(threads: int) -> dict:
     import torch
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "threads": threads, "python": platform.python_version(),
+            **cpu_info().to_json(), "threads": threads, "python": platform.python_version(),
             "onnxruntime": onnxruntime.__version__, "torch": torch.__version__}
 
 

@@ -29,6 +29,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from eagle_deploy.contract.cpu import cpu_info
 from eagle_deploy.runtime.acceptance import depth_rates, tau
 from eagle_deploy.runtime.backends.base import StepInputs, StepOutputs
 from eagle_deploy.runtime.decode import Stats
@@ -347,7 +348,7 @@ def tune(cfg: TuneConfig, log: Callable = print) -> dict:
     best = max(measured, key=lambda r: r["tokens_per_s"])
     record = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "backend": cfg.backend,
               "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                          "threads": cfg.threads},
+                          **cpu_info().to_json(), "threads": cfg.threads},
               "past": past, "repeats": cfg.repeats, "target_ms": tcurve, "draft_ms": dcurve,
               "overhead_ms": {"per_round": round(overhead[0], 3), "per_growth_node": round(overhead[1], 4)},
               "calibration": {"prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "runs": calib},

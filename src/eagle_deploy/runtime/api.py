@@ -14,7 +14,6 @@ import hashlib
 import json
 import numbers
 import os
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Generator, Sequence
@@ -22,6 +21,7 @@ from typing import Callable, Generator, Sequence
 import numpy as np
 
 from eagle_deploy.contract.cache import cache_root
+from eagle_deploy.contract.cpu import cpu_info
 from eagle_deploy.contract.manifest import Manifest, ManifestError
 from eagle_deploy.contract.onnx_io import MANIFEST_FILE
 from eagle_deploy.contract.tree_config import TreeConfig
@@ -153,12 +153,7 @@ def costs_cache_path(folder: Path, tree: TreeConfig, target: Backend, draft: Bac
                      threads: int | None) -> Path:
     """<cache_root>/costs/<export>-<digest>.json, the digest over the export's manifest, the
     tree, the backends, the thread count and the CPU model."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_info().model
     key = json.dumps([sha256_file(Path(folder) / MANIFEST_FILE), tree.to_json(),
                       MAX_LOOKUP, getattr(target, "name", "?"), getattr(draft, "name", None), threads, cpu,
                       os.cpu_count()])
