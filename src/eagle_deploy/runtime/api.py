@@ -153,10 +153,10 @@ def costs_cache_path(folder: Path, tree: TreeConfig, target: Backend, draft: Bac
                      threads: int | None) -> Path:
     """<cache_root>/costs/<export>-<digest>.json, the digest over the export's manifest, the
     tree, the backends, the thread count and the CPU model."""
-    cpu = cpu_info().model
+    cpu = cpu_info()
     key = json.dumps([sha256_file(Path(folder) / MANIFEST_FILE), tree.to_json(),
-                      MAX_LOOKUP, getattr(target, "name", "?"), getattr(draft, "name", None), threads, cpu,
-                      os.cpu_count()])
+                      MAX_LOOKUP, getattr(target, "name", "?"), getattr(draft, "name", None), threads, cpu.model,
+                      cpu.cores])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / "costs" / f"{Path(folder).resolve().name}-{digest}.json"
 

@@ -128,8 +128,8 @@ def _run(rt, args, kw, mode):
 
 def _summary(result, comparison: dict, manifest) -> str:
     s = result.stats
-    tag = s.mode  # which drafter ran, and how many rounds it drafted (a cost-aware one skips some)
-    if s.mode != "vanilla" and s.drafter is not None:
+    tag = s.mode  # which drafter ran (None for vanilla), and how many rounds it drafted (a cost-aware one skips some)
+    if s.drafter is not None:
         tag += f": {s.drafter} drafter, {s.draft_rounds} of {s.rounds} rounds drafted"
     line = (f"[{tag}] {s.new_tokens} new tokens, {s.tokens_per_s:.1f} tokens/s, "
             f"tau {s.mean_accept_len:.2f} tokens/forward, {s.target_forwards} target forwards, "
