@@ -55,3 +55,11 @@ def test_without_cpuinfo_the_platform_names_the_cpu_and_nothing_is_guessed():
 def test_this_machine_is_read():
     info = cpu_info()
     assert info.model and info.cores and info.cores >= 1
+
+
+def test_the_machine_record_holds_this_cpu_and_the_threads():
+    from eagle_deploy.contract.cpu import machine_record
+
+    record = machine_record(3)
+    assert record["threads"] == 3 and record["platform"] == platform.platform()
+    assert {k: record[k] for k in cpu_info().to_json()} == cpu_info().to_json()

@@ -328,3 +328,14 @@ def test_io_mismatch_is_pure_and_none_when_equal():
     inputs, _ = c.target_io(1, "float32")
     assert io_mismatch(inputs, copy.deepcopy(inputs)) is None
     assert io_mismatch(inputs, inputs[:1])[0] == "[1]"
+
+
+def test_runs_without_the_draft_graph_leave_out_its_notes():
+    """--vanilla and the lookup drafter never open the draft graph: its quantisation note is not
+    theirs, the target's notes are."""
+    from eagle_deploy.contract.manifest import DRAFT_GRAPH_NOTE
+
+    draft_note = f"{DRAFT_GRAPH_NOTE}quantised to int8 (its proposals only)"
+    m = _manifest(notes=("target quantised to int4", draft_note))
+    assert m.notes_for(True) == ("target quantised to int4", draft_note)
+    assert m.notes_for(False) == ("target quantised to int4",)

@@ -233,6 +233,36 @@ def test_draft_vocabulary_cross_entropy(gqa, tiny_data):
     assert m_few[0]["ce"] == pytest.approx(float(-(p * logq).sum(-1).mean()), rel=1e-5)
 
 
+@pytest.mark.parametrize("ce_topk", [0, 5])
+def test_every_unrolled_step_scores_against_its_own_positions_soft_labels(gqa, tiny_data, ce_topk):
+    """The target's soft labels are computed once over step 1's positions and indexed for the
+    later steps: each step's cross-entropy and agreement equal those computed from that step's
+    own positions (a later step's positions are a subset of step 1's)."""
+    from eagle_deploy.train.trainer import _chain_ok, make_batch, step_losses
+
+    data, feats = tiny_data
+    cfg = TrainConfig(unroll=3, batch_tokens=512, ce_topk=ce_topk)
+    head = random_head(gqa.hf, seed=3).eval()
+    batch = make_batch(data, feats, list(range(8)), "cpu", cfg.max_seq_len)
+    W = gqa.hf.get_output_embeddings().weight.detach()
+    with torch.no_grad():
+        _, metrics = step_losses(head, batch, cfg, train=False)
+        preds = unrolled_forward(head, batch.feats.float(), batch.tokens, 3)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m, pred in zip(metrics, preds):
+        ok = _chain_ok(batch, m["step"])
+        assert bool((ok <= _chain_ok(batch, 1)).all()) and m["n"] == int(ok.sum()) > 0
+        t_logits, logq = batch.target.float()[ok] @ W.t(), torch.log_softmax(pred[ok] @ W.t(), -1)
+        p = torch.softmax(t_logits, -1)
+        if ce_topk:
+            tp, ti = torch.topk(p, ce_topk, dim=-1)
+            ce = -(tp / tp.sum(-1, keepdim=True) * logq.gather(-1, ti)).sum(-1).mean()
+        else:
+            ce = -(p * logq).sum(-1).mean()
+        assert m["ce"] == pytest.approx(float(ce), rel=1e-5)
+        assert m["acc"] == pytest.approx(float((logq.argmax(-1) == t_logits.argmax(-1)).float().mean()))
+
+
 # ---------------------------------------------------------------- EAGLE-3 heads
 
 TAPS = (0, 1)

@@ -44,7 +44,8 @@ def test_stages_are_cached_and_an_interrupted_run_resumes(gqa, prompts, tmp_path
     first = load_file(out / "model.safetensors")
     stamps = _stamps(work)
     assert set(stamps) == {"part-00000.npz", cli.FEATURES_DIR, cli.HEAD_FILE}
-    assert json.loads((out / "train_log.json").read_text())["data"]["sequences"] == 6
+    train_log = json.loads((out / "train_log.json").read_text())
+    assert train_log["data"]["sequences"] == 6 and train_log["train"]["config"]["warmup_steps"] == 100
 
     log = _train(gqa, prompts, out, work, capsys)  # everything cached: nothing is rewritten
     assert "features: cached" in log and "train: cached head" in log
@@ -94,11 +95,12 @@ def test_init_head_continues_from_a_trained_head(gqa, prompts, tmp_path, capsys)
     assert json.loads((still / "train_log.json").read_text())["init_head"]["path"] == str(first)
 
     moved = tmp_path / "moved"
-    log = _train(gqa, prompts, moved, work, capsys, "--init-head", str(first))
+    log = _train(gqa, prompts, moved, work, capsys, "--init-head", str(first), "--warmup-steps", "3")
     assert "train: cached head" not in log
+    assert json.loads((moved / "train_log.json").read_text())["train"]["config"]["warmup_steps"] == 3
     tuned = load_file(moved / "model.safetensors")
     assert any(not (tuned[k] == v).all() for k, v in start.items())
-    log = _train(gqa, prompts, moved, work, capsys, "--init-head", str(first))
+    log = _train(gqa, prompts, moved, work, capsys, "--init-head", str(first), "--warmup-steps", "3")
     assert "train: cached head" in log
 
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from eagle_deploy.contract.cpu import cpu_info
+from eagle_deploy.contract.cpu import machine_record
 from eagle_deploy.runtime.memory import peak_rss_mb
 
 from . import divergence as dv
@@ -76,8 +76,7 @@ def machine_info(threads: int) -> dict:
     import onnxruntime
     import torch
 
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            **cpu_info().to_json(), "threads": threads, "python": platform.python_version(),
+    return {**machine_record(threads), "python": platform.python_version(),
             "onnxruntime": onnxruntime.__version__, "torch": torch.__version__}
 
 

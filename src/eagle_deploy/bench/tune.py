@@ -20,7 +20,6 @@ Greedy acceptance only: sampled acceptance is not modelled.
 from __future__ import annotations
 
 import datetime as _dt
-import platform
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -29,7 +28,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from eagle_deploy.contract.cpu import cpu_info
+from eagle_deploy.contract.cpu import machine_record
 from eagle_deploy.runtime.acceptance import depth_rates, tau
 from eagle_deploy.runtime.backends.base import StepInputs, StepOutputs
 from eagle_deploy.runtime.decode import Stats
@@ -347,8 +346,7 @@ def tune(cfg: TuneConfig, log: Callable = print) -> dict:
     log(f"measured vanilla decoding: {vanilla['tokens_per_s']:.1f} tokens/s")
     best = max(measured, key=lambda r: r["tokens_per_s"])
     record = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "backend": cfg.backend,
-              "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                          **cpu_info().to_json(), "threads": cfg.threads},
+              "machine": machine_record(cfg.threads),
               "past": past, "repeats": cfg.repeats, "target_ms": tcurve, "draft_ms": dcurve,
               "overhead_ms": {"per_round": round(overhead[0], 3), "per_growth_node": round(overhead[1], 4)},
               "calibration": {"prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "runs": calib},

@@ -67,3 +67,10 @@ def cpu_info(cpuinfo: str | None = None) -> CpuInfo:
     model = fields.get("model name") or platform.processor() or platform.machine()
     return CpuInfo(model, number("cpu family"), number("model"), frozenset(fields.get("flags", "").split()),
                    os.cpu_count())
+
+
+def machine_record(threads: int) -> dict:
+    """The machine a measurement ran on, as eagle-bench's results and --tune's records hold it:
+    platform, processor, the CPU (CpuInfo.to_json) and the thread count used."""
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            **cpu_info().to_json(), "threads": threads}

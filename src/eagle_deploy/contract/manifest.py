@@ -43,6 +43,9 @@ from .tree_config import TreeConfig
 # `eagle-export --draft-quant`: quantisation of the draft graph's weights (MatMulNBits); the rule
 # and its measurements are in exporter.export.draft_quant_for
 DRAFT_QUANTS = ("auto", "none") + QUANT_KINDS
+# a manifest note about the draft graph alone starts with this (Manifest.notes_for leaves it out
+# of runs that never open that graph)
+DRAFT_GRAPH_NOTE = "draft graph "
 
 # ---------------------------------------------------------------------------------------------
 # Records
@@ -385,6 +388,11 @@ class Manifest:
     shared_weights: SharedWeights | None = None  # weights both graphs use, stored once (None: each holds its own)
     # every file of the folder but the manifest (empty in exports made before it was recorded)
     files: Mapping[str, FileRecord] = field(default_factory=dict)
+
+    def notes_for(self, draft_graph: bool) -> tuple[str, ...]:
+        """The notes a run should print: all of them, or (draft_graph False: vanilla decoding,
+        the lookup drafter) those not about the draft graph (they start DRAFT_GRAPH_NOTE)."""
+        return self.notes if draft_graph else tuple(n for n in self.notes if not n.startswith(DRAFT_GRAPH_NOTE))
 
     def to_json(self) -> dict:
         return {"name": self.name, "dims": self.dims.to_json(), "max_length": self.max_length,

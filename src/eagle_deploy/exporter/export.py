@@ -14,6 +14,7 @@ from eagle_deploy.contract.dtypes import CLI_NAMES as CLI_DTYPES
 from eagle_deploy.contract.dtypes import canonical as canonical_dtype
 from eagle_deploy.contract.errors import first_line
 from eagle_deploy.contract.manifest import (
+    DRAFT_GRAPH_NOTE,
     DRAFT_QUANTS,
     Dims,
     DraftEntry,
@@ -370,7 +371,7 @@ def quantise_graphs(target_entry: GraphEntry, draft_entry: DraftEntry, options: 
         _say(progress, f"quantising the draft graph ({draft_kind})")
         draft_entry = quantize_graph(tmp, draft_entry, draft_kind, options.external_data)
         if not options.quant:
-            notes.append(f"draft graph quantised to {draft_kind} (its proposals only: the target, and so every "
+            notes.append(f"{DRAFT_GRAPH_NOTE}quantised to {draft_kind} (its proposals only: the target, and so every "
                          "committed token, is unchanged)")
     return target_entry, draft_entry, notes
 

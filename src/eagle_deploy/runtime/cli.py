@@ -74,7 +74,9 @@ def main(argv=None) -> int:
                   top_k=args.top_k, seed=args.seed, stop=args.stop, chat=False if args.raw else None)
         mode = "vanilla" if args.vanilla else "eagle"
         rt.prompt_ids(args.prompt, kw["chat"])  # an empty or too long prompt fails before any note or forward
-        for note in (*manifest.notes, *filter(None, [rt.verification.note])):
+        draft_graph = mode == "eagle" and args.drafter != "lookup"  # --vanilla and the lookup drafter never open it
+        notes = manifest.notes_for(draft_graph)
+        for note in (*notes, *filter(None, [rt.verification.note])):
             print(f"note: {note}", file=sys.stderr)
         if args.acceptance != "lossless":
             print(f"note: --acceptance {args.acceptance} is {LOSSY}: output does not follow the target distribution",
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
             rt.generate(args.prompt, **{**kw, "max_new_tokens": 4}, mode="vanilla")  # warm-up
             vanilla = rt.generate(args.prompt, **kw, mode="vanilla")
             memory["vanilla"] = snapshot(device)
-        if mode == "eagle":
+        if draft_graph:
             rt.load_draft()
             memory["rss_draft_loaded_mb"] = rss_mb()
         result = _run(rt, args, kw, mode)
@@ -106,11 +108,11 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                           "stats": {**result.stats.to_json(), **comparison}, "memory": memory,
-                          "notes": manifest.notes}))
+                          "notes": notes}))
     else:
         if not args.stream:
             print(result.text)
-        print(_summary(result, comparison, manifest), file=sys.stderr)
+        print(_summary(result, comparison, manifest, draft_graph), file=sys.stderr)
     return 0
 
 
@@ -126,7 +128,7 @@ def _run(rt, args, kw, mode):
     return request.result
 
 
-def _summary(result, comparison: dict, manifest) -> str:
+def _summary(result, comparison: dict, manifest, draft_graph: bool) -> str:
     s = result.stats
     tag = s.mode  # which drafter ran (None for vanilla), and how many rounds it drafted (a cost-aware one skips some)
     if s.drafter is not None:
@@ -143,7 +145,7 @@ def _summary(result, comparison: dict, manifest) -> str:
         line += (f"\n[vanilla] {comparison['vanilla_tokens_per_s']:.1f} tokens/s; "
                  f"speed-up {comparison['speedup']:.2f}x; "
                  f"identical to vanilla: {comparison['identical_to_vanilla']}")
-    if not manifest.draft.trained:
+    if draft_graph and not manifest.draft.trained:
         line += "\nnote: this export uses a RANDOMLY INITIALISED draft head, so acceptance is near 1 token per round"
     return line
 

@@ -166,12 +166,13 @@ def main(argv=None) -> int:
     except (ImportError, RuntimeError) as err:
         print(f"eagle-serve: error: backend {args.backend!r} unavailable: {err}", file=sys.stderr)
         return 3
-    for note in manifest.notes:
+    draft_graph = args.drafter != "lookup"  # the lookup drafter never opens the draft graph
+    for note in manifest.notes_for(draft_graph):
         print(f"note: {note}", file=sys.stderr)
     if args.acceptance != "lossless":
         print(f"note: --acceptance threshold is {LOSSY}: responses do not follow the target distribution",
               file=sys.stderr)
-    if not manifest.draft.trained:
+    if draft_graph and not manifest.draft.trained:
         print("note: this export uses a RANDOMLY INITIALISED draft head, so acceptance is near 1 token per round",
               file=sys.stderr)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")

@@ -41,10 +41,10 @@ UNFINISHED = 3  # exit status: a time budget ended the data or feature stage fir
 PRESETS = {
     # fits in ~60 minutes on a 2-core CPU, data generation included
     "cpu-quick": dict(limit=900, modes="0", max_new_tokens=160, gen_batch=32, epochs=6.0, batch_tokens=2048,
-                      lr=6e-4, ce_topk=32, unroll=1, time_budget_min=30.0),
+                      lr=6e-4, ce_topk=32, unroll=1, time_budget_min=30.0, warmup_steps=100),
     # a GPU recipe (minutes on one H100/H200 for SmolLM2; hours for 7B targets)
     "gpu": dict(limit=0, modes="0,0.7", max_new_tokens=256, gen_batch=512, epochs=6.0, batch_tokens=32768,
-                lr=1e-3, ce_topk=0, unroll=3, time_budget_min=0.0),
+                lr=1e-3, ce_topk=0, unroll=3, time_budget_min=0.0, warmup_steps=100),
 }
 ARCHS = ("eagle", "eagle3")
 STAGES = ("data", "features")
@@ -464,7 +464,8 @@ def head_from_features(session: Session, hf, data, features, init: InitHead | No
     if args.init_from_layer is not None:
         _init_from_layer(head, hf, args.init_from_layer)
     cfg = TrainConfig(epochs=s["epochs"], lr=s["lr"], batch_tokens=s["batch_tokens"], ce_topk=s["ce_topk"],
-                      unroll=s["unroll"], seed=args.seed, time_budget_s=60.0 * s["time_budget_min"])
+                      unroll=s["unroll"], seed=args.seed, time_budget_s=60.0 * s["time_budget_min"],
+                      warmup_steps=s["warmup_steps"])
     history = train_head(head, data, features, cfg, session.device, log=session.log, target_lm=target_lm)
     torch.save({"key": key, "state": head.state_dict(), "history": history}, head_path)
     return head, history

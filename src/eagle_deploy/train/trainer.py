@@ -139,24 +139,34 @@ def step_losses(head: EagleHead | Eagle3Head, batch: Batch, cfg: TrainConfig, tr
         feats = feats + (torch.rand_like(feats) * 2 - 1) * cfg.noise
     preds = unrolled_forward(head, feats, batch.tokens, cfg.unroll)
     target = batch.target.float()
+    # every step scores a subset of step 1's positions (_chain_ok): the target's soft labels
+    # (LM-head product, softmax or top-k, argmax) are computed once, over step 1's, and indexed
+    first = _chain_ok(batch, 1)
+    with torch.no_grad():
+        t_logits = logits(target[first])
+        t_top1 = t_logits.argmax(-1)
+        if cfg.ce_topk:
+            tp, ti = torch.topk(torch.softmax(t_logits, dim=-1), min(cfg.ce_topk, t_logits.shape[-1]), dim=-1)
+            tp = tp / tp.sum(-1, keepdim=True)
+        else:
+            t_probs = torch.softmax(t_logits, dim=-1)
+        del t_logits
     total, metrics = 0.0, []
     for s, pred in enumerate(preds, start=1):
         ok = _chain_ok(batch, s)
         if not bool(ok.any()):
             continue
+        rows = ok[first]  # step s's positions among step 1's
         p, t = pred[ok], target[ok]
         reg = F.smooth_l1_loss(p, t)
-        with torch.no_grad():
-            t_logits = logits(t)
         logq = torch.log_softmax(logits(p), dim=-1)
         if cfg.ce_topk:
-            tp, ti = torch.topk(torch.softmax(t_logits, dim=-1), min(cfg.ce_topk, t_logits.shape[-1]), dim=-1)
-            ce = -(tp / tp.sum(-1, keepdim=True) * logq.gather(-1, ti)).sum(-1).mean()
+            ce = -(tp[rows] * logq.gather(-1, ti[rows])).sum(-1).mean()
         else:
-            ce = -(torch.softmax(t_logits, dim=-1) * logq).sum(-1).mean()
+            ce = -(t_probs[rows] * logq).sum(-1).mean()
         weight = cfg.step_decay ** (s - 1)
         total = total + weight * (cfg.feature_weight * reg + cfg.ce_weight * ce)
-        acc = (logq.argmax(-1) == t_logits.argmax(-1)).float().mean()
+        acc = (logq.argmax(-1) == t_top1[rows]).float().mean()
         metrics.append({"step": s, "reg": reg.item(), "ce": ce.item(), "acc": acc.item(), "n": int(ok.sum())})
     return total, metrics
 
