@@ -188,6 +188,27 @@ def test_short_training_lowers_the_loss_and_the_head_decodes_losslessly(gqa, tin
     assert np.mean(trained_tau) > np.mean(random_tau) + 0.15, (trained_tau, random_tau)
 
 
+def test_cpu_bf16_autocast_trains_fp32_weights_and_lowers_the_loss(gqa, tiny_data):
+    """cpu_bf16 (eagle-train --torch-dtype bf16 on a CPU): the step runs under bf16 autocast,
+    the weights stay fp32 and the head learns as in fp32."""
+    data, feats = tiny_data
+    cfg = TrainConfig(epochs=12, lr=3e-3, warmup_steps=5, batch_tokens=512, unroll=2, val_fraction=0.2, seed=0,
+                      cpu_bf16=True)
+    head = random_head(gqa.hf, seed=1)
+    _, val_idx = split(data, cfg.val_fraction, cfg.seed)
+    train_idx = np.setdiff1d(np.arange(len(data)), val_idx)
+    before = evaluate(head, data, feats, train_idx, cfg, "cpu")
+    seen = []
+    hook = head.fc.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    train_head(head, data, feats, cfg, "cpu", log=lambda *_: None)
+    hook.remove()
+    after = evaluate(head, data, feats, train_idx, cfg, "cpu")
+    assert seen and set(seen) == {torch.bfloat16}  # every training forward ran under autocast
+    assert all(p.dtype == torch.float32 for p in head.parameters())
+    for b, a in zip(before, after):
+        assert a["reg"] < 0.7 * b["reg"] and a["acc"] > b["acc"] + 0.15, (b, a)
+
+
 def test_sequences_whose_prompt_fills_max_seq_len_are_skipped(gqa, tiny_data):
     """A sequence truncated to max_seq_len within its prompt has no scored position (a batch of
     only such sequences once crashed training with a float loss): it is left out, and said."""

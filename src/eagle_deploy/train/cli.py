@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(large targets); on a CPU with native bf16 (avx512_bf16 or amx_bf16 in /proc/cpuinfo): a "
                         "bf16 copy runs the data and feature stages (measured 1.7x faster generation, 1.8x faster "
                         "features than fp32 on SmolLM2) and the first feature batch is checked against fp32 "
-                        "(mean cosine >= 0.999 per sequence, >= 0.99 per position); the head still trains in fp32 "
-                        "(default: fp32)")
+                        "(mean cosine >= 0.999 per sequence, >= 0.99 per position). The head keeps fp32 weights and "
+                        "trains under bf16 autocast (a CPU step measured 1.35x faster) (default: fp32)")
     p.add_argument("--no-cache-features", action="store_true",
                    help="keep features in memory only (large data on a GPU)")
     p.add_argument("--gen-time-budget-min", type=float, default=0.0,
@@ -465,7 +465,7 @@ def head_from_features(session: Session, hf, data, features, init: InitHead | No
         _init_from_layer(head, hf, args.init_from_layer)
     cfg = TrainConfig(epochs=s["epochs"], lr=s["lr"], batch_tokens=s["batch_tokens"], ce_topk=s["ce_topk"],
                       unroll=s["unroll"], seed=args.seed, time_budget_s=60.0 * s["time_budget_min"],
-                      warmup_steps=s["warmup_steps"])
+                      warmup_steps=s["warmup_steps"], cpu_bf16=args.torch_dtype == "bf16")
     history = train_head(head, data, features, cfg, session.device, log=session.log, target_lm=target_lm)
     torch.save({"key": key, "state": head.state_dict(), "history": history}, head_path)
     return head, history

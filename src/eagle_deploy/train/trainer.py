@@ -53,6 +53,9 @@ class TrainConfig:
     val_fraction: float = 0.03
     seed: int = 0
     time_budget_s: float = 0.0  # 0: no limit; else stop after this many seconds of training
+    # bf16 autocast on a CPU too (CUDA always trains under it); for CPUs with native bf16, where
+    # a step measured 1.35x faster (Xeon with AMX, SmolLM2 head, unroll 3, 4096 tokens)
+    cpu_bf16: bool = False
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -286,7 +289,7 @@ def train_head(head: EagleHead | Eagle3Head, data: TokenData, features: list[tor
                "steps": total_steps, "epochs": [], "val": []}
     t0, step = time.perf_counter(), 0
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if str(device).startswith("cuda")
-                else torch.autocast("cpu", enabled=False))
+                else torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.cpu_bf16))
     while step < total_steps:
         running = []
         for idx in _batches(data, train_idx, cfg.batch_tokens, cfg.max_seq_len, rng):
