@@ -30,7 +30,7 @@ from eagle_deploy.contract.verify import VerifyReport, sha256_file, verify_expor
 from .backends import Backend, load_backend
 from .decode import Decoder, RoundObserver, Stats, TokenStopper
 from .drafter import Drafter, EagleDrafter
-from .hybrid import MAX_LOOKUP, check_drafter_kind, head_of, make_drafter
+from .hybrid import MAX_LOOKUP, check_drafter_kind, head_of, make_drafter, uses_draft_graph
 from .planner import CostModel, measure_costs
 from .sampling import SamplingParams, whole_number
 from .text import TextStream, encode_chat
@@ -194,7 +194,7 @@ class EagleRuntime:
         self.costs = costs
         row_exact = row_exact_default(manifest) if row_exact is None else row_exact
         self.decoder = Decoder(target, None, manifest.max_length, acceptance, threshold, round_observers, row_exact)
-        if drafter is None and (draft is not None or drafter_kind == "lookup"):
+        if drafter is None and (draft is not None or not uses_draft_graph(drafter_kind)):
             drafter = self._drafter(draft)
         self.decoder.drafter = drafter
         self.eos_ids = list(manifest.eos_token_ids)
@@ -239,12 +239,12 @@ class EagleRuntime:
         def open_draft() -> Backend:
             return wrap(load_backend(backend, folder, manifest, "draft", threads, tree=tree))
 
-        if drafter is None and with_draft and drafter_kind != "lookup":
+        if drafter is None and with_draft and uses_draft_graph(drafter_kind):
             draft = open_draft()
         tokenizer = load_tokenizer(folder, manifest)
         rt = cls(folder, manifest, target, draft, tokenizer, tree, acceptance, threshold, drafter, round_observers,
                  row_exact, drafter_kind, planned)
-        if drafter is None and not with_draft and drafter_kind != "lookup":
+        if drafter is None and not with_draft and uses_draft_graph(drafter_kind):
             rt._open_draft = open_draft
         rt.verification = verification
         return rt
@@ -266,7 +266,7 @@ class EagleRuntime:
             self.tree = tree.validate(self.manifest.draft.graph_top_k)
             return
         head = head_of(drafter)
-        if self.drafter_kind == "lookup":
+        if not uses_draft_graph(self.drafter_kind):
             self.tree = tree.validate(self.manifest.draft.graph_top_k)
             return
         if not isinstance(head, EagleDrafter):

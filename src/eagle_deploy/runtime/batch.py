@@ -88,7 +88,7 @@ from .backends import load_backend
 from .backends.base import StepInputs, StepOutputs
 from .decode import RoundObserver, target_kv_capacity
 from .drafter import Drafter, EagleDrafter
-from .hybrid import make_drafter
+from .hybrid import make_drafter, uses_draft_graph
 from .kv import KVBuffer
 from .memory import available_mb
 
@@ -298,12 +298,12 @@ class BatchEngine:
         self.costs = None
         if planned:
             self.costs = device_costs(manifest, tree, backends["target"], backends.get("draft")
-                                      if drafter_kind != "lookup" else None, folder,
+                                      if uses_draft_graph(drafter_kind) else None, folder,
                                       getattr(backends["target"], "threads", None))
 
         def drafter(b: int) -> Drafter:
             eagle = None
-            if drafter_kind != "lookup":
+            if uses_draft_graph(drafter_kind):
                 eagle = EagleDrafter.for_export(SlotBackend(self, "draft", b), tree, manifest)
                 eagle = _LoadTrees(eagle, self) if shrink_trees else eagle
             return wrap(b, make_drafter(drafter_kind, eagle, tree, planned, self.costs, self._row_exact))

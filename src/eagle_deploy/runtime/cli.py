@@ -51,6 +51,7 @@ def main(argv=None) -> int:
 
     from .api import EagleRuntime, check_request
     from .decode import check_acceptance
+    from .hybrid import uses_draft_graph
     from .memory import export_sizes, rss_mb, snapshot
 
     try:
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
                   top_k=args.top_k, seed=args.seed, stop=args.stop, chat=False if args.raw else None)
         mode = "vanilla" if args.vanilla else "eagle"
         rt.prompt_ids(args.prompt, kw["chat"])  # an empty or too long prompt fails before any note or forward
-        draft_graph = mode == "eagle" and args.drafter != "lookup"  # --vanilla and the lookup drafter never open it
+        draft_graph = mode == "eagle" and uses_draft_graph(args.drafter)  # --vanilla never opens it either
         notes = manifest.notes_for(draft_graph)
         for note in (*notes, *filter(None, [rt.verification.note])):
             print(f"note: {note}", file=sys.stderr)

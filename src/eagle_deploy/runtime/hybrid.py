@@ -36,6 +36,11 @@ from .tree import DraftTree
 MAX_LOOKUP = 8  # longest context-lookup chain per round
 
 
+def uses_draft_graph(kind: str) -> bool:
+    """Whether drafter `kind` runs the export's draft graph ("lookup" never opens it)."""
+    return kind != "lookup"
+
+
 def check_drafter_kind(kind: str) -> str:
     """`kind`, or ValueError naming the choices."""
     if kind not in DRAFTER_KINDS:

@@ -127,6 +127,7 @@ def main(argv=None) -> int:
     from eagle_deploy.contract.manifest import Manifest, ManifestError
     from eagle_deploy.contract.tree_config import TreeConfigError
     from eagle_deploy.runtime.decode import check_acceptance
+    from eagle_deploy.runtime.hybrid import uses_draft_graph
 
     try:
         for flag, value in (("--max-queue", args.max_queue), ("--slots", args.slots), ("--threads", args.threads),
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
     except (ImportError, RuntimeError) as err:
         print(f"eagle-serve: error: backend {args.backend!r} unavailable: {err}", file=sys.stderr)
         return 3
-    draft_graph = args.drafter != "lookup"  # the lookup drafter never opens the draft graph
+    draft_graph = uses_draft_graph(args.drafter)
     for note in manifest.notes_for(draft_graph):
         print(f"note: {note}", file=sys.stderr)
     if args.acceptance != "lossless":
