@@ -326,6 +326,33 @@ def test_eagle3_unrolled_forward_matches_the_drafting_chain(gqa):
                 assert torch.allclose(g[0, 0], preds[s - 1][0, i], atol=1e-5), (i, s)
 
 
+def test_eagle3_every_unrolled_step_scores_against_its_own_positions_soft_labels(gqa, tiny_data):
+    """EAGLE-3's losses compute the target's soft labels once over step 1's positions, as
+    step_losses does: each step's cross-entropy and agreement equal those computed from that
+    step's own positions' final features."""
+    from eagle_deploy.train.cli import new_eagle3_head
+    from eagle_deploy.train.trainer import _chain_ok, make_batch, step_losses
+
+    data, _ = tiny_data
+    feats = compute_features(gqa.hf, data, "cpu", batch_tokens=1024, feature_layers=TAPS)
+    head = new_eagle3_head(gqa.hf, data.response_counts(gqa.hf.config.vocab_size), TAPS, 64, seed=5).eval()
+    target_lm = gqa.hf.get_output_embeddings().weight.detach()[head.draft_to_target]
+    cfg = TrainConfig(unroll=3, batch_tokens=512)
+    batch = make_batch(data, feats, list(range(8)), "cpu", cfg.max_seq_len)
+    W = len(TAPS) * gqa.hf.config.hidden_size
+    with torch.no_grad():
+        _, metrics = step_losses(head, batch, cfg, train=False, target_lm=target_lm)
+        preds = unrolled_forward(head, batch.feats[..., :W].float(), batch.tokens, 3)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m, pred in zip(metrics, preds):
+        ok = _chain_ok(batch, m["step"])
+        assert m["n"] == int(ok.sum()) > 0
+        t_logits = batch.target[..., W:].float()[ok] @ target_lm.t()
+        logq = torch.log_softmax(head.logits(pred[ok]), -1)
+        assert m["ce"] == pytest.approx(float(-(torch.softmax(t_logits, -1) * logq).sum(-1).mean()), rel=1e-5)
+        assert m["acc"] == pytest.approx(float((logq.argmax(-1) == t_logits.argmax(-1)).float().mean()))
+
+
 def test_eagle3_short_training_lowers_the_loss_and_the_head_decodes_losslessly(gqa, tiny_data, tmp_path):
     from eagle_deploy.exporter.eagle3 import save_eagle3_head
 

@@ -90,9 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--seed", type=int, default=0,
                    help="seed for sampled data, head initialisation, noise and batch order (default: 0)")
+    meaning = {"ce_topk": "; 0: soft cross-entropy over the full target distribution (or the --draft-vocab ids), "
+                          "K: over the target's top-K probabilities, renormalised",
+               "modes": "; sampling temperatures of the generated answers, 0 = greedy",
+               "time_budget_min": "; training minutes, the cosine schedule ends with it (0: none)"}
     for name, default in PRESETS["cpu-quick"].items():
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=None,
-                       help=f"preset value (cpu-quick: {default})")
+                       help=f"preset value (cpu-quick: {default}; gpu: {PRESETS['gpu'][name]}{meaning.get(name, '')})")
     p.add_argument("--init-from-layer", type=int, default=None,
                    help="initialise the head's layer from this target layer")
     p.add_argument("--init-head", type=Path, default=None, metavar="HEAD_DIR",
@@ -206,10 +210,11 @@ def run(args, s: dict) -> int:
                        if features is None else ""))
         return UNFINISHED if features is None else 0
     t = time.perf_counter()
-    head, history = head_from_features(session, hf, data, features, init)
+    counts = response_counts(data, hf.config.vocab_size, init)
+    head, history = head_from_features(session, hf, data, features, counts, init)
     timings["train_s"] = round(time.perf_counter() - t, 1)
     timings["total_s"] = round(time.perf_counter() - t_start, 1)
-    write_head(session, checkpoint, hf, head, data, history, timings, init)
+    write_head(session, checkpoint, head, counts, data, history, timings, init)
     print(args.out)
     return 0
 
@@ -427,8 +432,9 @@ def check_features(hf, data, features, device: str, layers, sequences: int = 8, 
     return line
 
 
-def head_from_features(session: Session, hf, data, features, init: InitHead | None = None):
-    """Stage 3: train a head (from `init`'s weights when given, else random); a finished head
+def head_from_features(session: Session, hf, data, features, counts, init: InitHead | None = None):
+    """Stage 3: train a head (from `init`'s weights when given, else random; `counts`: the
+    response-token counts the draft vocabulary is picked from, `response_counts`); a finished head
     for the same data, settings, seed and starting head is reused from WORK/head.pt (so a run
     interrupted during export restarts there)."""
     import torch
@@ -442,7 +448,6 @@ def head_from_features(session: Session, hf, data, features, init: InitHead | No
            "torch_dtype": args.torch_dtype, "target": session.target,
            **({"init_head": init.sha256} if init is not None else {})}
     target_lm = None
-    counts = response_counts(data, hf.config.vocab_size, init)
     if args.arch == "eagle3":
         key.update(arch="eagle3", draft_vocab=args.draft_vocab, feature_layers=args.feature_layers)
         head = (init.head if init is not None
@@ -471,7 +476,7 @@ def head_from_features(session: Session, hf, data, features, init: InitHead | No
     return head, history
 
 
-def write_head(session: Session, checkpoint, hf, head, data, history, timings: dict,
+def write_head(session: Session, checkpoint, head, counts, data, history, timings: dict,
                init: InitHead | None = None) -> None:
     """Stage 4: the head in the published EAGLE layout, token counts and the training log."""
     import torch
@@ -485,7 +490,7 @@ def write_head(session: Session, checkpoint, hf, head, data, history, timings: d
         save_eagle3_head(head, args.out)
     else:  # its config: the target's geometry (random_head), or the --init-head's own
         save_head(head, args.out)
-    _save_token_counts(response_counts(data, hf.config.vocab_size, init), args.out)
+    _save_token_counts(counts, args.out)
     card = {"target": {"spec": args.model, "source": str(checkpoint.source),  # its sha256: hashed once, at start
                        "sha256": session.target["sha256"] if checkpoint.source.is_file() else None},
             "init_head": {"path": str(args.init_head), "sha256": init.sha256} if init is not None else None,

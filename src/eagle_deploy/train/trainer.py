@@ -187,19 +187,22 @@ def _eagle3_losses(head: Eagle3Head, batch: Batch, cfg: TrainConfig, target_lm: 
     W = len(head.cfg.feature_layers) * head.cfg.target_hidden
     taps, final = batch.feats[..., :W].float(), batch.target[..., W:].float()
     preds = unrolled_forward(head, taps, batch.tokens, cfg.unroll)
+    first = _chain_ok(batch, 1)  # as in step_losses: soft labels once, over step 1's positions
+    with torch.no_grad():
+        t_logits = final[first] @ target_lm.t()  # the target's logits over the draft vocabulary
+        t_top1, t_probs = t_logits.argmax(-1), torch.softmax(t_logits, dim=-1)
+        del t_logits
     total, metrics = 0.0, []
     for s, pred in enumerate(preds, start=1):
         ok = _chain_ok(batch, s)
         if not bool(ok.any()):
             continue
-        with torch.no_grad():
-            t_logits = final[ok] @ target_lm.t()  # the target's logits over the draft vocabulary
-            p = torch.softmax(t_logits, dim=-1)
+        rows = ok[first]
         logq = torch.log_softmax(head.logits(pred[ok]), dim=-1)
-        ce = -(p * logq).sum(-1).mean()
+        ce = -(t_probs[rows] * logq).sum(-1).mean()
         total = total + cfg.step_decay ** (s - 1) * ce
         with torch.no_grad():  # agreement with the target's top-1 within the draft vocabulary
-            acc = (logq.argmax(-1) == t_logits.argmax(-1)).float().mean()
+            acc = (logq.argmax(-1) == t_top1[rows]).float().mean()
         metrics.append({"step": s, "reg": 0.0, "ce": ce.item(), "acc": acc.item(), "n": int(ok.sum())})
     return total, metrics
 
