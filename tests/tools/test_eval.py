@@ -88,3 +88,17 @@ def test_cli_unknown_prompt_set_is_one_clear_line(export_dir, capsys):
     assert rc == 2
     assert err == ["eagle-eval: error: unknown prompt set 'no-such-set': expected humaneval, chat, train "
                    "or a JSONL file ({\"prompt\": ...} per line)"]
+
+
+def test_cli_row_exact_choice(export_dir, tmp_path, capsys):
+    """--row-exact: auto follows the export (off for this fp32 one), on / off force it; the
+    JSON and the drafter line say which ran."""
+    path, out = str(prompt_file(tmp_path)), tmp_path / "eval.json"
+    seen = {}
+    for choice in ("auto", "on", "off"):
+        rc = ev.main(["--engines", str(export_dir), "--prompts", path, "--max-new-tokens", "6", "--threads", "1",
+                      "--limit", "2", "--row-exact", choice, "--json", str(out)])
+        assert rc == 0
+        seen[choice] = json.loads(out.read_text())["row_exact"]
+        assert ("row-exact: one path accepted per round" in capsys.readouterr().out) == seen[choice]
+    assert seen == {"auto": False, "on": True, "off": False}

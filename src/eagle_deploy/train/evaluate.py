@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="onnxruntime intra-op threads per session (default: onnxruntime's)")
     p.add_argument("--json", type=Path, default=None, help="write the full result here")
+    p.add_argument("--row-exact", choices=("auto", "on", "off"), default="auto",
+                   help="row-exact decoding (auto: on for quantised targets, as eagle-run). It accepts along one "
+                        "path of the tree only, so 'off' on a quantised export shows the head's acceptance over "
+                        "the whole tree (its greedy output may then differ from vanilla's at near-ties)")
     add_tree_args(p, "the export's manifest")
     return p
 
@@ -79,7 +83,8 @@ def main(argv=None) -> int:
     try:
         manifest = Manifest.load(args.engines)
         tree = tree_from_args(args, manifest.tree)
-        rt = EagleRuntime.load(args.engines, tree=tree, threads=args.threads)
+        rt = EagleRuntime.load(args.engines, tree=tree, threads=args.threads,
+                               row_exact={"auto": None, "on": True, "off": False}[args.row_exact])
         chosen = args.prompts if args.prompts is not None else ([] if args.specbench else ["humaneval", "chat"])
         names = [n.strip() for arg in chosen for n in arg.split(",") if n.strip()]
         sets = {name: prompt_set(name) for name in names}
@@ -87,14 +92,16 @@ def main(argv=None) -> int:
             sets["specbench"] = specbench_prompts(args.specbench, args.limit)
     except (ManifestError, TreeConfigError, FileNotFoundError, ModuleNotFoundError, ValueError) as err:
         return cli_error("eagle-eval", err)
-    result = {"engines": str(args.engines), "tree": tree.to_json(), "max_new_tokens": args.max_new_tokens, "sets": {}}
+    result = {"engines": str(args.engines), "tree": tree.to_json(), "max_new_tokens": args.max_new_tokens,
+              "row_exact": rt.decoder.row_exact, "sets": {}}
     for name, prompts in sets.items():
         prompts = prompts[: args.limit] if args.limit and name != "specbench" else prompts
         bar = tqdm(total=len(prompts), desc=name, file=sys.stderr)
         result["sets"][name] = evaluate(rt, prompts, args.max_new_tokens, bar.update)
         bar.close()
     print(f"drafter: the head's tree every round ({tree.total_tokens} / {tree.depth} / {tree.top_k}; no context "
-          "lookup, no cost-aware rounds: the head alone)")
+          "lookup, no cost-aware rounds: the head alone)"
+          + ("; row-exact: one path accepted per round" if rt.decoder.row_exact else ""))
     for name, res in result["sets"].items():
         print(f"== {name}")
         width = max([12] + [len(cat) for cat in res["summary"]])
