@@ -143,3 +143,24 @@ def test_one_path_decoding_drafts_one_source_where_two_would_not_add_up():
                      int(rng.integers(0, 5)) if plan.lookup else 0, 1)
         mixed[one_path] = sum(x.head_depth > 0 and x.lookup > 0 for x in plans[50:] if not x.probe)
     assert mixed[False] >= 30 and mixed[True] == 0, mixed
+
+
+def test_row_exact_vanilla_steps_cost_two_rows_so_one_lookup_token_is_free():
+    """A lookup token accepted 20% of the time: E[tau] 1.2 for a 2-row forward 1.4x a 1-row one
+    does not pay when a vanilla step runs one row, and always pays under row-exact decoding
+    (one_path), whose vanilla step runs two rows anyway."""
+    costs = CostModel({0: {1: 0.010, 2: 0.014, 16: 0.030}}, {0: 0.002})
+    chosen = {}
+    for one_path in (False, True):
+        p = planner(max_depth=0, total_tokens=1, top_k=1, max_lookup=1, costs=costs, one_path=one_path)
+        plans = []
+        for i in range(100):
+            plan = p.choose(1)
+            plans.append(plan)
+            p.record(plan, 0, int(plan.lookup > 0 and i % 5 == 0), 1)
+        chosen[one_path] = sum(x.lookup > 0 for x in plans[40:] if not x.probe)
+        settled = [x for x in plans[40:] if not x.probe]
+        assert settled and all(x.seconds == pytest.approx(0.014 if one_path else (0.014 if x.lookup else 0.010))
+                               for x in settled)
+    # one-row vanilla steps: lookup only now and then, when its faded estimate drifts back up
+    assert chosen[False] <= 6 and chosen[True] == len([x for x in plans[40:] if not x.probe]) >= 50, chosen

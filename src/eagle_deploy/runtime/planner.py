@@ -202,7 +202,9 @@ class DraftPlanner:
     max_depth / total_tokens / top_k: the configured head tree (its largest plan; 0 depth: no
     head); max_lookup: longest lookup chain. costs: the device's CostModel. one_path: the
     decoder accepts only along one path past depth 1 (row-exact decoding, decode.Decoder), so
-    two sources do not add up: E counts the likelier of the two at each depth. ngrams: the
+    two sources do not add up: E counts the likelier of the two at each depth; and it runs a
+    one-token forward as two rows, so a vanilla step costs what verifying one draft token does
+    (a single draft token is then free). ngrams: the
     longest suffix the lookup matches (its acceptance is tracked per match length). Per-request
     acceptance state is reset by `reset()`."""
 
@@ -250,8 +252,10 @@ class DraftPlanner:
         else:
             expected = 1.0 + (1.0 - (1.0 - h) * (1.0 - lk)).sum(-1)
         head_nodes = np.array([self.head_nodes(d) for d in range(D + 1)])
-        seconds = (np.arange(D + 1) * draft_s)[:, None] + self.costs.verify(1 + head_nodes[:, None]
-                                                                            + np.arange(L + 1)[None, :], past)
+        rows = 1 + head_nodes[:, None] + np.arange(L + 1)[None, :]
+        if self.one_path:  # row-exact: a one-token forward runs as two rows (decode.Decoder)
+            rows = np.maximum(rows, 2)
+        seconds = (np.arange(D + 1) * draft_s)[:, None] + self.costs.verify(rows, past)
         d, k = np.unravel_index(int(np.argmax(expected / seconds)), expected.shape)  # the first best: smallest
         best = Plan(int(d), int(head_nodes[d]), int(k), float(expected[d, k]), float(seconds[d, k]))
         return self._probed(best, lookup_available)
