@@ -384,6 +384,14 @@ def test_a_generation_budget_makes_a_part_per_run_and_says_when_prompts_are_left
         assert (a.tokens == b.tokens).all() and (a.offsets == b.offsets).all()
 
 
+def test_a_generation_budget_starts_no_part_it_would_overrun():
+    """The next part starts only if the last part's duration still fits in the budget."""
+    assert cli.part_fits(10.0, 20.0, 0.0)  # no budget
+    assert cli.part_fits(30.0, 20.0, 60.0) and cli.part_fits(40.0, 20.0, 60.0)
+    assert not cli.part_fits(41.0, 20.0, 60.0)  # 41 + 20 > 60: it would end past the budget
+    assert not cli.part_fits(70.0, 0.0, 60.0)  # already past it
+
+
 def test_the_data_key_sees_the_order_of_sequences():
     from eagle_deploy.train.data import TokenData
 

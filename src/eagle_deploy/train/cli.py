@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache-features", action="store_true",
                    help="keep features in memory only (large data on a GPU)")
     p.add_argument("--gen-time-budget-min", type=float, default=0.0,
-                   help="stop generating new data chunks after this many minutes (0: no limit); with --stop-after "
+                   help="generate no new part (1,024 prompts) that would not end within this many minutes, "
+                        "judged by the last part's duration (0: no limit; one part at least); with --stop-after "
                         "data, a bounded chunk of a long generation that a later run resumes")
     p.add_argument("--features-time-budget-min", type=float, default=0.0,
                    help="stop computing new feature blocks after this many minutes (0: no limit; one block is "
@@ -532,12 +533,12 @@ def _generate(session: Session, hf, tokenizer, eos):
                   "seed": args.seed if any(m > 0 for m in modes) else None,  # greedy parts: seed only orders prompts
                   "target": session.target}
     bar = tqdm(total=len(prompts) * len(modes), desc="generate", unit="resp", file=sys.stderr)
-    done, made, t0, budget = [], 0, time.perf_counter(), 60 * args.gen_time_budget_min
+    done, made, t0, budget, last_s = [], 0, time.perf_counter(), 60 * args.gen_time_budget_min, 0.0
     try:
         for c0 in range(0, len(prompts), chunk):
             path = parts / f"part-{c0 // chunk:05d}.npz"
             rows = prompts[c0:c0 + chunk]
-            if budget and made and time.perf_counter() - t0 > budget and not path.exists():  # one part at least
+            if made and not path.exists() and not part_fits(time.perf_counter() - t0, last_s, budget):
                 log(f"generation time budget reached after {c0} of {len(prompts)} prompts ({made} new part(s) in "
                     f"{parts}); the same command resumes after them")
                 session.prompts_left = len(prompts) - c0
@@ -549,7 +550,7 @@ def _generate(session: Session, hf, tokenizer, eos):
                 part.header = {"generation": generation, "chunk": chunk_digest(rows), "recipe": s,
                                "prompts": str(args.prompts), "seconds": round(time.perf_counter() - t, 1)}
                 part.save(path)
-                made += 1
+                made, last_s = made + 1, part.header["seconds"]
                 tok_s = part.response_tokens / max(part.header["seconds"], 1e-9)
                 log(f"data: {path.name}: {len(part)} sequences, {part.response_tokens} response tokens in "
                     f"{part.header['seconds']} s ({tok_s:.0f} tok/s)")
@@ -565,6 +566,14 @@ def _generate(session: Session, hf, tokenizer, eos):
     data = TokenData.concat(done)
     log(f"data: {len(data)} sequences, {data.response_tokens} response tokens from {len(done)} part(s) in {parts}")
     return data
+
+
+def part_fits(elapsed_s: float, last_part_s: float, budget_s: float) -> bool:
+    """Whether --gen-time-budget-min leaves room for another part (0 budget: no limit): the
+    last part's duration must still fit, so a run ends within its budget (give or take one
+    part's variation) instead of starting a part it will overrun. Every run makes one part at
+    least (the caller asks only after one)."""
+    return not budget_s or elapsed_s + last_part_s <= budget_s
 
 
 def chunk_digest(rows: list[dict]) -> str:
