@@ -300,10 +300,26 @@ def test_tune_cli_no_save_leaves_the_manifest(export_dir, tmp_path, capsys, monk
     assert (folder / "manifest.json").read_text() == before
 
 
-def _small_tune_init(init):
+def test_tune_cli_calibrates_on_spec_bench(export_dir, tmp_path, capsys, monkeypatch):
+    """--tune --specbench: the calibration prompts are Spec-Bench questions (no built-in set)."""
+    folder = copy_export(export_dir, tmp_path / "sb")
+    seen = []
+    monkeypatch.setattr(tn.TuneConfig, "__init__", _small_tune_init(tn.TuneConfig.__init__, seen))
+    assert cli.main(["--engines", str(folder), "--specbench", str(specbench_file(tmp_path, 2)), "--tune", "--no-save",
+                     "--calib", "3", "--threads", "1", "--max-new-tokens", "8", "--repeats", "1", "-q"]) == 0
+    assert "chosen tree:" in capsys.readouterr().out
+    (cfg,) = seen
+    assert {p["set"] for p in cfg.prompts} == {"specbench"}
+    assert {p["category"] for p in cfg.prompts} == {"mt_bench", "translation", "summarization", "qa",
+                                                    "math_reasoning", "rag"}
+
+
+def _small_tune_init(init, seen=None):
     def small(self, *args, **kw):
         init(self, *args, **kw)
         self.top_ks, self.max_depth, self.sizes, self.verify_top = (1, 2), 2, (1, 2, 4), 1
+        if seen is not None:
+            seen.append(self)
     return small
 
 

@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("tuning (--tune)")
     t.add_argument("--tune", action="store_true",
                    help="measure cost curves and acceptance, pick the tree, write it to the manifest")
-    t.add_argument("--calib", type=int, default=4, help="calibration prompts for --tune")
+    t.add_argument("--calib", type=int, default=4,
+                   help="calibration prompts for --tune, spread over --prompts / --sets / --specbench (Spec-Bench "
+                        "alone: its questions, every task)")
     t.add_argument("--repeats", type=int, default=5, help="timed forwards per cost-curve point (median)")
     t.add_argument("--no-save", action="store_true", help="--tune: report the choice without writing the manifest")
     add_tree_args(p, "the export's manifest")
@@ -168,8 +170,9 @@ def _tune(args, tree, say) -> int:
     from .run import load_prompts
     from .tune import TuneConfig, tune
 
-    sets = [str(p) for p in args.prompts] or [s.strip() for s in (args.sets or SETS_DEFAULT).split(",") if s.strip()]
-    prompts = load_prompts(sets, 0)
+    default = "" if args.specbench is not None and args.sets is None else (args.sets or SETS_DEFAULT)
+    sets = [str(p) for p in args.prompts] or [s.strip() for s in default.split(",") if s.strip()]
+    prompts = load_prompts(sets, 0, args.specbench)  # --specbench: all its questions; --calib of them, spread
     cfg = TuneConfig(args.engines, prompts, calib=args.calib, max_new_tokens=min(args.max_new_tokens, 64),
                      repeats=args.repeats, threads=args.threads, backend=args.backends[0], save=not args.no_save)
     record = tune(cfg, log=(lambda m: None) if args.quiet else say)
