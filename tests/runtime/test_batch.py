@@ -372,11 +372,16 @@ def test_a_long_prefill_runs_in_chunks_between_other_slots_forwards(model):
     prefilled in chunks, each between two of slot 1's forwards; both requests' tokens, every
     round's logits and the committed KV rows equal their solo runs bit for bit (row-exact), and
     no chunk is a single row."""
-    decoding = threading.Event()
+    decoding, arrived = threading.Event(), threading.Event()
     logs = [LogitsLog() for _ in range(2)]
     factory, script = forced(model, [LONG, PROMPTS[1]])
+
+    def slot1_round(*_):  # slot 1 decodes its next round only once slot 0 is busy, however loaded the machine
+        decoding.set()
+        assert arrived.wait(60)
+
     eng = engine(model, 2, row_exact=True, drafters=factory, prefill_chunk=8,
-                 round_observers=lambda b: [logs[b]] + ([lambda *a: decoding.set()] if b == 1 else []))
+                 round_observers=lambda b: [logs[b]] + ([slot1_round] if b == 1 else []))
     events = []
     run_chunk, run_group = eng._run_chunk, eng._run_group
 
@@ -396,6 +401,8 @@ def test_a_long_prefill_runs_in_chunks_between_other_slots_forwards(model):
         if slot == 0:
             assert decoding.wait(60)
         with eng.busy(slot) as rt:
+            if slot == 0:
+                arrived.set()
             results[slot] = rt.generate(prompt, max_new_tokens=N)
             kv[slot] = [a.copy() for a in rt.decoder.kv.arrays]
 

@@ -90,8 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--seed", type=int, default=0,
                    help="seed for sampled data, head initialisation, noise and batch order (default: 0)")
-    meaning = {"ce_topk": "; 0: soft cross-entropy over the full target distribution (or the --draft-vocab ids), "
-                          "K: over the target's top-K probabilities, renormalised",
+    meaning = {"ce_topk": "; EAGLE-1/2 heads: the soft labels of the cross-entropy term (weight 0.1): "
+                          "0 = the target's whole distribution (softmax over the --draft-vocab ids when given), "
+                          "K = its top-K "
+                          "probabilities renormalised (the head's log-probabilities stay over all the ids scored)",
                "modes": "; sampling temperatures of the generated answers, 0 = greedy",
                "time_budget_min": "; training minutes, the cosine schedule ends with it (0: none)"}
     for name, default in PRESETS["cpu-quick"].items():
@@ -116,9 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache-features", action="store_true",
                    help="keep features in memory only (large data on a GPU)")
     p.add_argument("--gen-time-budget-min", type=float, default=0.0,
-                   help="generate no new part (1,024 prompts) that would not end within this many minutes, "
-                        "judged by the last part's duration (0: no limit; one part at least); with --stop-after "
-                        "data, a bounded chunk of a long generation that a later run resumes")
+                   help="minutes from the start of the data stage: start no new part (1,024 prompts, or "
+                        "--gen-batch if larger; one answer per --modes value each) that the last part's duration "
+                        "says would end later (0: no limit; one part at least); with --stop-after data, a bounded "
+                        "chunk of a long generation that a later run resumes")
     p.add_argument("--features-time-budget-min", type=float, default=0.0,
                    help="stop computing new feature blocks after this many minutes (0: no limit; one block is "
                         "always computed); the same command resumes after the finished blocks")
