@@ -143,8 +143,7 @@ def _bench(args, tree, say) -> int:
 
     chosen = args.baselines if args.baselines is not None else [b for b in DEFAULT_BASELINES.split(",") if b]
     baselines = [] if args.no_baselines else chosen
-    names = args.sets if args.sets is not None else ("" if args.specbench is not None else SETS_DEFAULT)
-    sets = [str(p) for p in args.prompts] or [s.strip() for s in names.split(",") if s.strip()]
+    sets = _prompt_sets(args)
     limit = args.limit if args.limit is not None else (0 if args.prompts else DEFAULT_LIMIT)
     cfg = BenchConfig(args.engines, sets, limit, args.max_new_tokens, args.temperatures, baselines, args.backends,
                       args.threads, tree, args.seed, not args.no_warmup, memory=not args.no_memory,
@@ -166,13 +165,18 @@ def _bench(args, tree, say) -> int:
     return 0
 
 
+def _prompt_sets(args) -> list[str]:
+    """The prompt sets named by --prompts (files) or --sets; the built-in ones by default, none
+    when --specbench alone is given."""
+    names = args.sets if args.sets is not None else ("" if args.specbench is not None else SETS_DEFAULT)
+    return [str(p) for p in args.prompts] or [s.strip() for s in names.split(",") if s.strip()]
+
+
 def _tune(args, tree, say) -> int:
     from .run import load_prompts
     from .tune import TuneConfig, tune
 
-    default = "" if args.specbench is not None and args.sets is None else (args.sets or SETS_DEFAULT)
-    sets = [str(p) for p in args.prompts] or [s.strip() for s in default.split(",") if s.strip()]
-    prompts = load_prompts(sets, 0, args.specbench)  # --specbench: all its questions; --calib of them, spread
+    prompts = load_prompts(_prompt_sets(args), 0, args.specbench)  # all of each set; --calib of them, spread
     cfg = TuneConfig(args.engines, prompts, calib=args.calib, max_new_tokens=min(args.max_new_tokens, 64),
                      repeats=args.repeats, threads=args.threads, backend=args.backends[0], save=not args.no_save)
     record = tune(cfg, log=(lambda m: None) if args.quiet else say)

@@ -90,10 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--seed", type=int, default=0,
                    help="seed for sampled data, head initialisation, noise and batch order (default: 0)")
-    meaning = {"ce_topk": "; EAGLE-1/2 heads: the soft labels of the cross-entropy term (weight 0.1): "
-                          "0 = the target's whole distribution (softmax over the --draft-vocab ids when given), "
-                          "K = its top-K "
-                          "probabilities renormalised (the head's log-probabilities stay over all the ids scored)",
+    meaning = {"ce_topk": "; EAGLE-1/2 heads: the soft labels of the cross-entropy term: 0 = the target's whole "
+                          "distribution (softmax over the --draft-vocab ids when given), K = its top-K probabilities "
+                          "renormalised (the head's log-probabilities stay over all the ids scored)",
                "modes": "; sampling temperatures of the generated answers, 0 = greedy",
                "time_budget_min": "; training minutes, the cosine schedule ends with it (0: none)"}
     for name, default in PRESETS["cpu-quick"].items():
