@@ -304,3 +304,12 @@ def test_damaged_export_folder_is_one_clear_error(mha, tmp_path, capsys, case):
     lines = err.strip().splitlines()
     assert rc == 2 and out == "" and "Traceback" not in err
     assert len(lines) == 1 and lines[0].startswith("eagle-run: error: ") and word in lines[0], err
+
+
+def test_cli_vanilla_with_compare_vanilla_is_a_usage_error(capsys):
+    """`--vanilla --compare-vanilla` used to run vanilla alone and drop the comparison silently."""
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["--engines", "x", "--prompt", "hi", "--vanilla", "--compare-vanilla"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "--compare-vanilla: not allowed with argument --vanilla" in err

@@ -10,7 +10,15 @@ from eagle_deploy.exporter.draft_head import random_head, save_head
 from eagle_deploy.exporter.export import ExportOptions, export
 from eagle_deploy.exporter.heads import load_head
 from eagle_deploy.train.data import BatchedGenerator, TokenData, compute_features
-from eagle_deploy.train.trainer import TrainConfig, evaluate, split, train_head, unroll_masks, unrolled_forward
+from eagle_deploy.train.trainer import (
+    TrainConfig,
+    evaluate,
+    split,
+    steps_for_budget,
+    train_head,
+    unroll_masks,
+    unrolled_forward,
+)
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 77, 20, 21, 22, 23, 1, 2], [65, 32, 119], [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9]]
 
@@ -388,3 +396,42 @@ def test_eagle3_short_training_lowers_the_loss_and_the_head_decodes_losslessly(g
     result = rt.generate(prompt, max_new_tokens=24)
     assert result.token_ids == gqa.expected(prompt, 24)
     assert result.stats.mean_accept_len > 1.2  # the trained head's drafts are accepted
+
+
+def test_steps_for_budget_counts_what_the_rest_of_the_budget_holds():
+    # 20 steps in 25 s at 1.2 s/step: (600 - 25) * 0.95 / 1.2 = 455 more
+    assert steps_for_budget(20, 25.0, 1.2, 600.0, 10_000) == 475
+    assert steps_for_budget(20, 25.0, 1.2, 600.0, 300) == 300  # the epochs end first
+    assert steps_for_budget(20, 700.0, 1.2, 600.0, 300) == 21  # already over: one more step, not fewer than done
+
+
+def test_a_time_budget_plans_a_step_count_that_max_steps_repeats_exactly(gqa, tiny_data, monkeypatch):
+    """--time-budget-min turns into a step count after the first steps are timed and the lr
+    schedule depends on steps only, so --max-steps with the logged count gives the same weights
+    (the reproducibility a wall-clock-driven schedule lacked). The clock advances one second
+    per training step, so the plan does not depend on this machine."""
+    from eagle_deploy.train import trainer
+
+    data, feats = tiny_data
+    now = [0.0]
+    real = trainer.step_losses
+
+    def one_second_per_step(*a, train=False, **kw):
+        now[0] += 1.0 if train else 0.0
+        return real(*a, train=train, **kw)
+
+    monkeypatch.setattr(trainer, "step_losses", one_second_per_step)
+    cfg = TrainConfig(epochs=50, lr=3e-3, warmup_steps=4, batch_tokens=512, unroll=2, val_fraction=0.2, seed=0,
+                      time_budget_s=40.0)
+    lines = []
+    budget_head = random_head(gqa.hf, seed=3)
+    history = train_head(budget_head, data, feats, cfg, "cpu", log=lines.append, clock=lambda: now[0])
+    # timed over steps 2-4 (1 s each): 4 + (40 - 4) * 0.95 = 38 steps of the 50 epochs' hundreds
+    assert history["steps"] == history["steps_done"] == 38, history
+    assert any("--max-steps 38 reproduces" in line for line in lines), lines
+    fixed_head = random_head(gqa.hf, seed=3)
+    fixed = train_head(fixed_head, data, feats, TrainConfig(**{**cfg.to_json(), "max_steps": 38}), "cpu",
+                       log=lambda *_: None, clock=lambda: now[0])
+    assert fixed["steps_done"] == fixed["steps"] == 38
+    for name, value in budget_head.state_dict().items():
+        assert torch.equal(value, fixed_head.state_dict()[name]), name

@@ -310,6 +310,8 @@ def test_bad_chunk_settings_fail_before_any_stage(gqa, prompts, tmp_path, capsys
     assert "drop --no-cache-features" in capsys.readouterr().err
     assert cli.main([*base, "--gen-time-budget-min", "-1"]) == 2
     assert "must be >= 0" in capsys.readouterr().err
+    assert cli.main([*base, "--max-steps", "-3"]) == 2
+    assert "--max-steps must be >= 0" in capsys.readouterr().err
     (tmp_path / "afile").write_text("x")
     assert cli.main([*base, "--data-dir", str(tmp_path / "afile")]) == 2
     assert "--data-dir" in capsys.readouterr().err and not work.exists()

@@ -32,9 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop string (repeatable); the text ends before it. "
                         "Taken literally: in bash, $'\\n' is a newline")
     p.add_argument("--stream", action="store_true", help="print text as tokens are committed")
-    p.add_argument("--vanilla", action="store_true", help="plain one-token-per-forward decoding on the same engine")
-    p.add_argument("--compare-vanilla", action="store_true",
-                   help="also run vanilla decoding and print the speed-up and whether outputs are identical")
+    which = p.add_mutually_exclusive_group()  # --vanilla --compare-vanilla would compare vanilla with itself
+    which.add_argument("--vanilla", action="store_true", help="plain one-token-per-forward decoding on the same engine")
+    which.add_argument("--compare-vanilla", action="store_true",
+                       help="also run vanilla decoding and print the speed-up and whether outputs are identical "
+                            "(not with --vanilla)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of text; its 'memory' holds resident memory by stage and peak "
                         "(vanilla's measured before the draft graph is opened), GPU memory on device backends, and "
@@ -84,7 +86,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
         device = args.backend != "ort"
         vanilla = None
-        if args.compare_vanilla and not args.vanilla:
+        if args.compare_vanilla:
             rt.generate(args.prompt, **{**kw, "max_new_tokens": 4}, mode="vanilla")  # warm-up
             vanilla = rt.generate(args.prompt, **kw, mode="vanilla")
             memory["vanilla"] = snapshot(device)

@@ -39,7 +39,7 @@ HEAD_FILE = "head.pt"
 UNFINISHED = 3  # exit status: a time budget ended the data or feature stage first; run the same command again
 
 PRESETS = {
-    # fits in ~60 minutes on a 2-core CPU, data generation included
+    # 29 minutes measured on a 2-core CPU, data generation included (the training cap is 30)
     "cpu-quick": dict(limit=900, modes="0", max_new_tokens=160, gen_batch=32, epochs=6.0, batch_tokens=2048,
                       lr=6e-4, ce_topk=32, unroll=1, time_budget_min=30.0, warmup_steps=100),
     # a GPU recipe (minutes on one H100/H200 for SmolLM2; hours for 7B targets)
@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sequences", type=int, default=0,
                    help="train on a random subset of this many sequences of the data (0: all; CPU recipes)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-quick",
-                   help="settings bundle: cpu-quick (~30 min on 2 CPU cores, 900 prompts) or gpu (all prompts, sampled "
-                        "answers too, 3-step unrolling); any flag below overrides one value (default: cpu-quick)")
+                   help="settings bundle: cpu-quick (900 prompts; measured 29 min on 2 CPU cores: data 10, "
+                        "features 3, training 15 of its 30-min cap) or gpu (all prompts, sampled answers too, "
+                        "3-step unrolling); any flag below overrides one value (default: cpu-quick)")
     p.add_argument("--prompts", default="train",
                    help="'train' (data/prompts/train_prompts.jsonl) or a prompt file: JSONL (or a JSON array) of "
                         "{\"prompt\": ...}, ShareGPT {\"conversations\": [{\"from\", \"value\"}]} or OpenAI "
@@ -94,10 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "distribution (softmax over the --draft-vocab ids when given), K = its top-K probabilities "
                           "renormalised (the head's log-probabilities stay over all the ids scored)",
                "modes": "; sampling temperatures of the generated answers, 0 = greedy",
-               "time_budget_min": "; training minutes, the cosine schedule ends with it (0: none)"}
+               "time_budget_min": "; training minutes: the steps it fits, planned from the first steps' "
+                                  "time, are where the cosine schedule ends (0: none)"}
     for name, default in PRESETS["cpu-quick"].items():
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=None,
                        help=f"preset value (cpu-quick: {default}; gpu: {PRESETS['gpu'][name]}{meaning.get(name, '')})")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="train exactly this many steps (batches of --batch-tokens), the cosine schedule ending "
+                        "there; --epochs is then ignored and --time-budget-min only stops a run that reaches "
+                        "it. A --time-budget-min run logs the step count it planned after timing its first "
+                        "steps: this flag with that count repeats its schedule on any machine (0: from "
+                        "--epochs and --time-budget-min)")
     p.add_argument("--init-from-layer", type=int, default=None,
                    help="initialise the head's layer from this target layer")
     p.add_argument("--init-head", type=Path, default=None, metavar="HEAD_DIR",
@@ -236,6 +244,8 @@ def open_session(args, s: dict) -> Session:
                          "/proc/cpuinfo); this CPU emulates bf16, slower than fp32: use --torch-dtype fp32")
     if args.gen_time_budget_min < 0 or args.features_time_budget_min < 0:
         raise ValueError("--gen-time-budget-min and --features-time-budget-min must be >= 0")
+    if args.max_steps < 0:
+        raise ValueError(f"--max-steps must be >= 0 (0: from --epochs), got {args.max_steps}")
     if args.features_time_budget_min and args.no_cache_features:
         raise ValueError("--features-time-budget-min needs the feature cache (a block computed and not kept would "
                          "be computed again by every run): drop --no-cache-features")
@@ -449,7 +459,8 @@ def head_from_features(session: Session, hf, data, features, counts, init: InitH
     args, s = session.args, session.settings
     key = {"data": data_key(data), "settings": s, "seed": args.seed, "init_from_layer": args.init_from_layer,
            "torch_dtype": args.torch_dtype, "target": session.target,
-           **({"init_head": init.sha256} if init is not None else {})}
+           **({"init_head": init.sha256} if init is not None else {}),
+           **({"max_steps": args.max_steps} if args.max_steps else {})}
     target_lm = None
     if args.arch == "eagle3":
         key.update(arch="eagle3", draft_vocab=args.draft_vocab, feature_layers=args.feature_layers)
@@ -473,7 +484,7 @@ def head_from_features(session: Session, hf, data, features, counts, init: InitH
         _init_from_layer(head, hf, args.init_from_layer)
     cfg = TrainConfig(epochs=s["epochs"], lr=s["lr"], batch_tokens=s["batch_tokens"], ce_topk=s["ce_topk"],
                       unroll=s["unroll"], seed=args.seed, time_budget_s=60.0 * s["time_budget_min"],
-                      warmup_steps=s["warmup_steps"], cpu_bf16=args.torch_dtype == "bf16")
+                      warmup_steps=s["warmup_steps"], max_steps=args.max_steps, cpu_bf16=args.torch_dtype == "bf16")
     history = train_head(head, data, features, cfg, session.device, log=session.log, target_lm=target_lm)
     torch.save({"key": key, "state": head.state_dict(), "history": history}, head_path)
     return head, history

@@ -52,7 +52,11 @@ class TrainConfig:
     max_seq_len: int = 1024
     val_fraction: float = 0.03
     seed: int = 0
-    time_budget_s: float = 0.0  # 0: no limit; else stop after this many seconds of training
+    # 0: no limit; else the number of steps is planned from the time per step measured over the
+    # first steps (steps_for_budget), the cosine schedule ends there, and training also stops
+    # if it reaches the budget first (validation included)
+    time_budget_s: float = 0.0
+    max_steps: int = 0  # > 0: exactly this many steps (the schedule ends there); epochs and the budget's plan ignored
     # bf16 autocast on a CPU too (CUDA always trains under it); for CPUs with native bf16, where
     # a step measured 1.35x faster (Xeon with AMX, SmolLM2 head, unroll 3, 4096 tokens)
     cpu_bf16: bool = False
@@ -264,10 +268,11 @@ def evaluate(head: EagleHead | Eagle3Head, data, features, order, cfg: TrainConf
 
 
 def train_head(head: EagleHead | Eagle3Head, data: TokenData, features: list[torch.Tensor], cfg: TrainConfig,
-               device: str, log=print, target_lm: torch.Tensor | None = None) -> dict:
-    """Train `head` in place; returns a history dict (per-epoch validation, wall time). The
-    target's embedding (and an EAGLE-1/2 head's shared LM head) stay frozen; an EAGLE-3 head
-    trains its own LM head against `target_lm` (see step_losses)."""
+               device: str, log=print, target_lm: torch.Tensor | None = None, clock=time.perf_counter) -> dict:
+    """Train `head` in place; returns a history dict (per-epoch validation, wall time, "steps"
+    planned and "steps_done"). The target's embedding (and an EAGLE-1/2 head's shared LM head)
+    stay frozen; an EAGLE-3 head trains its own LM head against `target_lm` (see step_losses).
+    `clock` (seconds) times the budget (cfg.time_budget_s)."""
     torch.manual_seed(cfg.seed)
     head.to(device).train()
     frozen = (head.embed.weight,) if isinstance(head, Eagle3Head) else (head.embed.weight, head.lm_head.weight)
@@ -287,20 +292,21 @@ def train_head(head: EagleHead | Eagle3Head, data: TokenData, features: list[tor
             raise ValueError(f"no training sequence has a response position within max_seq_len {cfg.max_seq_len}")
     rng = np.random.default_rng(cfg.seed)
     per_epoch = len(_batches(data, train_idx, cfg.batch_tokens, cfg.max_seq_len, None))
-    total_steps = max(1, int(math.ceil(per_epoch * cfg.epochs)))
+    total_steps = cfg.max_steps or max(1, int(math.ceil(per_epoch * cfg.epochs)))
+    # a time budget becomes a step count once PLAN_STEPS steps are timed; the lr schedule
+    # depends on steps only, so --max-steps with the logged count reproduces the run
+    plan_at = 0 if cfg.max_steps or not cfg.time_budget_s else min(PLAN_STEPS, max(2, cfg.warmup_steps))
     history = {"config": cfg.to_json(), "train_sequences": int(len(train_idx)), "val_sequences": int(len(val_idx)),
                "steps": total_steps, "epochs": [], "val": []}
-    t0, step = time.perf_counter(), 0
+    t0, step, t1 = clock(), 0, 0.0
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if str(device).startswith("cuda")
                 else torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.cpu_bf16))
     while step < total_steps:
         running = []
         for idx in _batches(data, train_idx, cfg.batch_tokens, cfg.max_seq_len, rng):
-            if step >= total_steps or (cfg.time_budget_s and time.perf_counter() - t0 > cfg.time_budget_s):
+            if step >= total_steps or (cfg.time_budget_s and clock() - t0 > cfg.time_budget_s):
                 break
-            elapsed = time.perf_counter() - t0
-            progress = max(step / total_steps, elapsed / cfg.time_budget_s if cfg.time_budget_s else 0.0)
-            lr = cfg.lr * _schedule(step, cfg.warmup_steps, progress, cfg.min_lr_ratio)
+            lr = cfg.lr * _schedule(step, cfg.warmup_steps, step / total_steps, cfg.min_lr_ratio)
             for g in opt.param_groups:
                 g["lr"] = lr
             with autocast:
@@ -312,25 +318,48 @@ def train_head(head: EagleHead | Eagle3Head, data: TokenData, features: list[tor
             opt.step()
             running.append(ms)
             step += 1
+            if step == 1:
+                t1 = clock()  # the first step (allocations, first-call costs) is not timed for the plan
+            elif step == plan_at:
+                now = clock()
+                planned = steps_for_budget(step, now - t0, (now - t1) / (step - 1), cfg.time_budget_s, total_steps)
+                if planned < total_steps:
+                    total_steps = history["steps"] = planned
+                    log(f"train: the {cfg.time_budget_s / 60:g}-min budget fits {planned} steps at "
+                        f"{(now - t1) / (step - 1):.2f} s/step (--max-steps {planned} reproduces this schedule)")
             if step % 50 == 0:
                 first = [m for r in running[-50:] for m in r if m["step"] == 1]
                 log(f"step {step}/{total_steps} lr {lr:.2e} loss {float(loss.detach()):.4f} "
-                    f"acc1 {np.mean([m['acc'] for m in first]):.3f} ({time.perf_counter() - t0:.0f}s)")
+                    f"acc1 {np.mean([m['acc'] for m in first]):.3f} ({clock() - t0:.0f}s)")
         if val_idx.size:
             with autocast:
                 val = evaluate(head, data, features, val_idx, cfg, device, target_lm)
-            history["val"].append({"step": step, "time_s": round(time.perf_counter() - t0, 1), "metrics": val})
+            history["val"].append({"step": step, "time_s": round(clock() - t0, 1), "metrics": val})
             log("val " + " ".join(f"acc{m['step']} {m['acc']:.3f}" for m in val) + f" (step {step})")
-        if cfg.time_budget_s and time.perf_counter() - t0 > cfg.time_budget_s:
+        if cfg.time_budget_s and clock() - t0 > cfg.time_budget_s:
             break
-    history["wall_time_s"] = round(time.perf_counter() - t0, 1)
+    history["wall_time_s"] = round(clock() - t0, 1)
     history["steps_done"] = step
+    if step < total_steps:
+        log(f"train: the time budget ended training at step {step} of the {total_steps} planned")
     return history
 
 
+PLAN_STEPS = 20  # steps timed (after the first) before a time budget is turned into a step count
+VAL_SHARE = 0.05  # of the remaining budget, kept for the per-epoch validation passes
+
+
+def steps_for_budget(step: int, elapsed_s: float, per_step_s: float, budget_s: float, total_steps: int) -> int:
+    """Steps a time budget fits: the `step` already done in `elapsed_s` plus what the rest of
+    `budget_s` (less VAL_SHARE for validation) holds at `per_step_s` seconds per step, at most
+    `total_steps` (the epochs' count) and at least `step + 1`."""
+    more = int((budget_s - elapsed_s) * (1 - VAL_SHARE) / max(per_step_s, 1e-9))
+    return max(step + 1, min(total_steps, step + more))
+
+
 def _schedule(step: int, warmup: int, progress: float, floor: float) -> float:
-    """Linear warm-up, then cosine decay to `floor` over `progress` in [0, 1] (the larger of
-    the step fraction and the time-budget fraction)."""
+    """Linear warm-up, then cosine decay to `floor` over `progress` in [0, 1] (the fraction of
+    the planned steps done)."""
     if step < warmup:
         return (step + 1) / warmup
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
