@@ -72,6 +72,14 @@ def test_changed_settings_retrain_but_reuse_data_and_features(gqa, prompts, tmp_
     log = _train(gqa, prompts, out, work, capsys, "--draft-vocab", "16")  # CE over 16 ids (< ce_topk 32): retrained
     assert "train: cached head" not in log and "cross-entropy over the 16 most frequent response tokens" in log
     assert json.loads((out / "train_log.json").read_text())["draft_vocab"] == 16
+    # --max-seq-len reaches the trainer and keys the head cache: a cut that skips every prompt retrains and fails
+    seqs = json.loads((out / "train_log.json").read_text())["train"]["train_sequences"]
+    log = _train(gqa, prompts, out, work, capsys, "--draft-vocab", "16", "--max-seq-len", "4000")
+    assert "train: cached head" not in log
+    train_log = json.loads((out / "train_log.json").read_text())["train"]
+    assert train_log["config"]["max_seq_len"] == 4000 and train_log["train_sequences"] == seqs
+    log = _train(gqa, prompts, out, work, capsys, "--draft-vocab", "16", "--max-seq-len", "2", status=2)
+    assert "no training sequence has a response position within max_seq_len 2" in log
 
 
 def test_init_head_continues_from_a_trained_head(gqa, prompts, tmp_path, capsys):
@@ -312,6 +320,11 @@ def test_bad_chunk_settings_fail_before_any_stage(gqa, prompts, tmp_path, capsys
     assert "must be >= 0" in capsys.readouterr().err
     assert cli.main([*base, "--max-steps", "-3"]) == 2
     assert "--max-steps must be >= 0" in capsys.readouterr().err
+    assert cli.main([*base, "--max-seq-len", "1"]) == 2
+    assert "--max-seq-len must be >= 2" in capsys.readouterr().err
+    from eagle_deploy.train.trainer import TrainConfig
+
+    assert cli.MAX_SEQ_LEN == TrainConfig.max_seq_len  # the flag's default is the trainer's
     (tmp_path / "afile").write_text("x")
     assert cli.main([*base, "--data-dir", str(tmp_path / "afile")]) == 2
     assert "--data-dir" in capsys.readouterr().err and not work.exists()

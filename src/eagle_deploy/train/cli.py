@@ -36,6 +36,7 @@ FEATURES_DIR = "features"
 PART_PROMPTS = 1024
 FEATURE_BLOCK = 512  # sequences per cached feature block (SmolLM2: ~1 minute on 2 cores in bf16)
 HEAD_FILE = "head.pt"
+MAX_SEQ_LEN = 1024  # TrainConfig.max_seq_len (a test keeps them equal; trainer imports torch)
 UNFINISHED = 3  # exit status: a time budget ended the data or feature stage first; run the same command again
 
 PRESETS = {
@@ -106,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "it. A --time-budget-min run logs the step count it planned after timing its first "
                         "steps: this flag with that count repeats its schedule on any machine (0: from "
                         "--epochs and --time-budget-min)")
+    p.add_argument("--max-seq-len", type=int, default=MAX_SEQ_LEN,
+                   help="tokens of a sequence (prompt + response) trained on; longer ones are cut there, and one "
+                        "whose prompt alone fills them is skipped (logged). Raise it (e.g. 2304) to train on "
+                        "summarization / RAG-length documents; a step then holds fewer sequences (default: %(default)s)")
     p.add_argument("--init-from-layer", type=int, default=None,
                    help="initialise the head's layer from this target layer")
     p.add_argument("--init-head", type=Path, default=None, metavar="HEAD_DIR",
@@ -246,6 +251,8 @@ def open_session(args, s: dict) -> Session:
         raise ValueError("--gen-time-budget-min and --features-time-budget-min must be >= 0")
     if args.max_steps < 0:
         raise ValueError(f"--max-steps must be >= 0 (0: from --epochs), got {args.max_steps}")
+    if args.max_seq_len < 2:
+        raise ValueError(f"--max-seq-len must be >= 2 (a prompt token and a response token), got {args.max_seq_len}")
     if args.features_time_budget_min and args.no_cache_features:
         raise ValueError("--features-time-budget-min needs the feature cache (a block computed and not kept would "
                          "be computed again by every run): drop --no-cache-features")
@@ -460,7 +467,8 @@ def head_from_features(session: Session, hf, data, features, counts, init: InitH
     key = {"data": data_key(data), "settings": s, "seed": args.seed, "init_from_layer": args.init_from_layer,
            "torch_dtype": args.torch_dtype, "target": session.target,
            **({"init_head": init.sha256} if init is not None else {}),
-           **({"max_steps": args.max_steps} if args.max_steps else {})}
+           **({"max_steps": args.max_steps} if args.max_steps else {}),
+           **({"max_seq_len": args.max_seq_len} if args.max_seq_len != MAX_SEQ_LEN else {})}
     target_lm = None
     if args.arch == "eagle3":
         key.update(arch="eagle3", draft_vocab=args.draft_vocab, feature_layers=args.feature_layers)
@@ -484,7 +492,8 @@ def head_from_features(session: Session, hf, data, features, counts, init: InitH
         _init_from_layer(head, hf, args.init_from_layer)
     cfg = TrainConfig(epochs=s["epochs"], lr=s["lr"], batch_tokens=s["batch_tokens"], ce_topk=s["ce_topk"],
                       unroll=s["unroll"], seed=args.seed, time_budget_s=60.0 * s["time_budget_min"],
-                      warmup_steps=s["warmup_steps"], max_steps=args.max_steps, cpu_bf16=args.torch_dtype == "bf16")
+                      warmup_steps=s["warmup_steps"], max_steps=args.max_steps, max_seq_len=args.max_seq_len,
+                      cpu_bf16=args.torch_dtype == "bf16")
     history = train_head(head, data, features, cfg, session.device, log=session.log, target_lm=target_lm)
     torch.save({"key": key, "state": head.state_dict(), "history": history}, head_path)
     return head, history
