@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=MAX_SEQ_LEN,
                    help="tokens of a sequence (prompt + response) trained on; longer ones are cut there, and one "
                         "whose prompt alone fills them is skipped (logged). Raise it (e.g. 2304) to train on "
-                        "summarization / RAG-length documents; a step then holds fewer sequences (default: %(default)s)")
+                        "summarization / RAG-length documents; a step then holds fewer sequences "
+                        "(default: %(default)s)")
     p.add_argument("--init-from-layer", type=int, default=None,
                    help="initialise the head's layer from this target layer")
     p.add_argument("--init-head", type=Path, default=None, metavar="HEAD_DIR",
