@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "distribution (softmax over the --draft-vocab ids when given), K = its top-K probabilities "
                           "renormalised (the head's log-probabilities stay over all the ids scored)",
                "modes": "; sampling temperatures of the generated answers, 0 = greedy",
-               "time_budget_min": "; training minutes: the steps it fits, planned from the first steps' "
+               "time_budget_min": "; training minutes: the steps it fits, planned from the warm-up steps' "
                                   "time, are where the cosine schedule ends (0: none)"}
     for name, default in PRESETS["cpu-quick"].items():
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=None,
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=0,
                    help="train exactly this many steps (batches of --batch-tokens), the cosine schedule ending "
                         "there; --epochs is then ignored and --time-budget-min only stops a run that reaches "
-                        "it. A --time-budget-min run logs the step count it planned after timing its first "
+                        "it. A --time-budget-min run logs the step count it planned after timing its warm-up "
                         "steps: this flag with that count repeats its schedule on any machine (0: from "
                         "--epochs and --time-budget-min)")
     p.add_argument("--max-seq-len", type=int, default=MAX_SEQ_LEN,

@@ -53,7 +53,7 @@ class TrainConfig:
     val_fraction: float = 0.03
     seed: int = 0
     # 0: no limit; else the number of steps is planned from the time per step measured over the
-    # first steps (steps_for_budget), the cosine schedule ends there, and training also stops
+    # warm-up steps (steps_for_budget), the cosine schedule ends there, and training also stops
     # if it reaches the budget first (validation included)
     time_budget_s: float = 0.0
     max_steps: int = 0  # > 0: exactly this many steps (the schedule ends there); epochs and the budget's plan ignored
@@ -293,9 +293,12 @@ def train_head(head: EagleHead | Eagle3Head, data: TokenData, features: list[tor
     rng = np.random.default_rng(cfg.seed)
     per_epoch = len(_batches(data, train_idx, cfg.batch_tokens, cfg.max_seq_len, None))
     total_steps = cfg.max_steps or max(1, int(math.ceil(per_epoch * cfg.epochs)))
-    # a time budget becomes a step count once PLAN_STEPS steps are timed; the lr schedule
+    # a time budget becomes a step count at the end of the warm-up (at most PLAN_MAX steps),
+    # timed over its last three quarters (early steps run slower: first-call allocations). Until
+    # then the lr is the warm-up's, which does not depend on the count, and after it the schedule
     # depends on steps only, so --max-steps with the logged count reproduces the run
-    plan_at = 0 if cfg.max_steps or not cfg.time_budget_s else min(PLAN_STEPS, max(2, cfg.warmup_steps))
+    plan_at = 0 if cfg.max_steps or not cfg.time_budget_s else min(PLAN_MAX, max(2, cfg.warmup_steps))
+    time_from = max(1, plan_at // 4)
     history = {"config": cfg.to_json(), "train_sequences": int(len(train_idx)), "val_sequences": int(len(val_idx)),
                "steps": total_steps, "epochs": [], "val": []}
     t0, step, t1 = clock(), 0, 0.0
@@ -318,15 +321,16 @@ def train_head(head: EagleHead | Eagle3Head, data: TokenData, features: list[tor
             opt.step()
             running.append(ms)
             step += 1
-            if step == 1:
-                t1 = clock()  # the first step (allocations, first-call costs) is not timed for the plan
+            if step == time_from:
+                t1 = clock()
             elif step == plan_at:
                 now = clock()
-                planned = steps_for_budget(step, now - t0, (now - t1) / (step - 1), cfg.time_budget_s, total_steps)
+                per_step = (now - t1) / (step - time_from)
+                planned = steps_for_budget(step, now - t0, per_step, cfg.time_budget_s, total_steps)
                 if planned < total_steps:
                     total_steps = history["steps"] = planned
                     log(f"train: the {cfg.time_budget_s / 60:g}-min budget fits {planned} steps at "
-                        f"{(now - t1) / (step - 1):.2f} s/step (--max-steps {planned} reproduces this schedule)")
+                        f"{per_step:.2f} s/step (--max-steps {planned} reproduces this schedule)")
             if step % 50 == 0:
                 first = [m for r in running[-50:] for m in r if m["step"] == 1]
                 log(f"step {step}/{total_steps} lr {lr:.2e} loss {float(loss.detach()):.4f} "
@@ -345,7 +349,7 @@ def train_head(head: EagleHead | Eagle3Head, data: TokenData, features: list[tor
     return history
 
 
-PLAN_STEPS = 20  # steps timed (after the first) before a time budget is turned into a step count
+PLAN_MAX = 100  # the latest step at which a time budget is turned into a step count
 VAL_SHARE = 0.05  # of the remaining budget, kept for the per-epoch validation passes
 
 
