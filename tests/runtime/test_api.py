@@ -201,6 +201,7 @@ CLI_BAD = {
     "stream+json": ["--stream", "--json"],
     "total-tokens=1": ["--total-tokens", "1"],
     "depth=0": ["--depth", "0"],
+    "threads=0": ["--threads", "0"],
 }
 
 

@@ -102,3 +102,12 @@ def test_cli_row_exact_choice(export_dir, tmp_path, capsys):
         seen[choice] = json.loads(out.read_text())["row_exact"]
         assert ("row-exact: one path accepted per round" in capsys.readouterr().out) == seen[choice]
     assert seen == {"auto": False, "on": True, "off": False}
+
+
+@pytest.mark.parametrize("flags", [["--max-new-tokens", "-5"], ["--limit", "-1"], ["--threads", "0"]])
+def test_cli_bad_numbers_are_one_line_before_the_export_opens(flags, tmp_path, capsys):
+    """Once a traceback after the progress bar had started; the export folder is not even read
+    (it does not exist here)."""
+    rc = ev.main(["--engines", str(tmp_path / "none"), "--prompts", "chat", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"eagle-eval: error: {flags[0]} must be >= "), err

@@ -310,7 +310,10 @@ def test_parts_of_another_target_and_damaged_caches(gqa, mha, prompts, tmp_path,
     assert len(err) == 1 and f"{part} is not a readable token-data part" in err[0]
 
 
-def test_bad_chunk_settings_fail_before_any_stage(gqa, prompts, tmp_path, capsys):
+def test_bad_chunk_settings_fail_before_any_stage(gqa, prompts, tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --device cuda is refused as on a CPU machine
     work = tmp_path / "w"
     base = ["--model", str(gqa.target_dir), "--out", str(tmp_path / "h"), "--work", str(work), "--prompts",
             str(prompts), *SMALL]
@@ -322,6 +325,14 @@ def test_bad_chunk_settings_fail_before_any_stage(gqa, prompts, tmp_path, capsys
     assert "--max-steps must be >= 0" in capsys.readouterr().err
     assert cli.main([*base, "--max-seq-len", "1"]) == 2
     assert "--max-seq-len must be >= 2" in capsys.readouterr().err
+    for flags, message in ((["--epochs", "0"], "--epochs must be > 0, got 0.0"), (["--lr", "-1"], "--lr must be > 0"),
+                           (["--unroll", "0"], "--unroll must be >= 1"),
+                           (["--gen-batch", "0"], "--gen-batch must be >= 1"),
+                           (["--modes", "0,x"], "--modes: comma-separated sampling temperatures >= 0"),
+                           (["--device", "cuda"], "--device cuda: no CUDA device is usable here")):
+        assert cli.main([*base, *flags]) == 2, flags
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and message in err[0] and not work.exists(), (flags, err)
     from eagle_deploy.train.trainer import TrainConfig
 
     assert cli.MAX_SEQ_LEN == TrainConfig.max_seq_len  # the flag's default is the trainer's

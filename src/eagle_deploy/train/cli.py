@@ -236,11 +236,33 @@ def run(args, s: dict) -> int:
     return 0
 
 
+def check_settings(s: dict) -> None:
+    """Raise ValueError naming the first preset value (after the flags) out of its range."""
+    least = {"limit": 0, "max_new_tokens": 1, "gen_batch": 1, "batch_tokens": 1, "ce_topk": 0, "unroll": 1,
+             "time_budget_min": 0, "warmup_steps": 0}
+    for name, low in least.items():
+        if s[name] < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {s[name]}")
+    for name in ("epochs", "lr"):
+        if not s[name] > 0:
+            raise ValueError(f"--{name} must be > 0, got {s[name]}")
+    try:
+        temperatures = [float(t) for t in str(s["modes"]).split(",")]
+    except ValueError:
+        temperatures = [-1.0]
+    if not all(t >= 0 for t in temperatures):
+        raise ValueError(f"--modes: comma-separated sampling temperatures >= 0 (0 = greedy), got {s['modes']!r}")
+
+
 def open_session(args, s: dict) -> Session:
     """Pick the device and create the work folder."""
     import torch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is usable here (torch {torch.__version__}); "
+                         "use --device cpu or auto")
+    check_settings(s)
     if device.startswith("cuda"):
         torch.set_float32_matmul_precision("high")  # TF32 matmuls for generation/features
     from .data import cpu_has_native_bf16

@@ -84,6 +84,10 @@ def main(argv=None) -> int:
     from eagle_deploy.runtime.api import EagleRuntime
 
     try:
+        for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--limit", args.limit, 0),
+                                   ("--threads", 1 if args.threads is None else args.threads, 1)):
+            if value < least:  # before the export is opened or any prompt runs
+                raise ValueError(f"{flag} must be >= {least}, got {value}")
         manifest = Manifest.load(args.engines)
         tree = tree_from_args(args, manifest.tree)
         rt = EagleRuntime.load(args.engines, tree=tree, threads=args.threads,
