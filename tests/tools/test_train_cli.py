@@ -325,7 +325,7 @@ def test_bad_chunk_settings_fail_before_any_stage(gqa, prompts, tmp_path, capsys
     assert "--max-steps must be >= 0" in capsys.readouterr().err
     assert cli.main([*base, "--max-seq-len", "1"]) == 2
     assert "--max-seq-len must be >= 2" in capsys.readouterr().err
-    for flags, message in ((["--epochs", "0"], "--epochs must be > 0, got 0.0"), (["--lr", "-1"], "--lr must be > 0"),
+    for flags, message in ((["--epochs", "0"], "--epochs must be > 0, got 0.0"), (["--lr", "-1"], "--lr must be >= 0"),
                            (["--unroll", "0"], "--unroll must be >= 1"),
                            (["--gen-batch", "0"], "--gen-batch must be >= 1"),
                            (["--modes", "0,x"], "--modes: comma-separated sampling temperatures >= 0"),

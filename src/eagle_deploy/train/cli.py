@@ -239,13 +239,12 @@ def run(args, s: dict) -> int:
 def check_settings(s: dict) -> None:
     """Raise ValueError naming the first preset value (after the flags) out of its range."""
     least = {"limit": 0, "max_new_tokens": 1, "gen_batch": 1, "batch_tokens": 1, "ce_topk": 0, "unroll": 1,
-             "time_budget_min": 0, "warmup_steps": 0}
+             "time_budget_min": 0, "warmup_steps": 0, "lr": 0}  # lr 0: the starting head unchanged
     for name, low in least.items():
         if s[name] < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {s[name]}")
-    for name in ("epochs", "lr"):
-        if not s[name] > 0:
-            raise ValueError(f"--{name} must be > 0, got {s[name]}")
+    if not s["epochs"] > 0:
+        raise ValueError(f"--epochs must be > 0, got {s['epochs']}")
     try:
         temperatures = [float(t) for t in str(s["modes"]).split(",")]
     except ValueError:
