@@ -102,6 +102,14 @@ def number_list(kind: type, minimum: float, what: str):
     return parse
 
 
+def check_at_least(checks) -> None:
+    """Raise ValueError "<flag> must be >= <least>, got <value>" for the first (flag, value,
+    least) whose value is below least; a None value (a flag left unset) passes."""
+    for flag, value, least in checks:
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+
+
 LOSSY = "NOT LOSSLESS"
 BACKEND_NAMES = ("ort", "ort-cuda", "trt")  # engine backends, as `runtime.backends.load_backend` knows them
 

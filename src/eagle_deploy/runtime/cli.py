@@ -10,6 +10,7 @@ from eagle_deploy.contract.cli_args import (
     HelpFormatter,
     add_engine_args,
     add_tree_args,
+    check_at_least,
     cli_error,
     interruptible,
     tree_from_args,
@@ -59,8 +60,7 @@ def main(argv=None) -> int:
     try:
         # settings that need no model fail before anything is loaded or run
         check_request(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop)
-        if args.threads is not None and args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        check_at_least([("--threads", args.threads, 1)])
         if args.json and args.stream:
             raise ValueError("--stream and --json cannot be combined (--json prints one object at the end)")
         if not args.prompt.strip():

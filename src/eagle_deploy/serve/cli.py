@@ -25,6 +25,7 @@ from eagle_deploy.contract.cli_args import (
     HelpFormatter,
     add_engine_args,
     add_tree_args,
+    check_at_least,
     cli_error,
     interruptible,
     tree_from_args,
@@ -130,10 +131,9 @@ def main(argv=None) -> int:
     from eagle_deploy.runtime.hybrid import uses_draft_graph
 
     try:
-        for flag, value in (("--max-queue", args.max_queue), ("--slots", args.slots), ("--threads", args.threads),
-                            ("--keep-alive-s", args.keep_alive_s), ("--max-connections", args.max_connections)):
-            if value is not None and value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
+        check_at_least((flag, value, 1) for flag, value in (
+            ("--max-queue", args.max_queue), ("--slots", args.slots), ("--threads", args.threads),
+            ("--keep-alive-s", args.keep_alive_s), ("--max-connections", args.max_connections)))
         if args.prefill_chunk < 0:
             raise ValueError(f"--prefill-chunk must be >= 0 (0: off), got {args.prefill_chunk}")
         for flag, value in (("--max-body-mb", args.max_body_mb), ("--request-timeout-s", args.request_timeout_s),

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import cli_error, interruptible, number_list
+from eagle_deploy.contract.cli_args import check_at_least, cli_error, interruptible, number_list
 
 FEATURES_DIR = "features"
 # prompts per token-data part: enough that the few long prompts of a part (documents of 1-2k
@@ -240,9 +240,7 @@ def check_settings(s: dict) -> None:
     """Raise ValueError naming the first preset value (after the flags) out of its range."""
     least = {"limit": 0, "max_new_tokens": 1, "gen_batch": 1, "batch_tokens": 1, "ce_topk": 0, "unroll": 1,
              "time_budget_min": 0, "warmup_steps": 0, "lr": 0}  # lr 0: the starting head unchanged
-    for name, low in least.items():
-        if s[name] < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {s[name]}")
+    check_at_least((f"--{name.replace('_', '-')}", s[name], low) for name, low in least.items())
     if not s["epochs"] > 0:
         raise ValueError(f"--epochs must be > 0, got {s['epochs']}")
     try:

@@ -15,7 +15,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import cli_error, interruptible
+from eagle_deploy.contract.cli_args import check_at_least, cli_error, interruptible
 from eagle_deploy.runtime.acceptance import pooled_depth_rates, pooled_tau
 
 
@@ -84,10 +84,9 @@ def main(argv=None) -> int:
     from eagle_deploy.runtime.api import EagleRuntime
 
     try:
-        for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--limit", args.limit, 0),
-                                   ("--threads", 1 if args.threads is None else args.threads, 1)):
-            if value < least:  # before the export is opened or any prompt runs
-                raise ValueError(f"{flag} must be >= {least}, got {value}")
+        # before the export is opened or any prompt runs
+        check_at_least([("--max-new-tokens", args.max_new_tokens, 1), ("--limit", args.limit, 0),
+                        ("--threads", args.threads, 1)])
         manifest = Manifest.load(args.engines)
         tree = tree_from_args(args, manifest.tree)
         rt = EagleRuntime.load(args.engines, tree=tree, threads=args.threads,
