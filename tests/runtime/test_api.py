@@ -314,3 +314,29 @@ def test_cli_vanilla_with_compare_vanilla_is_a_usage_error(capsys):
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert "--compare-vanilla: not allowed with argument --vanilla" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--vanilla", "--drafter", "lookup"], "--drafter has no effect: --vanilla decodes without a draft"),
+    (["--vanilla", "--always-draft", "--depth", "2"],
+     "--depth, --always-draft have no effect: --vanilla decodes without a draft"),
+    (["--drafter", "lookup", "--tree-top-k", "3"], "--tree-top-k has no effect: --drafter lookup drafts no head tree"),
+    (["--drafter", "lookup", "--tree", "dynamic", "--total-tokens", "8"],
+     "--tree, --total-tokens have no effect: --drafter lookup drafts no head tree"),
+])
+def test_cli_flags_that_change_nothing_are_one_clear_error(capsys, flags, message):
+    """Flags the chosen decoding ignores used to be accepted silently (a fresh-user report):
+    one line before the export is read (the folder here does not exist)."""
+    rc = cli.main(["--engines", "no-such-folder", "--prompt", "hi", *flags])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.strip() == f"eagle-run: error: {message}"
+
+
+def test_cli_drafter_default_is_hybrid_and_explicit_choices_pass_the_check():
+    from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["--engines", "x", "--prompt", "hi"])
+    assert args.drafter is None and DEFAULT_DRAFTER == "hybrid" and "(default: hybrid)" in parser.format_help()
+    for flags in (["--drafter", "lookup"], ["--drafter", "eagle", "--depth", "2"], ["--vanilla"]):
+        cli._check_no_effect(parser.parse_args(["--engines", "x", "--prompt", "hi", *flags]))

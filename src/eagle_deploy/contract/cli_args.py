@@ -134,7 +134,7 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTER_KINDS,
                         help="hybrid = the EAGLE head's tree plus context-lookup branches (tokens copied from the "
                              "prompt and output) in one tree; eagle = the head alone; lookup = context lookup alone "
-                             "(no draft graph). Every choice is lossless")
+                             f"(no draft graph). Every choice is lossless (default: {DEFAULT_DRAFTER})")
     parser.add_argument("--always-draft", action="store_true",
                         help="draft the configured tree every round (by default each round drafts what pays on this "
                              "machine, down to a plain vanilla step; then seeded sampling repeats within a process, "

@@ -15,6 +15,7 @@ from eagle_deploy.contract.cli_args import (
     interruptible,
     tree_from_args,
 )
+from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "(vanilla's measured before the draft graph is opened), GPU memory on device backends, and "
                         "the export folder's size by file")
     add_tree_args(p, "the export's manifest")
+    p.set_defaults(drafter=None)  # unset -> DEFAULT_DRAFTER in main, after _check_no_effect
     return p
+
+
+def _check_no_effect(args) -> None:
+    """Raise ValueError for flags that would change nothing: draft flags with --vanilla, and the
+    head's tree flags with --drafter lookup (context lookup drafts chains, no head tree)."""
+    tree = [flag for flag, value in (("--tree", args.tree), ("--total-tokens", args.total_tokens),
+                                     ("--depth", args.depth), ("--tree-top-k", args.tree_top_k)) if value is not None]
+    if args.vanilla:
+        unused = [*tree, *(["--drafter"] if args.drafter is not None else []),
+                  *(["--always-draft"] if args.always_draft else [])]
+        why = "--vanilla decodes without a draft"
+    else:
+        unused, why = (tree if args.drafter == "lookup" else []), "--drafter lookup drafts no head tree"
+    if unused:
+        raise ValueError(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect: {why}")
 
 
 @interruptible("eagle-run")
@@ -61,6 +78,8 @@ def main(argv=None) -> int:
         # settings that need no model fail before anything is loaded or run
         check_request(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop)
         check_at_least([("--threads", args.threads, 1)])
+        _check_no_effect(args)
+        args.drafter = args.drafter or DEFAULT_DRAFTER
         if args.json and args.stream:
             raise ValueError("--stream and --json cannot be combined (--json prints one object at the end)")
         if not args.prompt.strip():
