@@ -234,6 +234,40 @@ def test_sequences_whose_prompt_fills_max_seq_len_are_skipped(gqa, tiny_data):
     assert history["train_sequences"] + history["val_sequences"] == scored.sum() and history["steps_done"] > 0
 
 
+def test_prompt_positions_score_every_position_and_keep_validation_on_responses(gqa, tiny_data):
+    """prompt_positions (eagle-train --prompt-positions): chains start anywhere in a sequence,
+    so step 1 scores every position that has a next feature, against the target's own
+    distribution there; without it only from the last prompt token on. Training with it keeps
+    the sequences whose prompts fill max_seq_len (their prompt positions are scored) and leaves
+    them out of validation, which stays on response positions."""
+    from eagle_deploy.train.trainer import _chain_ok, make_batch, scored_sequences, step_losses
+
+    data, feats = tiny_data
+    idx = list(range(8))
+    plain, every = (make_batch(data, feats, idx, "cpu", 1024, prompt_positions=p) for p in (False, True))
+    for b, i in enumerate(idx):
+        L, first = len(feats[i]), int(data.prompt_lens[i]) - 1
+        assert bool(every.chain_start_ok[b, : L - 1].all()) and not bool(every.chain_start_ok[b, L - 1:].any())
+        assert not bool(plain.chain_start_ok[b, :first].any()) and bool(plain.chain_start_ok[b, first: L - 1].all())
+    assert torch.equal(_chain_ok(every, 1), every.valid)
+    with torch.no_grad():  # the loss scores them all
+        _, ms = step_losses(random_head(gqa.hf, seed=1).eval(), every, TrainConfig(unroll=1), train=False)
+    assert ms[0]["n"] == int(every.valid.sum()) > int(_chain_ok(plain, 1).sum())
+    for s in (2, 3):  # later unrolled steps: chains that started s - 1 positions back
+        assert torch.equal(_chain_ok(every, s)[:, s - 1:], every.valid[:, s - 1:])
+        assert not bool(_chain_ok(every, s)[:, : s - 1].any())
+
+    cut = int(np.median(np.asarray(data.prompt_lens)))
+    scored = scored_sequences(data, cut)
+    lines = []
+    cfg = TrainConfig(epochs=1, batch_tokens=2 * cut, max_seq_len=cut, val_fraction=0.2, warmup_steps=1, seed=0,
+                      prompt_positions=True)
+    history = train_head(random_head(gqa.hf, seed=1), data, feats, cfg, "cpu", log=lines.append)
+    train_idx, val_idx = split(data, cfg.val_fraction, cfg.seed)
+    assert not any("skipped" in line for line in lines)
+    assert history["train_sequences"] == len(train_idx) and history["val_sequences"] == int(scored[val_idx].sum())
+
+
 def test_draft_vocabulary_cross_entropy(gqa, tiny_data):
     """An EAGLE-1/2 head's loss over the draft vocabulary (target_lm: the LM-head rows of its
     ids): over every id it is the full-vocabulary loss; over fewer ids the regression part is

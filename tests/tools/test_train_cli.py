@@ -80,6 +80,11 @@ def test_changed_settings_retrain_but_reuse_data_and_features(gqa, prompts, tmp_
     assert train_log["config"]["max_seq_len"] == 4000 and train_log["train_sequences"] == seqs
     log = _train(gqa, prompts, out, work, capsys, "--draft-vocab", "16", "--max-seq-len", "2", status=2)
     assert "no training sequence has a response position within max_seq_len 2" in log
+    # --prompt-positions reaches the trainer and keys the head cache: the same cut trains on prompt positions
+    log = _train(gqa, prompts, out, work, capsys, "--draft-vocab", "16", "--max-seq-len", "2", "--prompt-positions")
+    assert "train: cached head" not in log and "skipped" not in log
+    train_log = json.loads((out / "train_log.json").read_text())["train"]
+    assert train_log["config"]["prompt_positions"] is True and train_log["train_sequences"] > 0
 
 
 def test_init_head_continues_from_a_trained_head(gqa, prompts, tmp_path, capsys):

@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "whose prompt alone fills them is skipped (logged). Raise it (e.g. 2304) to train on "
                         "summarization / RAG-length documents; a step then holds fewer sequences "
                         "(default: %(default)s)")
+    p.add_argument("--prompt-positions", action="store_true",
+                   help="also train on the prompts' positions, not only the responses': the target's own "
+                        "next-token distribution is the label there too (EAGLE-1 trained on fixed ShareGPT text), "
+                        "so a prompt's document adds training positions without more generation (about as many "
+                        "as the responses in a chat prompt mix; a step costs about the same); validation stays on "
+                        "response positions")
     p.add_argument("--init-from-layer", type=int, default=None,
                    help="initialise the head's layer from this target layer")
     p.add_argument("--init-head", type=Path, default=None, metavar="HEAD_DIR",
@@ -488,7 +494,8 @@ def head_from_features(session: Session, hf, data, features, counts, init: InitH
            "torch_dtype": args.torch_dtype, "target": session.target,
            **({"init_head": init.sha256} if init is not None else {}),
            **({"max_steps": args.max_steps} if args.max_steps else {}),
-           **({"max_seq_len": args.max_seq_len} if args.max_seq_len != MAX_SEQ_LEN else {})}
+           **({"max_seq_len": args.max_seq_len} if args.max_seq_len != MAX_SEQ_LEN else {}),
+           **({"prompt_positions": True} if args.prompt_positions else {})}
     target_lm = None
     if args.arch == "eagle3":
         key.update(arch="eagle3", draft_vocab=args.draft_vocab, feature_layers=args.feature_layers)
@@ -513,7 +520,7 @@ def head_from_features(session: Session, hf, data, features, counts, init: InitH
     cfg = TrainConfig(epochs=s["epochs"], lr=s["lr"], batch_tokens=s["batch_tokens"], ce_topk=s["ce_topk"],
                       unroll=s["unroll"], seed=args.seed, time_budget_s=60.0 * s["time_budget_min"],
                       warmup_steps=s["warmup_steps"], max_steps=args.max_steps, max_seq_len=args.max_seq_len,
-                      cpu_bf16=args.torch_dtype == "bf16")
+                      cpu_bf16=args.torch_dtype == "bf16", prompt_positions=args.prompt_positions)
     history = train_head(head, data, features, cfg, session.device, log=session.log, target_lm=target_lm)
     torch.save({"key": key, "state": head.state_dict(), "history": history}, head_path)
     return head, history

@@ -60,6 +60,10 @@ class TrainConfig:
     # bf16 autocast on a CPU too (CUDA always trains under it); for CPUs with native bf16, where
     # a step measured 1.35x faster (Xeon with AMX, SmolLM2 head, unroll 3, 4096 tokens)
     cpu_bf16: bool = False
+    # also score the prompt positions while training (the target's distribution there is the soft
+    # label, as EAGLE-1 trained on fixed ShareGPT text rather than on its own answers); validation
+    # stays on response positions, so its figures compare with heads trained without it
+    prompt_positions: bool = False
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -106,11 +110,14 @@ class Batch:
     feats: torch.Tensor  # [B, n, H] f_0..f_{n-1}
     tokens: torch.Tensor  # [B, n] t_1..t_n
     target: torch.Tensor  # [B, n, H] f_1..f_n
-    chain_start_ok: torch.Tensor  # [B, n] bool: position i may start a chain (i >= prompt_len - 1)
+    chain_start_ok: torch.Tensor  # [B, n] bool: position i may start a chain (i >= prompt_len - 1, or any i)
     valid: torch.Tensor  # [B, n] bool: f_{i+1} exists
 
 
-def make_batch(data: TokenData, features: list[torch.Tensor], idx, device, max_len: int) -> Batch:
+def make_batch(data: TokenData, features: list[torch.Tensor], idx, device, max_len: int,
+               prompt_positions: bool = False) -> Batch:
+    """The sequences `idx` (cut at `max_len` tokens) as one padded batch; chains start at the
+    last prompt token and after it, or anywhere when `prompt_positions`."""
     lengths = [min(len(features[i]), max_len) for i in idx]
     n = max(lengths) - 1
     H = features[idx[0]].shape[-1]
@@ -124,7 +131,7 @@ def make_batch(data: TokenData, features: list[torch.Tensor], idx, device, max_l
         feats[b, :L] = features[i][:L]
         tokens[b, :L] = torch.from_numpy(data.sequence(int(i))[:L])
         valid[b, : L - 1] = True
-        start_ok[b, max(int(data.prompt_lens[i]) - 1, 0): L - 1] = True
+        start_ok[b, 0 if prompt_positions else max(int(data.prompt_lens[i]) - 1, 0): L - 1] = True
     feats = feats.to(device)
     return Batch(feats[:, :-1], tokens[:, 1:].to(device), feats[:, 1:], start_ok.to(device), valid.to(device))
 
@@ -284,10 +291,13 @@ def train_head(head: EagleHead | Eagle3Head, data: TokenData, features: list[tor
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     train_idx, val_idx = split(data, cfg.val_fraction, cfg.seed)
     scored = scored_sequences(data, cfg.max_seq_len)
-    if not scored.all():  # prompts as long as max_seq_len: nothing of theirs is scored
-        log(f"train: {int((~scored).sum())} sequences skipped: their prompts fill the first {cfg.max_seq_len} tokens "
-            "(max_seq_len), so none of their response positions would be trained on")
-        train_idx, val_idx = train_idx[scored[train_idx]], val_idx[scored[val_idx]]
+    if not scored.all():  # prompts as long as max_seq_len: none of their response positions is scored
+        if cfg.prompt_positions:  # trained on (their prompt positions), left out of validation only
+            val_idx = val_idx[scored[val_idx]]
+        else:
+            log(f"train: {int((~scored).sum())} sequences skipped: their prompts fill the first {cfg.max_seq_len} "
+                "tokens (max_seq_len), so none of their response positions would be trained on")
+            train_idx, val_idx = train_idx[scored[train_idx]], val_idx[scored[val_idx]]
         if not train_idx.size:
             raise ValueError(f"no training sequence has a response position within max_seq_len {cfg.max_seq_len}")
     rng = np.random.default_rng(cfg.seed)
@@ -313,8 +323,8 @@ def train_head(head: EagleHead | Eagle3Head, data: TokenData, features: list[tor
             for g in opt.param_groups:
                 g["lr"] = lr
             with autocast:
-                loss, ms = step_losses(head, make_batch(data, features, idx, device, cfg.max_seq_len), cfg, train=True,
-                                       target_lm=target_lm)
+                batch = make_batch(data, features, idx, device, cfg.max_seq_len, cfg.prompt_positions)
+                loss, ms = step_losses(head, batch, cfg, train=True, target_lm=target_lm)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_value_(params, cfg.grad_clip)
