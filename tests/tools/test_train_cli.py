@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 
+import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
@@ -85,6 +86,22 @@ def test_changed_settings_retrain_but_reuse_data_and_features(gqa, prompts, tmp_
     assert "train: cached head" not in log and "skipped" not in log
     train_log = json.loads((out / "train_log.json").read_text())["train"]
     assert train_log["config"]["prompt_positions"] is True and train_log["train_sequences"] > 0
+
+
+def test_prompts_alone_train_a_head_on_their_positions(gqa, prompts, tmp_path, capsys):
+    """--max-new-tokens 0 --prompt-positions: the data stage writes the chat-formatted prompts
+    alone (one sequence per prompt whatever --modes, no forward), and the head trains on their
+    positions; validation has no response position to score, so it is empty."""
+    from eagle_deploy.train.data import TokenData
+
+    out, work = tmp_path / "head", tmp_path / "work"
+    log = _train(gqa, prompts, out, work, capsys, "--max-new-tokens", "0", "--modes", "0,0.7", "--prompt-positions")
+    part = TokenData.load(work / "data" / "part-00000.npz")
+    assert len(part) == 6 and part.response_tokens == 0 and (np.diff(part.offsets) == part.prompt_lens).all()
+    assert f"data: part-00000.npz: 6 prompts alone, {len(part.tokens)} tokens (nothing generated)" in log
+    train_log = json.loads((out / "train_log.json").read_text())
+    assert train_log["train"]["steps_done"] > 0 and train_log["train"]["val_sequences"] == 0
+    assert train_log["train"]["config"]["prompt_positions"] is True
 
 
 def test_init_head_continues_from_a_trained_head(gqa, prompts, tmp_path, capsys):
@@ -334,7 +351,9 @@ def test_bad_chunk_settings_fail_before_any_stage(gqa, prompts, tmp_path, capsys
                            (["--unroll", "0"], "--unroll must be >= 1"),
                            (["--gen-batch", "0"], "--gen-batch must be >= 1"),
                            (["--modes", "0,x"], "--modes: comma-separated sampling temperatures >= 0"),
-                           (["--device", "cuda"], "--device cuda: no CUDA device is usable here")):
+                           (["--device", "cuda"], "--device cuda: no CUDA device is usable here"),
+                           (["--max-new-tokens", "0"], "--max-new-tokens 0 answers no prompt"),
+                           (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0")):
         assert cli.main([*base, *flags]) == 2, flags
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(err) == 1 and message in err[0] and not work.exists(), (flags, err)

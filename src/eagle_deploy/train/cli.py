@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "distribution (softmax over the --draft-vocab ids when given), K = its top-K probabilities "
                           "renormalised (the head's log-probabilities stay over all the ids scored)",
                "modes": "; sampling temperatures of the generated answers, 0 = greedy",
+               "max_new_tokens": "; 0 = the prompts alone, nothing generated (a part in seconds; train with "
+                                 "--prompt-positions)",
                "time_budget_min": "; training minutes: the steps it fits, planned from the warm-up steps' "
                                   "time, are where the cosine schedule ends (0: none)"}
     for name, default in PRESETS["cpu-quick"].items():
@@ -244,7 +246,7 @@ def run(args, s: dict) -> int:
 
 def check_settings(s: dict) -> None:
     """Raise ValueError naming the first preset value (after the flags) out of its range."""
-    least = {"limit": 0, "max_new_tokens": 1, "gen_batch": 1, "batch_tokens": 1, "ce_topk": 0, "unroll": 1,
+    least = {"limit": 0, "max_new_tokens": 0, "gen_batch": 1, "batch_tokens": 1, "ce_topk": 0, "unroll": 1,
              "time_budget_min": 0, "warmup_steps": 0, "lr": 0}  # lr 0: the starting head unchanged
     check_at_least((f"--{name.replace('_', '-')}", s[name], low) for name, low in least.items())
     if not s["epochs"] > 0:
@@ -277,6 +279,9 @@ def open_session(args, s: dict) -> Session:
         raise ValueError("--gen-time-budget-min and --features-time-budget-min must be >= 0")
     if args.max_steps < 0:
         raise ValueError(f"--max-steps must be >= 0 (0: from --epochs), got {args.max_steps}")
+    if s["max_new_tokens"] == 0 and not args.prompt_positions and args.stop_after != "data":
+        raise ValueError("--max-new-tokens 0 answers no prompt (the prompts alone): train on their positions with "
+                         "--prompt-positions")
     if args.max_seq_len < 2:
         raise ValueError(f"--max-seq-len must be >= 2 (a prompt token and a response token), got {args.max_seq_len}")
     if args.features_time_budget_min and args.no_cache_features:
@@ -574,7 +579,7 @@ def _generate(session: Session, hf, tokenizer, eos):
         prompts = prompts[: s["limit"]]
     if not prompts:
         raise ValueError(f"no prompts to answer in {args.prompts}" + (" after decontamination" if dropped else ""))
-    modes = [float(m) for m in str(s["modes"]).split(",")]
+    modes = [float(m) for m in str(s["modes"]).split(",")] if s["max_new_tokens"] else [0.0]  # 0: prompts alone
     parts = session.data_dir
     parts.mkdir(parents=True, exist_ok=True)
     chunk = max(s["gen_batch"], PART_PROMPTS)
@@ -602,7 +607,8 @@ def _generate(session: Session, hf, tokenizer, eos):
                 made, last_s = made + 1, part.header["seconds"]
                 tok_s = part.response_tokens / max(part.header["seconds"], 1e-9)
                 log(f"data: {path.name}: {len(part)} sequences, {part.response_tokens} response tokens in "
-                    f"{part.header['seconds']} s ({tok_s:.0f} tok/s)")
+                    f"{part.header['seconds']} s ({tok_s:.0f} tok/s)" if s["max_new_tokens"] else
+                    f"data: {path.name}: {len(part)} prompts alone, {len(part.tokens)} tokens (nothing generated)")
             else:
                 part = read_part(path)
                 check_part(path, part, generation, rows, log)

@@ -301,9 +301,16 @@ def generate_data(hf_model, tokenizer, prompts: list[dict], modes: Sequence[floa
                   dtype=torch.float32, prefill_tokens: int = 8192) -> TokenData:
     """Responses of the target to every prompt for every temperature in `modes` (0 = greedy),
     up to `batch_size` prompts of similar length per batch (`length_batches`; prefill_tokens:
-    BatchedGenerator's)."""
-    gen = BatchedGenerator(hf_model, device, eos_ids, dtype=dtype, prefill_tokens=prefill_tokens)
+    BatchedGenerator's). max_new_tokens 0: the prompts alone, one sequence each whatever
+    `modes` (no forward; their positions are trained on with TrainConfig.prompt_positions)."""
     encoded = [chat_ids(tokenizer, p["prompt"]) for p in prompts]
+    if max_new_tokens == 0:
+        if progress:
+            progress(len(prompts))
+        return TokenData.from_sequences(encoded, [len(e) for e in encoded],
+                                        [{"id": p["id"], "category": p.get("category"), "temperature": None}
+                                         for p in prompts])
+    gen = BatchedGenerator(hf_model, device, eos_ids, dtype=dtype, prefill_tokens=prefill_tokens)
     seqs, plens, meta = [], [], []
     jobs = [(t, idx) for t in modes for idx in length_batches([len(e) for e in encoded], batch_size)]
     for j, (temp, idx) in enumerate(jobs):
