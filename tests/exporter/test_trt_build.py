@@ -348,7 +348,9 @@ def test_without_tensorrt_the_error_says_how_to_install(ext_copy, tiny_dir, tmp_
 
     rc = main(["--model", str(tiny_dir), "--draft", "random", "--out", str(tmp_path / "cli"), "--backend", "trt",
                "--max-length", "64"])
-    assert rc == 3 and "TensorRT" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 3 and "TensorRT" in err and "exporting" not in err.lower()
+    assert not (tmp_path / "cli").exists()  # refused before the ONNX export, which used to run first
 
 
 # ---------------------------------------------------------------------------------------------

@@ -139,11 +139,13 @@ def main(argv=None) -> int:
                                 external_data=args.external_data,
                                 quant=args.quant, draft_quant=args.draft_quant, name=args.name, force=args.force,
                                 graph=graph_for(args.graph, args.backend, args.quant, args.draft_quant))
+        if args.backend == "trt":  # TensorRT missing: said before minutes of ONNX export, not after
+            from . import trt_build
+
+            trt_build._polygraphy_loaders()
         out = export(args.model, args.draft, args.out, options, progress=step)
         if args.backend == "trt":
-            from .trt_build import build_engines
-
-            build_engines(out, progress=step)
+            trt_build.build_engines(out, progress=step)
         if args.triton_repo is not None:
             step(f"triton model: {triton_repo(out, args.triton_repo, args.triton_instances)}")
     except (ModelNotAvailableError, UnsupportedModelError, HeadCheckpointError, FileExistsError, FileNotFoundError,
