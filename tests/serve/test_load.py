@@ -68,6 +68,14 @@ def test_cli_errors(capsys):
     assert load.main(["--url", f"http://127.0.0.1:{port}", "--sets", "chat", "--limit", "1"]) == 2
     assert "cannot reach" in capsys.readouterr().err
     assert load.main(["--url", "http://127.0.0.1:1", "--modes", "turbo"]) == 2
+    capsys.readouterr()
+    # a URL without its scheme: one line before any request, prefixed with the command typed
+    from eagle_deploy.bench.cli import main as bench_main
+
+    assert bench_main(["serve", "--url", "notaurl"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == ("eagle-bench serve: error: --url takes the server's address with its scheme, "
+                                         "e.g. http://127.0.0.1:8000, got 'notaurl'")
     assert load.main(["--url", "http://127.0.0.1:1", "--sets", "nonexistent"]) == 2
 
 

@@ -415,3 +415,14 @@ def test_specbench_run_reports_every_task(export_dir, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "per category: tokens/s (tau) [x vanilla]" in text and "math_reasoning" in text
     assert all(r["set"] == "specbench" for r in res["prompts"])  # --specbench alone: no humaneval / chat
+
+
+@pytest.mark.parametrize("flags, message", [(["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+                                            (["--limit", "-2"], "--limit must be >= 0, got -2"),
+                                            (["--threads", "0"], "--threads must be >= 1, got 0")])
+def test_out_of_range_values_name_the_flag_and_value(capsys, flags, message):
+    """One line naming the flag and its value, before the export is read (it does not exist here)."""
+    from eagle_deploy.bench.cli import main
+
+    assert main(["--engines", "no-such-folder", *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"eagle-bench: error: {message}"

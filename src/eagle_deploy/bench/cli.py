@@ -38,7 +38,14 @@ import os
 import sys
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import add_tree_args, cli_error, interruptible, number_list, tree_from_args
+from eagle_deploy.contract.cli_args import (
+    add_tree_args,
+    check_at_least,
+    cli_error,
+    interruptible,
+    number_list,
+    tree_from_args,
+)
 
 from .peers import expand
 from .systems import BASELINES, PEERS
@@ -205,9 +212,9 @@ def main(argv=None) -> int:
     from eagle_deploy.contract.tree_config import TreeConfigError
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    if args.max_new_tokens < 1 or (args.limit or 0) < 0 or (args.threads or 1) < 1:
-        return cli_error("eagle-bench", "--max-new-tokens and --threads must be >= 1, --limit >= 0")
     try:
+        check_at_least([("--max-new-tokens", args.max_new_tokens, 1), ("--limit", args.limit, 0),
+                        ("--threads", args.threads, 1)])
         manifest = Manifest.load(args.engines)
         tree = None  # the manifest's own tree unless a tree flag is given
         if any(v is not None for v in (args.tree, args.total_tokens, args.depth, args.tree_top_k)):

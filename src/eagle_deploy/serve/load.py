@@ -395,10 +395,14 @@ def build_parser(prog: str = "python -m eagle_deploy.serve.load") -> argparse.Ar
 def main(argv=None, prog: str = "python -m eagle_deploy.serve.load") -> int:
     """The load client's command line (also `eagle-bench serve`)."""
     args = build_parser(prog).parse_args(argv)
+    name = prog if prog.startswith("eagle-") else "load"  # the error prefix: the command the user typed
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.url.startswith(("http://", "https://")):
+        return cli_error(name, f"--url takes the server's address with its scheme, e.g. http://127.0.0.1:8000, "
+                               f"got {args.url!r}")
     if (not modes or any(m not in ("eagle", "vanilla") for m in modes) or args.max_tokens < 1 or (args.limit or 0) < 0
             or not 0 <= args.disconnect <= 1 or args.repeat < 1 or args.long_clients < 0 or args.rate < 0):
-        return cli_error("load", "--modes takes eagle,vanilla; --max-tokens >= 1; --limit >= 0; --disconnect in "
+        return cli_error(name, "--modes takes eagle,vanilla; --max-tokens >= 1; --limit >= 0; --disconnect in "
                                  "[0, 1]; --repeat >= 1; --long-clients >= 0; --rate >= 0")
     try:
         sets = [str(p) for p in args.prompts] or [s.strip() for s in args.sets.split(",") if s.strip()]
@@ -412,7 +416,7 @@ def main(argv=None, prog: str = "python -m eagle_deploy.serve.load") -> int:
         print(HEADER, file=sys.stderr, flush=True)
         result = run_load(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     except (ValueError, RuntimeError, ModuleNotFoundError) as err:
-        return cli_error("load", err)
+        return cli_error(name, err)
     print(format_table(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

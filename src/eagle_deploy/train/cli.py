@@ -96,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "distribution (softmax over the --draft-vocab ids when given), K = its top-K probabilities "
                           "renormalised (the head's log-probabilities stay over all the ids scored)",
                "modes": "; sampling temperatures of the generated answers, 0 = greedy",
-               "max_new_tokens": "; 0 = the prompts alone, nothing generated (a part in seconds; train with "
-                                 "--prompt-positions)",
+               "max_new_tokens": "; the most tokens generated per answer. 0 = no answers: the prompts alone "
+                                 "are the data (nothing generated; train on them with --prompt-positions)",
                "time_budget_min": "; training minutes: the steps it fits, planned from the warm-up steps' "
                                   "time, are where the cosine schedule ends (0: none)"}
     for name, default in PRESETS["cpu-quick"].items():
@@ -117,9 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-positions", action="store_true",
                    help="also train on the prompts' positions, not only the responses': the target's own "
                         "next-token distribution is the label there too (EAGLE-1 trained on fixed ShareGPT text), "
-                        "so a prompt's document adds training positions without more generation (about as many "
-                        "as the responses in a chat prompt mix; a step costs about the same); validation stays on "
-                        "response positions")
+                        "so a prompt's text adds training positions without more generation (a step costs the "
+                        "same); validation stays on response positions. Measured on SmolLM2: no τ gain "
+                        "(docs/guide-training.md), so off by default")
     p.add_argument("--init-from-layer", type=int, default=None,
                    help="initialise the head's layer from this target layer")
     p.add_argument("--init-head", type=Path, default=None, metavar="HEAD_DIR",
