@@ -68,7 +68,14 @@ def test_cli_errors(capsys):
     assert load.main(["--url", f"http://127.0.0.1:{port}", "--sets", "chat", "--limit", "1"]) == 2
     assert "cannot reach" in capsys.readouterr().err
     assert load.main(["--url", "http://127.0.0.1:1", "--modes", "turbo"]) == 2
-    capsys.readouterr()
+    assert "--modes takes eagle and/or vanilla (comma-separated), got 'turbo'" in capsys.readouterr().err
+    for flags, message in ((["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+                           (["--repeat", "0"], "--repeat must be >= 1, got 0"),
+                           (["--rate", "-1"], "--rate must be >= 0, got -1.0"),
+                           (["--disconnect", "2"], "--disconnect is a share of the requests, in [0, 1], got 2.0")):
+        assert load.main(["--url", "http://127.0.0.1:1", *flags]) == 2, flags
+        err = capsys.readouterr().err.strip()
+        assert err.splitlines() == [f"load: error: {message}"], (flags, err)  # one line, before any request
     # a URL without its scheme: one line before any request, prefixed with the command typed
     from eagle_deploy.bench.cli import main as bench_main
 

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from eagle_deploy.contract.cli_args import cli_error, number_list
+from eagle_deploy.contract.cli_args import check_at_least, cli_error, number_list
 from eagle_deploy.contract.prompts import prompt_set
 
 SCHEMA = "eagle-serve-load/1"
@@ -400,11 +400,13 @@ def main(argv=None, prog: str = "python -m eagle_deploy.serve.load") -> int:
     if not args.url.startswith(("http://", "https://")):
         return cli_error(name, f"--url takes the server's address with its scheme, e.g. http://127.0.0.1:8000, "
                                f"got {args.url!r}")
-    if (not modes or any(m not in ("eagle", "vanilla") for m in modes) or args.max_tokens < 1 or (args.limit or 0) < 0
-            or not 0 <= args.disconnect <= 1 or args.repeat < 1 or args.long_clients < 0 or args.rate < 0):
-        return cli_error(name, "--modes takes eagle,vanilla; --max-tokens >= 1; --limit >= 0; --disconnect in "
-                                 "[0, 1]; --repeat >= 1; --long-clients >= 0; --rate >= 0")
+    if not modes or any(m not in ("eagle", "vanilla") for m in modes):
+        return cli_error(name, f"--modes takes eagle and/or vanilla (comma-separated), got {args.modes!r}")
+    if not 0 <= args.disconnect <= 1:
+        return cli_error(name, f"--disconnect is a share of the requests, in [0, 1], got {args.disconnect}")
     try:
+        check_at_least([("--max-tokens", args.max_tokens, 1), ("--limit", args.limit, 0), ("--repeat", args.repeat, 1),
+                        ("--long-clients", args.long_clients, 0), ("--rate", args.rate, 0)])
         sets = [str(p) for p in args.prompts] or [s.strip() for s in args.sets.split(",") if s.strip()]
         limit = args.limit if args.limit is not None else (0 if args.prompts else 8)
         prompts = load_prompts(sets, limit)
