@@ -332,6 +332,23 @@ def test_cli_flags_that_change_nothing_are_one_clear_error(capsys, flags, messag
     assert rc == 2 and out == "" and err.strip() == f"eagle-run: error: {message}"
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--max-new-tokens", "-5"], "--max-new-tokens must be an integer >= 1, got -5"),
+    (["--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
+    (["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+    (["--top-k", "-1"], "--top-k must be an integer >= 0, got -1"),
+    (["--seed", "-3"], "--seed must be an integer >= 0, got -3"),
+    (["--stop", ""], "--stop must be non-empty strings, got ['']"),
+])
+def test_cli_request_settings_out_of_range_name_the_flag(capsys, flags, message):
+    """The request checks are the API's (check_request, shared with eagle-serve's JSON fields);
+    on the command line the message names the flag typed, not the field (a fresh-user report:
+    `--max-new-tokens -5` said "max_new_tokens must be ...")."""
+    rc = cli.main(["--engines", "no-such-folder", "--prompt", "hi", *flags])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.strip() == f"eagle-run: error: {message}"
+
+
 def test_cli_drafter_default_is_hybrid_and_explicit_choices_pass_the_check():
     from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER
 

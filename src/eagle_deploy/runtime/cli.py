@@ -48,6 +48,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+REQUEST_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                 "top_k": "--top-k", "seed (or None)": "--seed", "seed": "--seed", "stop strings": "--stop"}
+
+
+def _check_request_flags(args) -> None:
+    """api.check_request over the flags; its messages name the request's fields
+    ("top_p must be in (0, 1], got 2.0"), re-raised here with the flag typed ("--top-p ...")."""
+    from .api import check_request
+
+    try:
+        check_request(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop)
+    except ValueError as e:
+        message = str(e)
+        for field, flag in REQUEST_FLAGS.items():
+            if message.startswith(field + " "):
+                message = flag + message[len(field):]
+                break
+        raise ValueError(message) from None
+
+
 def _check_no_effect(args) -> None:
     """Raise ValueError for flags that would change nothing: draft flags with --vanilla, and the
     head's tree flags with --drafter lookup (context lookup drafts chains, no head tree)."""
@@ -69,14 +89,14 @@ def main(argv=None) -> int:
     from eagle_deploy.contract.manifest import Manifest, ManifestError
     from eagle_deploy.contract.tree_config import TreeConfigError
 
-    from .api import EagleRuntime, check_request
+    from .api import EagleRuntime
     from .decode import check_acceptance
     from .hybrid import uses_draft_graph
     from .memory import export_sizes, rss_mb, snapshot
 
     try:
         # settings that need no model fail before anything is loaded or run
-        check_request(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop)
+        _check_request_flags(args)
         check_at_least([("--threads", args.threads, 1)])
         _check_no_effect(args)
         args.drafter = args.drafter or DEFAULT_DRAFTER
