@@ -231,7 +231,7 @@ def test_cli_bad_input_in_a_real_process(mha):
     proc = subprocess.run([sys.executable, "-m", "eagle_deploy.runtime.cli", "--engines", str(mha.export_dir),
                            "--prompt", "hi", "--top-p", "2"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == ["eagle-run: error: top_p must be in (0, 1], got 2.0"]
+    assert proc.stderr.strip().splitlines() == ["eagle-run: error: --top-p must be in (0, 1], got 2.0"]
 
 
 def test_cli_seed_is_reproducible_and_matches_the_api(mha, capsys):
