@@ -83,11 +83,50 @@ def test_feedback_counts_how_deep_each_source_was_accepted():
     assert tree.size == 1 + 3 + (plan.lookup - 1)
 
 
+def test_alternate_continuations_hang_beside_the_chain_within_the_node_budget():
+    head = FakeHead([9, 9, 9])
+    d = HybridDrafter(head, ContextLookup(1, 3, candidates=3), head.tree, planned=False, alternates=2,
+                      alternate_len=2)
+    #            the 1-gram [1] was followed by 2 (latest), 3 and 4: main chain 2 ..., alternates 3 ..., 4 ...
+    committed = [1, 4, 5, 7, 1, 3, 7, 8, 1, 2, 6, 6, 1]
+    tree = d.propose(request(committed, np.zeros((13, 2), np.float32)))
+    _, _, origin, _, _ = d._last
+    paths = {tuple(int(tree.tokens[j]) for j in tree.path_to(i)[1:]): int(origin[i]) for i in range(1, tree.size)}
+    assert paths[(2, 6, 6, 1)] == 2 and paths[(3, 7)] == 2 and paths[(4, 5)] == 2  # alternates cut to 2 tokens
+    assert (3, 7, 8) not in paths and paths[(9, 9, 9)] == 1
+    depth1 = {int(tree.tokens[i]): float(tree.scores[i]) for i in range(tree.size) if tree.parents[i] == 0}
+    assert depth1[2] > depth1[3] > depth1[4]  # the main chain first, then the alternates by rank
+    small = d.propose(request(committed, np.zeros((1, 2), np.float32), max_nodes=9))
+    assert small.size == 9  # root + head 3 + chain 4: the first alternate gets the one node left
+    assert sorted(int(small.tokens[i]) for i in range(small.size) if small.parents[i] == 0) == [2, 3, 9]
+
+
+def test_the_planner_pays_for_the_alternates_rows():
+    from eagle_deploy.runtime.planner import DraftPlanner
+
+    seen = []
+
+    class Costs:
+        def draft(self, past):
+            return 0.001
+
+        def verify(self, rows, past):
+            seen.append(np.array(rows))
+            return 0.01 + 0.001 * np.asarray(rows, float)
+
+    p = DraftPlanner(0, 1, 1, 8, Costs(), alternate_len=4)
+    assert p.alternate_rows(0, 2) == 0 and p.alternate_rows(3, 2) == 6 and p.alternate_rows(6, 2) == 8
+    p.choose(6, 3, 0, alternates=2)
+    assert seen[-1][0].tolist() == [1, 2 + 2, 3 + 4, 4 + 6, 5 + 8, 6 + 8, 7 + 8]  # root + k + alternates
+    p.choose(6, 3, 0)
+    assert seen[-1][0].tolist() == [1, 2, 3, 4, 5, 6, 7]
+
+
 def test_rounds_without_the_head_keep_their_features_for_its_next_extension():
     head = FakeHead([4])
     d = HybridDrafter(head, None, head.tree, planned=True, costs=CHEAP)
     plans = iter([Plan(0, 0, 0), Plan(0, 0, 0), Plan(3, 3, 0)])
-    d.planner.choose = lambda available, ngram=1, past=0: next(plans)
+    d.planner.choose = lambda available, ngram=1, past=0, alternates=0: next(plans)
     f = [np.full((k, 2), i, np.float32) for i, k in enumerate((6, 1, 2))]
     committed = list(range(1, 7))
     for i, feats in enumerate(f):
@@ -173,10 +212,11 @@ N_MIXED = 6000
 
 
 class _Watch:
-    """Wraps a drafter; counts rounds whose tree holds a lookup node beside a head node at depth 1."""
+    """Wraps a drafter; counts rounds whose tree holds a lookup node beside a head node at depth 1,
+    and rounds with two or more lookup nodes at depth 1 (alternate continuations)."""
 
     def __init__(self, inner):
-        self.inner, self.mixed, self.rounds = inner, 0, 0
+        self.inner, self.mixed, self.rounds, self.lookup_siblings = inner, 0, 0, 0
         self.forwards = 0
 
     def reset(self):
@@ -188,11 +228,13 @@ class _Watch:
         depth1 = [i for i in range(tree.size) if tree.parents[i] == 0]
         self.rounds += 1
         self.mixed += any(origin[i] == 2 for i in depth1) and any(origin[i] & 1 for i in depth1)
+        self.lookup_siblings += sum(bool(origin[i] & 2) for i in depth1) >= 2
         return tree
 
 
 @pytest.mark.statistical
-def test_sampling_over_mixed_head_and_lookup_siblings_follows_the_target(v16):
+@pytest.mark.parametrize("alternates", [0, 2], ids=["one-chain", "alternates"])
+def test_sampling_over_mixed_head_and_lookup_siblings_follows_the_target(v16, alternates):
     """t0 from the prefill, then (t1, t2) through trees holding the head's top-k AND a context-
     lookup chain as siblings: their joint, marginalised over t0, matches the target's exactly
     (recursive rejection treats every deterministic sibling alike)."""
@@ -211,7 +253,8 @@ def test_sampling_over_mixed_head_and_lookup_siblings_follows_the_target(v16):
     manifest = v16.manifest
     tree = TreeConfig("dynamic", 4, 2, 2)
     head = EagleDrafter.for_export(load_backend("ort", v16.export_dir, manifest, "draft", 1), tree, manifest)
-    drafter = _Watch(HybridDrafter(head, ContextLookup(1, 3), tree, planned=False, max_lookup=3))
+    drafter = _Watch(HybridDrafter(head, ContextLookup(1, 3, candidates=1 + alternates), tree, planned=False,
+                                   max_lookup=3, alternates=alternates, alternate_len=2))
     rt = v16.runtime(drafter=drafter)
     pairs = np.empty(N_MIXED, np.int64)
     for s in range(N_MIXED):
@@ -222,6 +265,8 @@ def test_sampling_over_mixed_head_and_lookup_siblings_follows_the_target(v16):
     bound = tv_noise(joint.ravel(), N_MIXED)
     assert p > 1e-3 and tv < bound, f"chi-square p={p:.2e}, TV={tv:.4f} (exact-sampler 99.9% TV {bound:.4f})"
     assert drafter.mixed > 0.3 * drafter.rounds  # lookup and head siblings really were verified together
+    if alternates:  # and several lookup continuations side by side
+        assert drafter.lookup_siblings > 0.3 * drafter.rounds
 
 
 def test_device_costs_are_measured_once_and_cached(mha, tmp_path, monkeypatch):

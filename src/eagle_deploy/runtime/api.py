@@ -30,7 +30,7 @@ from eagle_deploy.contract.verify import VerifyReport, sha256_file, verify_expor
 from .backends import Backend, load_backend
 from .decode import Decoder, RoundObserver, Stats, TokenStopper
 from .drafter import Drafter, EagleDrafter
-from .hybrid import MAX_LOOKUP, check_drafter_kind, head_of, make_drafter, uses_draft_graph
+from .hybrid import ALTERNATE_LEN, ALTERNATES, MAX_LOOKUP, check_drafter_kind, head_of, make_drafter, uses_draft_graph
 from .planner import CostModel, measure_costs
 from .sampling import SamplingParams, whole_number
 from .text import TextStream, encode_chat
@@ -122,7 +122,7 @@ def device_costs(manifest: Manifest, tree: TreeConfig, target: Backend, draft: B
                 path.unlink(missing_ok=True)
             except OSError:
                 pass
-    full = tree.total_tokens + MAX_LOOKUP
+    full = tree.total_tokens + MAX_LOOKUP + ALTERNATES * ALTERNATE_LEN
     sizes = [s for s in (1, 2, 4, 8, 16, 32) if s < full] + [full]
     head = manifest.draft.head
     eagle3 = manifest.draft.head_kind == "eagle3"
@@ -155,7 +155,8 @@ def costs_cache_path(folder: Path, tree: TreeConfig, target: Backend, draft: Bac
     tree, the backends, the thread count and the CPU model."""
     cpu = cpu_info()
     key = json.dumps([sha256_file(Path(folder) / MANIFEST_FILE), tree.to_json(),
-                      MAX_LOOKUP, getattr(target, "name", "?"), getattr(draft, "name", None), threads, cpu.model,
+                      MAX_LOOKUP, ALTERNATES, ALTERNATE_LEN, getattr(target, "name", "?"),
+                      getattr(draft, "name", None), threads, cpu.model,
                       cpu.cores])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / "costs" / f"{Path(folder).resolve().name}-{digest}.json"

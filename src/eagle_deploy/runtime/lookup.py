@@ -3,12 +3,17 @@ Saxena 2023; the n-gram drafter of vLLM and Spec-Bench's "PLD").
 
 The latest n committed tokens (n from `max_ngram` down to `min_ngram`) are matched against
 earlier positions of the prompt and the text generated so far; the tokens that followed the
-most recent earlier occurrence are the proposal. Summaries, RAG answers, extraction and code
-edits copy long spans of their prompt, and those spans are exactly what a draft head trained
-on other text does not predict.
+most recent earlier occurrence are the proposal. `propose_all` also returns the continuations
+of other earlier occurrences that start with another token (the latest occurrence per first
+token, longest suffix first), so a draft tree can try several of them as siblings, as the suffix
+structures of SAM-Decoding and Arctic Inference's suffix decoding do. Summaries, RAG answers,
+extraction and code edits copy long spans of their prompt, and those spans are exactly what a
+draft head trained on other text does not predict.
 
-The index is per request and bounded by the request's length: one entry per (n, position),
-at most `(max_ngram - min_ngram + 1) * len(committed)` entries, updated incrementally.
+The index is per request and bounded by the request's length: for each n-gram, the end of its
+latest occurrence per following token, at most `candidates` of them (the most recent kept), so
+at most `(max_ngram - min_ngram + 1) * len(committed)` n-grams and `candidates` ends each,
+updated incrementally.
 """
 from __future__ import annotations
 
@@ -29,17 +34,21 @@ class ContextLookup:
     """Incremental n-gram index over one request's committed tokens.
 
     min_ngram / max_ngram: suffix lengths tried, longest first (ValueError unless
-    1 <= min_ngram <= max_ngram). `reset()` starts a new request."""
+    1 <= min_ngram <= max_ngram); candidates: most continuations kept per n-gram, with distinct
+    first tokens (ValueError below 1). `reset()` starts a new request."""
 
-    def __init__(self, min_ngram: int = 1, max_ngram: int = 3):
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 3, candidates: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"context lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        if candidates < 1:
+            raise ValueError(f"context lookup needs candidates >= 1, got {candidates}")
+        self.min_ngram, self.max_ngram, self.candidates = min_ngram, max_ngram, candidates
         self.reset()
 
     def reset(self) -> None:
         self._tokens: list[int] = []
-        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> position right after its latest occurrence
+        # n-gram -> {first following token: position right after that occurrence}, oldest first
+        self._index: dict[tuple[int, ...], dict[int, int]] = {}
 
     def _extend(self, committed: Sequence[int]) -> None:
         """Index every n-gram that ends before the last committed token (its continuation,
@@ -53,17 +62,32 @@ class ContextLookup:
         # end positions e (exclusive) already indexed: those < n_old; e == len(toks) has no continuation
         for e in range(max(n_old, 1), len(toks)):
             for n in range(self.min_ngram, min(self.max_ngram, e) + 1):
-                self._index[tuple(toks[e - n:e])] = e
+                ends = self._index.setdefault(tuple(toks[e - n:e]), {})
+                ends.pop(toks[e], None)  # re-inserted as the latest
+                ends[toks[e]] = e
+                if len(ends) > self.candidates:
+                    del ends[next(iter(ends))]  # the oldest
 
     def propose(self, committed: Sequence[int], length: int) -> LookupMatch | None:
-        """The continuation (at most `length` tokens) of the longest matching suffix of
-        `committed`, or None when no suffix of at least min_ngram tokens occurred before."""
-        if length < 1:
-            return None
+        """The continuation (at most `length` tokens) of the latest earlier occurrence of the
+        longest matching suffix of `committed`, or None when no suffix of at least min_ngram
+        tokens occurred before."""
+        found = self.propose_all(committed, length, 1)
+        return found[0] if found else None
+
+    def propose_all(self, committed: Sequence[int], length: int, limit: int) -> list[LookupMatch]:
+        """Up to `limit` continuations (each at most `length` tokens) with distinct first
+        tokens: the longest matching suffix's occurrences latest first, then shorter suffixes'
+        (the first is `propose`'s). [] when nothing matches or length < 1."""
+        if length < 1 or limit < 1:
+            return []
         self._extend(committed)
-        toks = self._tokens
+        toks, out, firsts = self._tokens, [], set()
         for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
-            start = self._index.get(tuple(toks[len(toks) - n:]))
-            if start is not None:
-                return LookupMatch(n, toks[start:start + length])
-        return None
+            for first, start in reversed(self._index.get(tuple(toks[len(toks) - n:]), {}).items()):
+                if first not in firsts:
+                    firsts.add(first)
+                    out.append(LookupMatch(n, toks[start:start + length]))
+                    if len(out) == limit:
+                        return out
+        return out

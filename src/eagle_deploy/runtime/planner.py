@@ -12,6 +12,9 @@ request), counting the two sources as independent:
 
 Cost of a plan: D draft forwards (one extension + D - 1 expansions) at the measured seconds
 per draft forward, plus the measured seconds of a round that verifies the plan's tree size
+(the lookup's alternative continuations, `alternates` chains of at most `alternate_len`
+tokens beside the chain, count as rows; their gain is left out of E, so they are paid for
+by the main chain's expected tokens: a conservative plan)
 (`CostModel`: measured once per runtime, interpolated between sizes). The plan
 maximising E[tau] / cost wins; with no head and no lookup it is a vanilla step (E = 1).
 A source that is not used for a while is re-probed (its full size, once every `probe_every`
@@ -205,14 +208,16 @@ class DraftPlanner:
     two sources do not add up: E counts the likelier of the two at each depth; and it runs a
     one-token forward as two rows, so a vanilla step costs what verifying one draft token does
     (a single draft token is then free). ngrams: the
-    longest suffix the lookup matches (its acceptance is tracked per match length). Per-request
-    acceptance state is reset by `reset()`."""
+    longest suffix the lookup matches (its acceptance is tracked per match length).
+    alternate_len: the longest alternative lookup continuation drafted beside the main chain
+    (their rows are costed, `choose(alternates=...)`). Per-request acceptance state is reset
+    by `reset()`."""
 
     def __init__(self, max_depth: int, total_tokens: int, top_k: int, max_lookup: int, costs: CostModel | None,
                  prior: float = 0.6, weight: float = 2.0, decay: float = 0.95, probe_every: int = 4,
-                 probe_max: int = 64, one_path: bool = False, ngrams: int = 3):
+                 probe_max: int = 64, one_path: bool = False, ngrams: int = 3, alternate_len: int = 0):
         self.max_depth, self.total_tokens, self.top_k, self.max_lookup = max_depth, total_tokens, top_k, max_lookup
-        self.one_path, self.ngrams = one_path, ngrams
+        self.one_path, self.ngrams, self.alternate_len = one_path, ngrams, alternate_len
         self.costs = costs
         self.prior, self.weight, self.decay = prior, weight, decay
         self.probe_every, self.probe_max = probe_every, probe_max
@@ -231,9 +236,15 @@ class DraftPlanner:
     def full(self, lookup: int) -> Plan:
         return Plan(self.max_depth, self.head_nodes(self.max_depth), lookup)
 
-    def choose(self, lookup_available: int, ngram: int = 1, past: int = 0) -> Plan:
+    def alternate_rows(self, lookup: int, alternates: int) -> int:
+        """Rows the lookup's `alternates` alternative continuations add beside a main chain of
+        `lookup` tokens (none without one)."""
+        return alternates * min(lookup, self.alternate_len) if lookup > 0 else 0
+
+    def choose(self, lookup_available: int, ngram: int = 1, past: int = 0, alternates: int = 0) -> Plan:
         """The plan for this round, given a lookup match of `lookup_available` tokens (0: none)
-        found with an `ngram`-token suffix, with `past` rows already in the target's KV."""
+        found with an `ngram`-token suffix and `alternates` other continuations, with `past`
+        rows already in the target's KV."""
         lookup_available = min(lookup_available, self.max_lookup)
         self.head.fade()
         for rates in self.lookup.values():
@@ -252,7 +263,8 @@ class DraftPlanner:
         else:
             expected = 1.0 + (1.0 - (1.0 - h) * (1.0 - lk)).sum(-1)
         head_nodes = np.array([self.head_nodes(d) for d in range(D + 1)])
-        rows = 1 + head_nodes[:, None] + np.arange(L + 1)[None, :]
+        lookup_rows = np.array([k + self.alternate_rows(k, alternates) for k in range(L + 1)])
+        rows = 1 + head_nodes[:, None] + lookup_rows[None, :]
         if self.one_path:  # row-exact: a one-token forward runs as two rows (decode.Decoder)
             rows = np.maximum(rows, 2)
         seconds = (np.arange(D + 1) * draft_s)[:, None] + self.costs.verify(rows, past)
