@@ -76,7 +76,7 @@ def test_feedback_counts_how_deep_each_source_was_accepted():
     plan = d.plans[-1]
     assert plan.lookup >= 3 and plan.head_depth == 3
     seen = []
-    d.planner.record = lambda p, h, look, n: seen.append((p, h, look, n))
+    d.planner.record = lambda p, h, look, n, alternate=None: seen.append((p, h, look, n))
     # the target accepted 4, 5 (head shares only the 4) and chose 7 as the bonus
     d.propose(request(committed + [4, 5, 7], np.zeros((3, 2), np.float32)))
     assert seen[0][1:3] == (1, 2) and seen[0][3] == 3  # head depth 1, lookup depth 2, a 3-gram match
@@ -90,9 +90,9 @@ def test_alternate_continuations_hang_beside_the_chain_within_the_node_budget():
     #            the 1-gram [1] was followed by 2 (latest), 3 and 4: main chain 2 ..., alternates 3 ..., 4 ...
     committed = [1, 4, 5, 7, 1, 3, 7, 8, 1, 2, 6, 6, 1]
     tree = d.propose(request(committed, np.zeros((13, 2), np.float32)))
-    _, _, origin, _, _ = d._last
+    _, _, origin, _, _, _ = d._last
     paths = {tuple(int(tree.tokens[j]) for j in tree.path_to(i)[1:]): int(origin[i]) for i in range(1, tree.size)}
-    assert paths[(2, 6, 6, 1)] == 2 and paths[(3, 7)] == 2 and paths[(4, 5)] == 2  # alternates cut to 2 tokens
+    assert paths[(2, 6, 6, 1)] == 2 and paths[(3, 7)] == 4 and paths[(4, 5)] == 4  # alternates cut to 2 tokens
     assert (3, 7, 8) not in paths and paths[(9, 9, 9)] == 1
     depth1 = {int(tree.tokens[i]): float(tree.scores[i]) for i in range(tree.size) if tree.parents[i] == 0}
     assert depth1[2] > depth1[3] > depth1[4]  # the main chain first, then the alternates by rank
@@ -143,6 +143,9 @@ def test_make_drafter_kinds():
     assert make_drafter("eagle", head, head.tree, planned=False) is head
     assert make_drafter("lookup", None, head.tree, planned=False).head is None
     assert make_drafter("hybrid", head, head.tree, planned=False).lookup is not None
+    assert make_drafter("hybrid", head, head.tree, planned=False).alternates == 2
+    row_exact = make_drafter("hybrid", head, head.tree, planned=False, one_path=True)
+    assert row_exact.alternates == 0 and row_exact.lookup.candidates == 1  # never accepted past one token
     with pytest.raises(ValueError, match="needs the draft graph"):
         make_drafter("hybrid", None, head.tree)
     with pytest.raises(ValueError, match="drafter must be one of"):
@@ -224,11 +227,11 @@ class _Watch:
 
     def propose(self, request):
         tree = self.inner.propose(request)
-        _, _, origin, _, _ = self.inner._last
+        origin = self.inner._last[2]
         depth1 = [i for i in range(tree.size) if tree.parents[i] == 0]
         self.rounds += 1
-        self.mixed += any(origin[i] == 2 for i in depth1) and any(origin[i] & 1 for i in depth1)
-        self.lookup_siblings += sum(bool(origin[i] & 2) for i in depth1) >= 2
+        self.mixed += any(not origin[i] & 1 for i in depth1) and any(origin[i] & 1 for i in depth1)
+        self.lookup_siblings += sum(bool(origin[i] & 6) for i in depth1) >= 2
         return tree
 
 
@@ -288,3 +291,17 @@ def test_device_costs_are_measured_once_and_cached(mha, tmp_path, monkeypatch):
     assert len(calls) == 2 and CostModel.from_json(__import__("json").loads(entry.read_text()))
     assert mha.runtime().costs is None  # the plain EAGLE tree plans nothing, measures nothing
     assert len(calls) == 2
+
+
+def test_alternatives_are_learnt_from_the_committed_tokens_even_when_not_drafted():
+    head = FakeHead([9, 9, 9])
+    d = HybridDrafter(head, ContextLookup(1, 3, candidates=3), head.tree, planned=False, alternates=2,
+                      alternate_len=3)
+    d.planner.full = lambda available, alternates=0: Plan(0, 0, available)  # the chain alone, no alternates
+    committed = [1, 4, 5, 7, 1, 3, 7, 8, 1, 2, 6, 6, 1]  # after 1: 2 6 6 1 (chain), 3 7 8, 4 5 7 (alternates)
+    tree = d.propose(request(committed, np.zeros((13, 2), np.float32)))
+    assert sorted(int(tree.tokens[i]) for i in range(tree.size) if tree.parents[i] == 0) == [2]
+    seen = []
+    d.planner.record = lambda p, h, look, n, alternate=None: seen.append(alternate)
+    d.propose(request(committed + [3, 7, 5], np.zeros((3, 2), np.float32)))  # the target went 3 7, bonus 5
+    assert seen == [(3, 2)]  # the best alternative (3 7 8) matched two tokens, failed at the third

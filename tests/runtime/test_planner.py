@@ -164,3 +164,35 @@ def test_row_exact_vanilla_steps_cost_two_rows_so_one_lookup_token_is_free():
                                for x in settled)
     # one-row vanilla steps: lookup only now and then, when its faded estimate drifts back up
     assert chosen[False] <= 6 and chosen[True] == len([x for x in plans[40:] if not x.probe]) >= 50, chosen
+
+
+def alternates_plans(p, rounds, alternate_matched, lookup_accepted=0):
+    """Rounds with a 4-token lookup match and 2 alternatives; the best alternative matches
+    `alternate_matched` committed tokens (learnt whether drafted or not)."""
+    plans = []
+    for _ in range(rounds):
+        plan = p.choose(4, 1, 0, alternates=2)
+        plans.append(plan)
+        p.record(plan, 0, lookup_accepted if plan.lookup else 0, 1,
+                 alternate=(min(4, alternate_matched + 1), alternate_matched))
+    return plans
+
+
+def test_alternates_are_drafted_only_where_their_acceptance_pays_for_their_rows():
+    cheap = CostModel({0: {1: 0.010, 32: 0.011}}, {0: 0.002})
+    matching = alternates_plans(planner(max_depth=0, total_tokens=1, top_k=1, alternate_len=4, costs=cheap), 40, 4)
+    assert all(x.alternates == 2 and x.lookup == 4 for x in matching[5:])
+    missing = alternates_plans(planner(max_depth=0, total_tokens=1, top_k=1, alternate_len=4), 40, 0, 4)
+    assert all(x.alternates == 0 and x.lookup == 4 for x in missing[5:])  # 8 more rows for nothing
+    p = planner(max_depth=0, total_tokens=1, top_k=1, alternate_len=4, costs=cheap)
+    alternates_plans(p, 40, 4)
+    assert (p.alternate.reach(4)[1:] > 0.85).all()  # the prior (0.2 per depth) outweighed by the evidence
+
+
+def test_row_exact_decoding_never_drafts_alternates():
+    """An accepted node off the top path ends a row-exact round as its bonus token, so an
+    alternative beside the main chain can add nothing there, however well it matches."""
+    cheap = CostModel({0: {1: 0.010, 32: 0.011}}, {0: 0.002})
+    plans = alternates_plans(planner(max_depth=0, total_tokens=1, top_k=1, alternate_len=4, costs=cheap,
+                                     one_path=True), 40, 4, lookup_accepted=4)
+    assert all(x.alternates == 0 for x in plans) and sum(x.lookup == 4 for x in plans) >= 35

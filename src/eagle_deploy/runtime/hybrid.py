@@ -64,7 +64,8 @@ class HybridDrafter:
     (DraftPlanner; needs `costs`, the device's CostModel) or always draft everything; one_path:
     the decoder is row-exact (DraftPlanner's one_path); max_lookup: the longest lookup chain;
     alternates / alternate_len: how many other lookup continuations (the lookup keeps that
-    many more per n-gram: build it with `candidates >= 1 + alternates`) and how long each.
+    many more per n-gram: build it with `candidates >= 1 + alternates`) and how long each;
+    a planned drafter drafts them only in rounds where the planner expects them to pay.
     Raises ValueError with neither source, or planned without costs."""
 
     def __init__(self, head, lookup: ContextLookup | None, tree: TreeConfig | None, planned: bool = True,
@@ -106,10 +107,11 @@ class HybridDrafter:
 
     def _learn(self, request: DraftRequest) -> None:
         """Update the planner from the previous round: how deep the committed tokens ran
-        through the head's and the lookup's nodes of the tree it proposed."""
+        through the head's and the lookup chain's nodes of the tree it proposed, and how far
+        the best alternative continuation matched them (drafted or not: see planner)."""
         if self._last is None:
             return
-        plan, tree, origin, before, ngram = self._last
+        plan, tree, origin, before, ngram, others = self._last
         self._last = None
         new = [int(t) for t in request.committed[before:]]
         node, head_depth, look_depth, on_head, on_look = 0, 0, 0, True, True
@@ -121,7 +123,12 @@ class HybridDrafter:
             on_head, on_look = on_head and bool(origin[node] & 1), on_look and bool(origin[node] & 2)
             head_depth += on_head
             look_depth += on_look
-        self.planner.record(plan, head_depth, look_depth, ngram)
+        alternate = None
+        if others:  # (depths known, depth matched) of the best alternative: see DraftPlanner.record
+            matched = max(_common_prefix(chain, new) for chain in others)
+            longest = max(len(chain) for chain in others)
+            alternate = (min(longest, len(new), matched + 1), matched)
+        self.planner.record(plan, head_depth, look_depth, ngram, alternate=alternate)
 
     # ---------------------------------------------------------------- proposing
 
@@ -135,11 +142,12 @@ class HybridDrafter:
         match = matches[0] if matches else None
         available = len(match.tokens) if match else 0
         ngram = match.ngram if match else 1
+        others = [m.tokens[:self.planner.alternate_len] for m in matches[1:]]
         if self.static:  # a static EAGLE-1 tree is drafted whole or not at all
             plan = self.planner.full(available)
         else:
-            plan = (self.planner.choose(available, ngram, request.root_position, len(matches[1:])) if self.planned
-                    else self.planner.full(available))
+            plan = (self.planner.choose(available, ngram, request.root_position, len(others)) if self.planned
+                    else self.planner.full(available, len(others)))
         lookup_len = min(plan.lookup, available, request.max_depth, request.max_nodes - 1)
         tree, origin = DraftTree.root_only(root), np.ones(1, np.int64) * 3
         if plan.head_depth > 0 and self.head is not None:
@@ -148,17 +156,19 @@ class HybridDrafter:
             origin = np.ones(tree.size, np.int64)
         elif self.head is not None:
             self._pending.append(request.features)
+        alternates = 0
         if lookup_len > 0:
             tree, origin = merge_chain(tree, origin, match.tokens[:lookup_len], self._lookup_scores(lookup_len, ngram))
-            for rank, other in enumerate(matches[1:], 1):
+            for rank, other in enumerate(matches[1:1 + plan.alternates], 1):
                 chain = other.tokens[:min(lookup_len, self.planner.alternate_len, request.max_nodes - tree.size)]
                 if not chain:
                     break
                 scores = self._lookup_scores(len(chain), other.ngram) - np.float32(math.log(1 + rank))
-                tree, origin = merge_chain(tree, origin, chain, scores)
-        plan = replace(plan, lookup=lookup_len)
+                tree, origin = merge_chain(tree, origin, chain, scores, flag=4)
+                alternates = rank
+        plan = replace(plan, lookup=lookup_len, alternates=alternates)
         self.plans.append(plan)
-        self._last = (plan, tree, origin, len(request.committed), ngram)
+        self._last = (plan, tree, origin, len(request.committed), ngram, others)
         return tree
 
     def _run_head(self, request: DraftRequest, plan: Plan, max_nodes: int) -> DraftTree:
@@ -175,12 +185,13 @@ class HybridDrafter:
         return np.log(np.maximum(reach, 1e-6)).astype(np.float32)
 
 
-def merge_chain(tree: DraftTree, origin: np.ndarray, chain: list[int], scores: np.ndarray
+def merge_chain(tree: DraftTree, origin: np.ndarray, chain: list[int], scores: np.ndarray, flag: int = 2
                 ) -> tuple[DraftTree, np.ndarray]:
     """`tree` with the token path `chain` below its root: shared where a node with the next
     token already hangs below the current one, new nodes after that. origin [n] int64 bit
-    flags (1: head, 2: lookup) follow the nodes; scores [len(chain)]: the chain's cumulative
-    log-scores (a shared node keeps the higher of its two)."""
+    flags (1: head, 2: lookup chain, 4: alternative lookup continuation; `flag` marks this
+    chain's nodes) follow the nodes; scores [len(chain)]: the chain's cumulative log-scores
+    (a shared node keeps the higher of its two)."""
     tokens, parents = list(tree.tokens), list(tree.parents)
     node_scores, origin = list(tree.scores), list(origin)
     node = 0
@@ -188,15 +199,22 @@ def merge_chain(tree: DraftTree, origin: np.ndarray, chain: list[int], scores: n
         kids = [i for i in range(len(tokens)) if parents[i] == node and tokens[i] == token]
         if kids:
             node = kids[0]
-            origin[node] |= 2
+            origin[node] |= flag
             node_scores[node] = max(node_scores[node], float(scores[depth]))
             continue
         tokens.append(int(token))
         parents.append(node)
         node_scores.append(float(scores[depth]) if math.isfinite(scores[depth]) else -1e6)
-        origin.append(2)
+        origin.append(flag)
         node = len(tokens) - 1
     return DraftTree(np.array(tokens), np.array(parents), np.array(node_scores)), np.array(origin, np.int64)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def make_drafter(kind: str, head, tree: TreeConfig, planned: bool = True, costs: CostModel | None = None,
@@ -204,7 +222,8 @@ def make_drafter(kind: str, head, tree: TreeConfig, planned: bool = True, costs:
     """The drafter of `kind` ("hybrid", "eagle", "lookup") over `head` (an EagleDrafter or a
     wrapper of one; None for "lookup"). "eagle" with planned=False is `head` itself (the
     configured tree every round). Raises ValueError on an unknown kind, or a head-based kind
-    without a head. one_path: the decoder is row-exact (HybridDrafter)."""
+    without a head. one_path: the decoder is row-exact (HybridDrafter; no alternative lookup
+    continuations then, as they cannot be accepted past their first token)."""
     check_drafter_kind(kind)
     if kind == "eagle" and not planned:
         return head
@@ -212,8 +231,9 @@ def make_drafter(kind: str, head, tree: TreeConfig, planned: bool = True, costs:
         head = None
     elif head is None:
         raise ValueError(f"the {kind!r} drafter needs the draft graph")
-    lookup = ContextLookup(candidates=1 + ALTERNATES) if kind != "eagle" else None
-    return HybridDrafter(head, lookup, tree, planned, costs, one_path=one_path, alternates=ALTERNATES)
+    alternates = 0 if one_path else ALTERNATES  # row-exact rounds end at an accepted node off the top path
+    lookup = ContextLookup(candidates=1 + alternates) if kind != "eagle" else None
+    return HybridDrafter(head, lookup, tree, planned, costs, one_path=one_path, alternates=alternates)
 
 
 def head_of(drafter):

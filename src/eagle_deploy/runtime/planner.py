@@ -10,12 +10,20 @@ request), counting the two sources as independent:
 
 (with row-exact decoding, which accepts along one path only, max(P_h(d), P_l(d)) instead).
 
+The lookup's alternative continuations (other earlier occurrences followed by another token:
+`alternates` chains of at most `alternate_len` tokens beside the main chain, a plan has all or
+none of them) are a third source, with P_a(d) the running probability that one of them runs
+to depth d. It is learnt every round a match had alternatives, drafted or not (a lookup is
+deterministic, so what an undrafted chain would have matched is known from the committed
+tokens; a chain that matched everything committed counts as accepted that deep). Their first
+tokens differ from the main chain's, so the two are exclusive: the lookup term becomes
+min(1, P_l(d) + P_a(d)) for d <= min(L, alternate_len). Row-exact decoding ends a round at
+the first accepted node off the top path, so alternates never pay there and are not planned.
+
 Cost of a plan: D draft forwards (one extension + D - 1 expansions) at the measured seconds
 per draft forward, plus the measured seconds of a round that verifies the plan's tree size
-(the lookup's alternative continuations, `alternates` chains of at most `alternate_len`
-tokens beside the chain, count as rows; their gain is left out of E, so they are paid for
-by the main chain's expected tokens: a conservative plan)
-(`CostModel`: measured once per runtime, interpolated between sizes). The plan
+(alternates' rows included) (`CostModel`: measured once per runtime, interpolated between
+sizes). The plan
 maximising E[tau] / cost wins; with no head and no lookup it is a vanilla step (E = 1).
 A source that is not used for a while is re-probed (its full size, once every `probe_every`
 rounds, the interval doubling up to `probe_max` while probes lose), so a request that becomes
@@ -28,7 +36,7 @@ SpecDec++ / "Dynamic depth" decoding, with costs measured on this device rather 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -36,7 +44,8 @@ import numpy as np
 @dataclass(frozen=True)
 class Plan:
     """One round's draft: head_depth / head_nodes (0: no head forward this round), lookup
-    (context-lookup tokens), expected (E[tau]), seconds (predicted round cost; 0.0 unknown)."""
+    (context-lookup tokens), alternates (other lookup continuations beside the chain),
+    expected (E[tau]), seconds (predicted round cost; 0.0 unknown)."""
 
     head_depth: int
     head_nodes: int
@@ -44,6 +53,7 @@ class Plan:
     expected: float = 1.0
     seconds: float = 0.0
     probe: bool = False  # a re-probe of a source the plan had left out
+    alternates: int = 0  # alternative lookup continuations drafted beside the chain
 
     @property
     def drafts(self) -> bool:
@@ -210,16 +220,17 @@ class DraftPlanner:
     (a single draft token is then free). ngrams: the
     longest suffix the lookup matches (its acceptance is tracked per match length).
     alternate_len: the longest alternative lookup continuation drafted beside the main chain
-    (their rows are costed, `choose(alternates=...)`). Per-request acceptance state is reset
-    by `reset()`."""
+    (`choose(alternates=...)` weighs their rows against their learnt acceptance, prior
+    `alternate_prior` per depth). Per-request acceptance state is reset by `reset()`."""
 
     def __init__(self, max_depth: int, total_tokens: int, top_k: int, max_lookup: int, costs: CostModel | None,
                  prior: float = 0.6, weight: float = 2.0, decay: float = 0.95, probe_every: int = 4,
-                 probe_max: int = 64, one_path: bool = False, ngrams: int = 3, alternate_len: int = 0):
+                 probe_max: int = 64, one_path: bool = False, ngrams: int = 3, alternate_len: int = 0,
+                 alternate_prior: float = 0.2):
         self.max_depth, self.total_tokens, self.top_k, self.max_lookup = max_depth, total_tokens, top_k, max_lookup
         self.one_path, self.ngrams, self.alternate_len = one_path, ngrams, alternate_len
         self.costs = costs
-        self.prior, self.weight, self.decay = prior, weight, decay
+        self.prior, self.weight, self.decay, self.alternate_prior = prior, weight, decay, alternate_prior
         self.probe_every, self.probe_max = probe_every, probe_max
         self.reset()
 
@@ -227,14 +238,16 @@ class DraftPlanner:
         self.head = _DepthRates(self.max_depth, self.prior, self.weight, self.decay)
         self.lookup = {n: _DepthRates(self.max_lookup, self.prior, self.weight, self.decay)
                        for n in range(1, self.ngrams + 1)}
+        self.alternate = _DepthRates(self.alternate_len, self.alternate_prior, self.weight, self.decay)
         self._idle = {"head": 0, "lookup": 0}  # rounds since each source was last proposed
         self._interval = {"head": self.probe_every, "lookup": self.probe_every}
 
     def head_nodes(self, depth: int) -> int:
         return min(self.total_tokens - 1, growth_nodes(self.top_k, depth))
 
-    def full(self, lookup: int) -> Plan:
-        return Plan(self.max_depth, self.head_nodes(self.max_depth), lookup)
+    def full(self, lookup: int, alternates: int = 0) -> Plan:
+        """Everything: the configured head tree, `lookup` chain tokens and `alternates`."""
+        return Plan(self.max_depth, self.head_nodes(self.max_depth), lookup, alternates=alternates if lookup else 0)
 
     def alternate_rows(self, lookup: int, alternates: int) -> int:
         """Rows the lookup's `alternates` alternative continuations add beside a main chain of
@@ -246,30 +259,43 @@ class DraftPlanner:
         found with an `ngram`-token suffix and `alternates` other continuations, with `past`
         rows already in the target's KV."""
         lookup_available = min(lookup_available, self.max_lookup)
-        self.head.fade()
-        for rates in self.lookup.values():
+        for rates in (self.head, self.alternate, *self.lookup.values()):
             rates.fade()
         draft_s = self.costs.draft(past) if self.max_depth else 0.0
         D, L = self.max_depth, lookup_available
-        head = np.zeros((D + 1, max(D, L) + 1))  # row d: P_h up to depth d, 0 deeper (a head plan of depth d)
-        look = np.zeros((L + 1, max(D, L) + 1))
+        width = max(D, L) + 1
+        head = np.zeros((D + 1, width))  # row d: P_h up to depth d, 0 deeper (a head plan of depth d)
+        look = np.zeros((L + 1, width))
         for d, reach in enumerate(self.head.reach(D)):
             head[d:, d] = reach
         for d, reach in enumerate(self.lookup_rates(ngram).reach(L)):
             look[d:, d] = reach
-        h, lk = head[:, None, 1:], look[None, :, 1:]  # [D + 1, L + 1, depths]
-        if self.one_path:  # row-exact decoding accepts past depth 1 only along the top path
-            expected = 1.0 + np.maximum(h, lk).sum(-1)
-        else:
-            expected = 1.0 + (1.0 - (1.0 - h) * (1.0 - lk)).sum(-1)
+        h = head[:, None, 1:]  # [D + 1, 1, depths]
         head_nodes = np.array([self.head_nodes(d) for d in range(D + 1)])
-        lookup_rows = np.array([k + self.alternate_rows(k, alternates) for k in range(L + 1)])
-        rows = 1 + head_nodes[:, None] + lookup_rows[None, :]
-        if self.one_path:  # row-exact: a one-token forward runs as two rows (decode.Decoder)
-            rows = np.maximum(rows, 2)
-        seconds = (np.arange(D + 1) * draft_s)[:, None] + self.costs.verify(rows, past)
-        d, k = np.unravel_index(int(np.argmax(expected / seconds)), expected.shape)  # the first best: smallest
-        best = Plan(int(d), int(head_nodes[d]), int(k), float(expected[d, k]), float(seconds[d, k]))
+        options = [0] + ([alternates] if alternates and L and self.alternate_len and not self.one_path else [])
+        best = None
+        for a in options:
+            lookup = look
+            if a:  # row k: the chain's reach plus the alternates' (exclusive first tokens) up to min(k, alternate_len)
+                alt = np.zeros((L + 1, width))
+                for d, reach in enumerate(self.alternate.reach(min(L, self.alternate_len))[1:], 1):
+                    alt[d:, d] = reach
+                lookup = np.minimum(1.0, look + alt)
+            lk = lookup[None, :, 1:]  # [1, L + 1, depths]
+            if self.one_path:  # row-exact decoding accepts past depth 1 only along the top path
+                expected = 1.0 + np.maximum(h, lk).sum(-1)
+            else:
+                expected = 1.0 + (1.0 - (1.0 - h) * (1.0 - lk)).sum(-1)
+            lookup_rows = np.array([k + self.alternate_rows(k, a) for k in range(L + 1)])
+            rows = 1 + head_nodes[:, None] + lookup_rows[None, :]
+            if self.one_path:  # row-exact: a one-token forward runs as two rows (decode.Decoder)
+                rows = np.maximum(rows, 2)
+            seconds = (np.arange(D + 1) * draft_s)[:, None] + self.costs.verify(rows, past)
+            d, k = np.unravel_index(int(np.argmax(expected / seconds)), expected.shape)  # the first best: smallest
+            plan = Plan(int(d), int(head_nodes[d]), int(k), float(expected[d, k]), float(seconds[d, k]),
+                        alternates=a if k else 0)
+            if best is None or plan.expected / plan.seconds > best.expected / best.seconds:
+                best = plan
         return self._probed(best, lookup_available)
 
     def lookup_rates(self, ngram: int) -> _DepthRates:
@@ -289,18 +315,24 @@ class DraftPlanner:
                 self._idle[source] = 0
                 self._interval[source] = min(2 * self._interval[source], self.probe_max)
                 if source == "head":
-                    plan = Plan(self.max_depth, self.head_nodes(self.max_depth), plan.lookup, probe=True)
+                    plan = replace(plan, head_depth=self.max_depth, head_nodes=self.head_nodes(self.max_depth),
+                                   probe=True)
                 else:
                     plan = Plan(plan.head_depth, plan.head_nodes, lookup_available, probe=True)
         return plan
 
-    def record(self, plan: Plan, head_accepted: int, lookup_accepted: int, ngram: int) -> None:
+    def record(self, plan: Plan, head_accepted: int, lookup_accepted: int, ngram: int,
+               alternate: tuple[int, int] | None = None) -> None:
         """Update the request's acceptance estimates after a round drafted `plan`: how deep the
-        accepted path ran through the head's nodes and through the lookup chain's."""
+        accepted path ran through the head's nodes and through the lookup chain's; alternate:
+        (tokens known, depth matched) of the round's best alternative continuation, drafted or
+        not (None: the match had no alternatives)."""
         if plan.head_depth:
             self.head.update(plan.head_depth, head_accepted)
         if plan.lookup:
             self.lookup_rates(ngram).update(plan.lookup, lookup_accepted)
+        if alternate is not None:
+            self.alternate.update(*alternate)
         if plan.probe:  # a probe that was accepted at all: probe again soon
             for source, accepted in (("head", head_accepted), ("lookup", lookup_accepted)):
                 if accepted:
