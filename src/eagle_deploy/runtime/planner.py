@@ -204,6 +204,15 @@ class _DepthRates:
         return out
 
 
+def _by_plan(reach: np.ndarray, plans: int, width: int) -> np.ndarray:
+    """[plans, width]: row p is `reach` (P(accepted to depth >= d), d = 0..) cut after depth p,
+    0 deeper: what a plan drafting p tokens of that source can be accepted to."""
+    out = np.zeros((plans, width))
+    for d, r in enumerate(reach):
+        out[d:, d] = r
+    return out
+
+
 def growth_nodes(top_k: int, depth: int) -> int:
     """Draft nodes an EAGLE-2 growth of `depth` levels holds: top_k, then top_k^2 per level."""
     return 0 if depth <= 0 else (depth if top_k == 1 else top_k + (depth - 1) * top_k * top_k)
@@ -264,22 +273,15 @@ class DraftPlanner:
         draft_s = self.costs.draft(past) if self.max_depth else 0.0
         D, L = self.max_depth, lookup_available
         width = max(D, L) + 1
-        head = np.zeros((D + 1, width))  # row d: P_h up to depth d, 0 deeper (a head plan of depth d)
-        look = np.zeros((L + 1, width))
-        for d, reach in enumerate(self.head.reach(D)):
-            head[d:, d] = reach
-        for d, reach in enumerate(self.lookup_rates(ngram).reach(L)):
-            look[d:, d] = reach
-        h = head[:, None, 1:]  # [D + 1, 1, depths]
+        h = _by_plan(self.head.reach(D), D + 1, width)[:, None, 1:]  # [D + 1, 1, depths]
+        look = _by_plan(self.lookup_rates(ngram).reach(L), L + 1, width)
         head_nodes = np.array([self.head_nodes(d) for d in range(D + 1)])
         options = [0] + ([alternates] if alternates and L and self.alternate_len and not self.one_path else [])
         best = None
         for a in options:
             lookup = look
             if a:  # row k: the chain's reach plus the alternates' (exclusive first tokens) up to min(k, alternate_len)
-                alt = np.zeros((L + 1, width))
-                for d, reach in enumerate(self.alternate.reach(min(L, self.alternate_len))[1:], 1):
-                    alt[d:, d] = reach
+                alt = _by_plan(self.alternate.reach(min(L, self.alternate_len)), L + 1, width)
                 lookup = np.minimum(1.0, look + alt)
             lk = lookup[None, :, 1:]  # [1, L + 1, depths]
             if self.one_path:  # row-exact decoding accepts past depth 1 only along the top path
