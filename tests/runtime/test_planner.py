@@ -196,3 +196,42 @@ def test_row_exact_decoding_never_drafts_alternates():
     plans = alternates_plans(planner(max_depth=0, total_tokens=1, top_k=1, alternate_len=4, costs=cheap,
                                      one_path=True), 40, 4, lookup_accepted=4)
     assert all(x.alternates == 0 for x in plans) and sum(x.lookup == 4 for x in plans) >= 35
+
+
+class _SimulatedForwards:
+    """A backend whose forwards take `cost(rows, past)` simulated seconds, plus `burst` extra
+    seconds for every forward that starts while the simulated time is in [burst_from, burst_to):
+    noise that lasts a while, as another process would make."""
+
+    def __init__(self, burst_from: float, burst_to: float, burst: float):
+        self.now, self.window, self.burst, self.noisy = 0.0, (burst_from, burst_to), burst, 0
+
+    @staticmethod
+    def cost(rows: int, past: int) -> float:
+        return 0.010 + 0.001 * rows + 0.00001 * past
+
+    def allocate_kv(self, capacity):
+        return None
+
+    def run(self, inputs, kv, past):
+        rows = inputs.input_ids.shape[1]
+        noisy = self.window[0] <= self.now < self.window[1]
+        self.noisy += noisy
+        self.now += self.cost(rows, past) + (self.burst if noisy else 0.0)
+
+
+def test_device_costs_come_out_right_through_noise_that_lasts_a_while(monkeypatch):
+    """Every forward started while the noise lasts (0.35 s) is 50 ms slower: timed one cell
+    after another, all the repeats of a size or two would fall in it (the median-of-3 this
+    replaced came out 50 ms high there); the interleaved rounds still find each cell's own cost."""
+    from eagle_deploy.runtime import planner
+
+    sim = _SimulatedForwards(burst_from=0.05, burst_to=0.40, burst=0.050)
+    monkeypatch.setattr(planner, "_clock", lambda: sim.now)
+    sizes, pasts = (1, 2, 4, 8, 16), (64, 1024)
+    costs = planner.measure_costs(sim, sim, sizes, 2, 100, 4, "float32", pasts=pasts, repeats=3)
+    for past in pasts:
+        for S in sizes:
+            assert costs.verify(S, past) == pytest.approx(sim.cost(S, past), abs=1e-12)
+        assert costs.draft(past) == pytest.approx(sim.cost(2, past), abs=1e-12)
+    assert sim.noisy >= 5  # the noise did slow a run of consecutive forwards

@@ -149,12 +149,16 @@ def device_costs(manifest: Manifest, tree: TreeConfig, target: Backend, draft: B
     return costs
 
 
+COSTS_METHOD = "fastest-of-rounds"  # part of the cache key: costs measured another way are measured again
+
+
 def costs_cache_path(folder: Path, tree: TreeConfig, target: Backend, draft: Backend | None,
                      threads: int | None) -> Path:
-    """<cache_root>/costs/<export>-<digest>.json, the digest over the export's manifest, the
-    tree, the backends, the thread count and the CPU model."""
+    """<cache_root>/costs/<export>-<digest>.json, the digest over how costs are measured
+    (COSTS_METHOD), the export's manifest, the tree, the backends, the thread count and the CPU
+    model."""
     cpu = cpu_info()
-    key = json.dumps([sha256_file(Path(folder) / MANIFEST_FILE), tree.to_json(),
+    key = json.dumps([COSTS_METHOD, sha256_file(Path(folder) / MANIFEST_FILE), tree.to_json(),
                       MAX_LOOKUP, ALTERNATES, ALTERNATE_LEN, getattr(target, "name", "?"),
                       getattr(draft, "name", None), threads, cpu.model,
                       cpu.cores])
