@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--calib", type=int, default=4,
                    help="calibration prompts for --tune, spread over --prompts / --sets / --specbench (Spec-Bench "
                         "alone: its questions, every task)")
-    t.add_argument("--repeats", type=int, default=5, help="timed forwards per cost-curve point (median)")
+    t.add_argument("--repeats", type=int, default=5, help="timed rounds per cost-curve point (its fastest)")
     t.add_argument("--no-save", action="store_true", help="--tune: report the choice without writing the manifest")
     add_tree_args(p, "the export's manifest")
     return p

@@ -1,7 +1,8 @@
 """`eagle-bench --tune`: choose an export's default draft tree on this machine by measurement.
 
 1. Cost curves at a realistic past (~256 rows): the target's forward ms for S tree tokens
-   (S in 1..64) and the draft graph's forward ms for F rows (frontier sizes), medians.
+   (S in 1..64) and the draft graph's forward ms for F rows (frontier sizes), each the fastest
+   of interleaved rounds.
 2. Acceptance: for each top_k, a greedy calibration generation whose trees keep the whole
    dynamic growth up to a depth (nothing pruned) records every round's tree (tokens,
    parents, draft scores) and the target's argmax at every node. Because a dynamic tree
@@ -33,6 +34,7 @@ from eagle_deploy.runtime.acceptance import depth_rates, tau
 from eagle_deploy.runtime.backends.base import StepInputs, StepOutputs
 from eagle_deploy.runtime.decode import Stats
 from eagle_deploy.runtime.drafter import causal_mask
+from eagle_deploy.runtime.planner import fastest_of_rounds
 from eagle_deploy.runtime.tree import DraftTree
 from eagle_deploy.runtime.verify import verify_greedy
 
@@ -67,38 +69,30 @@ def calib_depth(top_k: int, budget: int, cap: int) -> int:
     return max([d for d in range(1, cap + 1) if growth_size(top_k, d) <= budget] or [1])
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return round(float(np.median(times)) * 1e3, 3)
-
-
 def target_curve(backend, sizes, past: int, repeats: int, vocab: int) -> dict[int, float]:
-    """{S: median ms} of one target forward over S tree tokens with `past` rows of KV."""
+    """{S: ms} of one target forward over S tree tokens with `past` rows of KV, each the fastest
+    of `repeats` interleaved rounds (planner.fastest_of_rounds, as the planner's own costs)."""
     kv = backend.allocate_kv(past + max(sizes))
     rng = np.random.default_rng(0)
-    out = {}
+    cells = {}
     for S in sizes:
         inputs = StepInputs(rng.integers(3, vocab, (1, S)), np.arange(past, past + S)[None], causal_mask(past, S),
                             np.arange(S)[None])
-        out[int(S)] = _median_ms(lambda: backend.run(inputs, kv, past), repeats)
-    return out
+        cells[int(S)] = lambda inputs=inputs: backend.run(inputs, kv, past)
+    return {S: round(s * 1e3, 3) for S, s in fastest_of_rounds(cells, repeats).items()}
 
 
 def draft_curve(backend, sizes, past: int, repeats: int, vocab: int, hidden: int, dtype) -> dict[int, float]:
-    """{F: median ms} of one draft forward over F rows (top-k at every row) with `past` rows."""
+    """{F: ms} of one draft forward over F rows (top-k at every row) with `past` rows, measured
+    as target_curve."""
     kv = backend.allocate_kv(past + max(sizes))
     rng = np.random.default_rng(1)
-    out = {}
+    cells = {}
     for F in sizes:
         inputs = StepInputs(rng.integers(3, vocab, (1, F)), np.full((1, F), past), causal_mask(past, F),
                             np.arange(F)[None], rng.standard_normal((1, F, hidden)).astype(dtype))
-        out[int(F)] = _median_ms(lambda: backend.run(inputs, kv, past), repeats)
-    return out
+        cells[int(F)] = lambda inputs=inputs: backend.run(inputs, kv, past)
+    return {F: round(s * 1e3, 3) for F, s in fastest_of_rounds(cells, repeats).items()}
 
 
 def interp(curve: dict, x: float) -> float:

@@ -132,10 +132,10 @@ class CostModel:
         return float(_line(past, self.draft_pasts, self.draft_costs))
 
 
-_clock = time.perf_counter  # what measure_costs times with (tests replace it with a simulated clock)
+_clock = time.perf_counter  # what fastest_of_rounds times with (tests replace it with a simulated clock)
 
 
-def _fastest_rounds(cells: dict, rounds: int) -> dict:
+def fastest_of_rounds(cells: dict, rounds: int) -> dict:
     """{key: seconds}: each of `cells` ({key: callable}) run once to warm up (onnxruntime's first
     run of a shape allocates), then timed once per round over `rounds` rounds that each visit
     every cell in turn; a cell's cost is its fastest round. Noise lasting a second or two
@@ -162,7 +162,7 @@ def measure_costs(target, draft, sizes, draft_rows: int, vocab: int, feature_wid
     expansion forward of `draft_rows` rows (None `draft`: no draft cost), at each number of
     cached rows in `pasts`, in scratch KV buffers of their own (`max(pasts) + max(sizes)` rows).
     Each forward is warmed up once and then timed in `repeats` interleaved rounds, its cost
-    the fastest (`_fastest_rounds`): a few dozen forwards (about 2 s on SmolLM2-135M, 2 cores,
+    the fastest (`fastest_of_rounds`): a few dozen forwards (about 2 s on SmolLM2-135M, 2 cores,
     at pasts 64 and 1024)."""
     from .backends.base import StepInputs, feature_inputs
     from .drafter import causal_mask
@@ -183,7 +183,7 @@ def measure_costs(target, draft, sizes, draft_rows: int, vocab: int, feature_wid
             inputs = StepInputs(rng.integers(0, vocab, (1, draft_rows)), np.full((1, draft_rows), past),
                                 causal_mask(past, draft_rows), np.arange(draft_rows)[None], features, tapped)
             cells["draft", past] = lambda inputs=inputs, past=past: draft.run(inputs, dkv, past)
-    seconds = _fastest_rounds(cells, repeats)
+    seconds = fastest_of_rounds(cells, repeats)
     verify_s = {past: {S: seconds["verify", past, S] for S in sizes} for past in pasts}
     draft_s = {past: seconds["draft", past] for past in pasts} if draft is not None else {}
     return CostModel(verify_s, draft_s)
