@@ -111,6 +111,8 @@ class _FakeLlama:
 
     def __init__(self, model_path, **kw):
         self.model_path, self.kw, self.calls, self.resets = model_path, kw, [], 0
+        # what the real constructor reads from llama_cpp.llama.llama_cpp while it loads
+        self.model_params = sys.modules["llama_cpp.llama"].llama_cpp.llama_model_default_params()
         _FakeLlama.instances.append(self)
 
     def reset(self):
@@ -144,6 +146,16 @@ def fake_llama_cpp(monkeypatch, tmp_path):
     from eagle_deploy.validate import reference
 
     monkeypatch.setattr(reference, "target_source", lambda manifest: gguf)
+    # llama.cpp's crash probe runs a child process with the real package; here it reports no crash
+    # unless a test says otherwise (test_llamacpp_crash_in_probe_falls_back)
+    from eagle_deploy.bench import systems
+
+    monkeypatch.setattr(systems, "llamacpp_crash", lambda gguf, threads, extra_buffers: None)
+    inner = types.ModuleType("llama_cpp.llama")  # llama_cpp.llama.llama_cpp: where Llama reads its defaults
+    inner.llama_cpp = types.SimpleNamespace(llama_model_default_params=lambda: types.SimpleNamespace(
+        use_extra_bufts=True))
+    mod.llama = inner
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama", inner)
     _FakeLlama.instances = []
     return gguf
 
@@ -158,8 +170,10 @@ def test_llamacpp_path_with_a_fake_module(export_dir, tmp_path, fake_llama_cpp):
     assert plain.kw["n_threads"] == 1 and plain.kw["n_ctx"] == 256
     recorded = res["baselines"]["llamacpp"]  # what was run, for the JSON's reader
     assert recorded["version"] == "0.0-fake" and recorded["build"] == "CPU : AVX2 = 1 |"
-    assert recorded["gguf"] == str(fake_llama_cpp) and recorded["runtime"] == {"n_threads": 1, "n_ctx": 256}
-    assert recorded["decoding"] == "greedy, vanilla"
+    assert recorded["gguf"] == str(fake_llama_cpp) and recorded["runtime"] == {"n_threads": 1, "n_ctx": 256,
+                                                                                  "use_extra_bufts": True}
+    assert recorded["decoding"] == "greedy, vanilla" and recorded["note"] == ""
+    assert plain.model_params.use_extra_bufts is True  # llama.cpp's defaults when the probe saw no crash
     assert res["baselines"]["llamacpp-lookup"]["decoding"] == "greedy, prompt lookup (10 tokens)"
     record = res["prompts"][0]
     tokens, kw = plain.calls[-1]
@@ -168,6 +182,51 @@ def test_llamacpp_path_with_a_fake_module(export_dir, tmp_path, fake_llama_cpp):
     run = record["runs"]["llamacpp"]
     assert run["token_ids"] == _FakeLlama.script[:12] and run["finish_reason"] == "length"
     assert run["ttft_ms"] is not None and "first_difference_vs_vanilla" in run
+
+
+def test_llamacpp_crash_in_probe_falls_back(export_dir, tmp_path, fake_llama_cpp, monkeypatch):
+    """A llama.cpp build that segfaults with its AMX weight buffers is timed without them,
+    said in the record; one that crashes either way is a failed baseline, and the EAGLE numbers
+    are still written."""
+    from eagle_deploy.bench import systems
+
+    probes = []
+
+    def crash_with_extra(gguf, threads, extra_buffers):
+        probes.append(extra_buffers)
+        return "SIGSEGV" if extra_buffers else None
+
+    monkeypatch.setattr(systems, "llamacpp_crash", crash_with_extra)
+    rc, res = _bench(export_dir, tmp_path, "--baselines", "llamacpp", "--limit", "1")
+    assert rc == 0 and probes == [True, False]
+    (llm,) = _FakeLlama.instances
+    assert llm.model_params.use_extra_bufts is False
+    default = sys.modules["llama_cpp.llama"].llama_cpp.llama_model_default_params()
+    assert default.use_extra_bufts is True  # restored after the load
+    rec = res["baselines"]["llamacpp"]
+    assert rec["status"] == "ok" and rec["runtime"]["use_extra_bufts"] is False
+    assert "SIGSEGV" in rec["note"] and "use_extra_bufts=False" in rec["note"]
+    assert res["prompts"][0]["runs"]["llamacpp"]["new_tokens"] >= 1
+
+    monkeypatch.setattr(systems, "llamacpp_crash", lambda gguf, threads, extra_buffers: "SIGSEGV")
+    _FakeLlama.instances = []
+    rc, res = _bench(export_dir, tmp_path, "--baselines", "llamacpp", "--limit", "1")
+    assert rc == 0 and _FakeLlama.instances == []
+    rec = res["baselines"]["llamacpp"]
+    assert rec["status"] == "failed" and "with and without its extra weight buffers (SIGSEGV)" in rec["note"]
+    assert res["prompts"][0]["runs"]["eagle"]["new_tokens"] >= 1
+
+
+@pytest.mark.parametrize("code, expected", [
+    ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", "SIGSEGV"),
+    ("raise SystemExit(3)", None),  # an ordinary failure: left to the real load to report
+    ("pass", None),
+])
+def test_llamacpp_crash_names_the_signal(monkeypatch, tmp_path, code, expected):
+    from eagle_deploy.bench import systems
+
+    monkeypatch.setattr(systems, "_LLAMACPP_PROBE", code)
+    assert systems.llamacpp_crash(tmp_path / "m.gguf", 1, extra_buffers=True) == expected
 
 
 def test_llamacpp_stops_at_eos(fake_llama_cpp):

@@ -7,8 +7,12 @@ chat template applied once) and the same thread count.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -100,14 +104,15 @@ class LlamaCppSystem:
     its speed: a pip build compiles for the machine it runs on)."""
 
     def __init__(self, gguf: Path, eos_ids: list[int], threads: int, n_ctx: int, lookup: int = 0,
-                 name: str = "llamacpp"):
+                 name: str = "llamacpp", extra_buffers: bool = True):
         llama_cpp = importlib.import_module("llama_cpp")
         draft = None
         if lookup:
             spec = importlib.import_module("llama_cpp.llama_speculative")
             draft = spec.LlamaPromptLookupDecoding(num_pred_tokens=lookup)
-        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                   draft_model=draft, verbose=False, seed=0)
+        with contextlib.nullcontext() if extra_buffers else _without_extra_buffers():
+            self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                       draft_model=draft, verbose=False, seed=0)
         self.eos, self.name = set(eos_ids), name
         info = getattr(llama_cpp, "llama_print_system_info", None)
         build = info() if info is not None else None
@@ -116,7 +121,8 @@ class LlamaCppSystem:
                        "command": f"pip install llama-cpp-python{'==' + version if version else ''} (compiled on the "
                                   "machine that runs it)",
                        "gguf": str(gguf), "decoding": f"greedy, prompt lookup ({lookup} tokens)" if lookup
-                       else "greedy, vanilla", "runtime": {"n_threads": threads, "n_ctx": n_ctx},
+                       else "greedy, vanilla",
+                       "runtime": {"n_threads": threads, "n_ctx": n_ctx, "use_extra_bufts": extra_buffers},
                        "build": build.decode(errors="replace").strip() if isinstance(build, bytes) else build}
 
     def run(self, ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int | None = 0) -> Run:
@@ -135,6 +141,55 @@ class LlamaCppSystem:
                 break
         seconds = time.perf_counter() - t0
         return Run(self.name, tokens, seconds, None if first is None else (first - t0) * 1e3, reason)
+
+
+@contextlib.contextmanager
+def _without_extra_buffers():
+    """Load llama.cpp models with `use_extra_bufts` off (llama.cpp's --no-repack: no AMX or
+    repacked weight buffers). llama-cpp-python's `Llama` has no argument for it; its constructor
+    takes `llama_model_default_params()` from its own module, so that one function is wrapped
+    while a model loads, and restored after."""
+    module = importlib.import_module("llama_cpp.llama").llama_cpp
+    default = module.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    module.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        module.llama_model_default_params = default
+
+
+_LLAMACPP_PROBE = """
+import sys
+from pathlib import Path
+from eagle_deploy.bench.systems import LlamaCppSystem
+system = LlamaCppSystem(Path(sys.argv[1]), [], int(sys.argv[2]), 64, extra_buffers=sys.argv[3] == "1")
+system.run([1, 2, 3, 4, 5, 6, 7, 8], 4)
+"""
+
+
+def llamacpp_crash(gguf: Path, threads: int, extra_buffers: bool, timeout_s: float = 300.0) -> str | None:
+    """How llama.cpp died decoding 4 tokens from `gguf` in a child process ("SIGSEGV"), or None
+    when it did not die by a signal. Some llama.cpp builds segfault in their AMX matmul on some
+    AMX CPUs (ggml-org/llama.cpp#20824; seen here with llama-cpp-python 0.3.36 on a 2-core
+    Xeon with amx_int8), which would kill the whole eagle-bench process, EAGLE numbers and all.
+    Any other failure (an import error, a bad file) is left to the real load, which reports it."""
+    cmd = [sys.executable, "-c", _LLAMACPP_PROBE, str(gguf), str(threads), "1" if extra_buffers else "0"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"no 4 tokens in {timeout_s:.0f} s"
+    if done.returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-done.returncode).name
+    except ValueError:
+        return f"signal {-done.returncode}"
 
 
 def baseline_unavailable(name: str, manifest, eagle3_head: Path | None = None) -> str | None:
@@ -177,8 +232,22 @@ def make_baseline(name: str, manifest, threads: int, hf_model=None, log=lambda m
     if name == "hf-lookup":
         return HfSystem(hf_model, eos, threads, LOOKUP_TOKENS, "hf-lookup")
     if name in ("llamacpp", "llamacpp-lookup"):
-        return LlamaCppSystem(target_source(manifest), eos, threads, manifest.max_length,
-                              LOOKUP_TOKENS if name.endswith("lookup") else 0, name)
+        gguf = target_source(manifest)
+        crash = llamacpp_crash(gguf, threads, extra_buffers=True)
+        note = ""
+        if crash:
+            note = (f"llama.cpp crashed in a probe process with its extra weight buffers (AMX / repacked "
+                    f"weights; {crash}; ggml-org/llama.cpp#20824 is this crash on AMX CPUs): timed with "
+                    f"them off (use_extra_bufts=False, llama.cpp's --no-repack)")
+            log(f"note: baseline {name}: {note}")
+            again = llamacpp_crash(gguf, threads, extra_buffers=False)
+            if again:
+                raise RuntimeError(f"llama.cpp crashes on this machine with and without its extra weight "
+                                   f"buffers ({again}) in a probe process")
+        system = LlamaCppSystem(gguf, eos, threads, manifest.max_length,
+                                LOOKUP_TOKENS if name.endswith("lookup") else 0, name, extra_buffers=not crash)
+        system.record["note"] = note
+        return system
     if name in BASELINES and name.startswith(tuple(PEERS)):
         from .peers import make_peer
 
