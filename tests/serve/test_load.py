@@ -53,9 +53,10 @@ def test_eagle_bench_serve_is_the_load_client(server, capsys):
     from eagle_deploy.bench.cli import main as bench_main
 
     rc = bench_main(["serve", "--url", server.url, "--sets", "chat", "--limit", "1", "--concurrency", "1",
-                     "--modes", "vanilla", "--max-tokens", "4"])
+                     "--modes", "vanilla", "--max-new-tokens", "4"])  # eagle-run's and eagle-bench's name
     assert rc == 0
-    assert capsys.readouterr().out.splitlines()[1].split()[:3] == ["vanilla", "1", "1"]
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[:3] == ["vanilla", "1", "1"] and 1 <= int(row[3]) <= 4  # completion tokens, capped at 4
     with pytest.raises(SystemExit):
         bench_main(["serve", "--help"])
     assert "usage: eagle-bench serve" in capsys.readouterr().out

@@ -13,6 +13,11 @@ time per output token is (last chunk - first text chunk) / (completion tokens - 
 request. Before the cells, each mode is warmed up with as many short requests at once as the
 highest concurrency (the first batched forwards of each shape are slow; --no-warmup skips
 this). Standard library + numpy only.
+
+Columns: `same`, greedy texts equal to the same prompt's in the mode's first concurrency level
+(`-` in that cell); `=van`, equal to vanilla's first cell (`-` unless vanilla runs first:
+`--modes vanilla,eagle`); `lost`, requests that failed. A row goes to stderr as each cell ends
+and the whole table to stdout at the end, so a terminal shows it twice.
 """
 from __future__ import annotations
 
@@ -368,7 +373,9 @@ def build_parser(prog: str = "python -m eagle_deploy.serve.load") -> argparse.Ar
                    help="first N prompts of each set, 0 = all (default: 8 of each built-in set, all of a file)")
     p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8], help="comma-separated in-flight request counts")
     p.add_argument("--modes", default="eagle,vanilla", help="comma-separated: eagle, vanilla")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=128,
+                   help="completion tokens per request (the API's max_tokens; --max-new-tokens, as eagle-run and "
+                        "eagle-bench call it, is the same option)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
                    help="chat wraps each prompt as a user message; completions sends it raw")
