@@ -71,6 +71,8 @@ def test_cli_errors(capsys):
     assert load.main(["--url", "http://127.0.0.1:1", "--modes", "turbo"]) == 2
     assert "--modes takes eagle and/or vanilla (comma-separated), got 'turbo'" in capsys.readouterr().err
     for flags, message in ((["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+                           (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),  # the flag typed
+                           (["--max-new-tokens=-2"], "--max-new-tokens must be >= 1, got -2"),
                            (["--repeat", "0"], "--repeat must be >= 1, got 0"),
                            (["--rate", "-1"], "--rate must be >= 0, got -1.0"),
                            (["--disconnect", "2"], "--disconnect is a share of the requests, in [0, 1], got 2.0")):

@@ -403,6 +403,8 @@ def main(argv=None, prog: str = "python -m eagle_deploy.serve.load") -> int:
     """The load client's command line (also `eagle-bench serve`)."""
     args = build_parser(prog).parse_args(argv)
     name = prog if prog.startswith("eagle-") else "load"  # the error prefix: the command the user typed
+    typed = sys.argv[1:] if argv is None else argv
+    max_flag = "--max-new-tokens" if any(str(a).split("=")[0] == "--max-new-tokens" for a in typed) else "--max-tokens"
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.url.startswith(("http://", "https://")):
         return cli_error(name, f"--url takes the server's address with its scheme, e.g. http://127.0.0.1:8000, "
@@ -412,7 +414,7 @@ def main(argv=None, prog: str = "python -m eagle_deploy.serve.load") -> int:
     if not 0 <= args.disconnect <= 1:
         return cli_error(name, f"--disconnect is a share of the requests, in [0, 1], got {args.disconnect}")
     try:
-        check_at_least([("--max-tokens", args.max_tokens, 1), ("--limit", args.limit, 0), ("--repeat", args.repeat, 1),
+        check_at_least([(max_flag, args.max_tokens, 1), ("--limit", args.limit, 0), ("--repeat", args.repeat, 1),
                         ("--long-clients", args.long_clients, 0), ("--rate", args.rate, 0)])
         sets = [str(p) for p in args.prompts] or [s.strip() for s in args.sets.split(",") if s.strip()]
         limit = args.limit if args.limit is not None else (0 if args.prompts else 8)
