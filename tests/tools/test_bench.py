@@ -217,6 +217,22 @@ def test_llamacpp_crash_in_probe_falls_back(export_dir, tmp_path, fake_llama_cpp
     assert res["prompts"][0]["runs"]["eagle"]["new_tokens"] >= 1
 
 
+def test_without_extra_buffers_on_the_installed_llama_cpp():
+    """The wrap relies on llama-cpp-python's Llama reading llama_model_default_params() from
+    llama_cpp.llama's module and on the struct's use_extra_bufts field: checked on the real
+    package where it is installed (CI installs no llama.cpp: skipped there, with the reason)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (pip install '.[llamacpp]')")
+    from eagle_deploy.bench.systems import _without_extra_buffers
+
+    module = importlib.import_module("llama_cpp.llama").llama_cpp
+    default = module.llama_model_default_params
+    assert default().use_extra_bufts is True  # llama.cpp's default: AMX / repacked weights on
+    with _without_extra_buffers():
+        assert module.llama_model_default_params().use_extra_bufts is False
+    assert module.llama_model_default_params is default
+
+
 @pytest.mark.parametrize("code, expected", [
     ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", "SIGSEGV"),
     ("raise SystemExit(3)", None),  # an ordinary failure: left to the real load to report
