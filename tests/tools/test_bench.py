@@ -245,6 +245,19 @@ def test_llamacpp_crash_names_the_signal(monkeypatch, tmp_path, code, expected):
     assert systems.llamacpp_crash(tmp_path / "m.gguf", 1, extra_buffers=True) == expected
 
 
+def test_llamacpp_probe_runs_once_per_setting(monkeypatch, tmp_path):
+    """llamacpp and llamacpp-lookup in one run load the same file: one child process each way."""
+    from eagle_deploy.bench import systems
+
+    log = tmp_path / "probes.txt"
+    monkeypatch.setattr(systems, "_LLAMACPP_PROBE", f"open({str(log)!r}, 'a').write('probe\\n')")
+    for _ in range(2):
+        assert systems.llamacpp_crash(tmp_path / "m.gguf", 1, extra_buffers=True) is None
+    assert log.read_text().splitlines() == ["probe"]
+    systems.llamacpp_crash(tmp_path / "m.gguf", 1, extra_buffers=False)  # the other setting probes again
+    assert log.read_text().splitlines() == ["probe", "probe"]
+
+
 def test_llamacpp_stops_at_eos(fake_llama_cpp):
     from eagle_deploy.bench.systems import LlamaCppSystem
 

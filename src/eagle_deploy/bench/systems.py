@@ -8,6 +8,7 @@ chat template applied once) and the same thread count.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import signal
@@ -173,12 +174,14 @@ system.run([1, 2, 3, 4, 5, 6, 7, 8], 4)
 """
 
 
+@functools.lru_cache(maxsize=None)
 def llamacpp_crash(gguf: Path, threads: int, extra_buffers: bool, timeout_s: float = 300.0) -> str | None:
     """How llama.cpp died decoding 4 tokens from `gguf` in a child process ("SIGSEGV"), or None
     when it did not die by a signal. Some llama.cpp builds segfault in their AMX matmul on some
     AMX CPUs (ggml-org/llama.cpp#20824; seen here with llama-cpp-python 0.3.36 on a 2-core
     Xeon with amx_int8), which would kill the whole eagle-bench process, EAGLE numbers and all.
-    Any other failure (an import error, a bad file) is left to the real load, which reports it."""
+    Any other failure (an import error, a bad file) is left to the real load, which reports it.
+    Remembered per process, so llamacpp and llamacpp-lookup in one run probe once."""
     cmd = [sys.executable, "-c", _LLAMACPP_PROBE, str(gguf), str(threads), "1" if extra_buffers else "0"]
     try:
         done = subprocess.run(cmd, capture_output=True, timeout=timeout_s)
