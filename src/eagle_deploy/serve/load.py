@@ -14,10 +14,13 @@ request. Before the cells, each mode is warmed up with as many short requests at
 highest concurrency (the first batched forwards of each shape are slow; --no-warmup skips
 this). Standard library + numpy only.
 
-Columns: `same`, greedy texts equal to the same prompt's in the mode's first concurrency level
-(`-` in that cell); `=van`, equal to vanilla's first cell (`-` unless vanilla runs first:
-`--modes vanilla,eagle`); `lost`, requests that failed. A row goes to stderr as each cell ends
-and the whole table to stdout at the end, so a terminal shows it twice.
+Columns: `conc`, requests in flight; `ok`, requests completed; `tokens`, completion tokens;
+`TPOT`, time per output token; `same`, greedy texts equal to the same prompt's in the mode's
+first concurrency level (`-` in that cell); `=van`, equal to vanilla's first cell (`-` unless
+vanilla runs first: `--modes vanilla,eagle`); `lost`, requests that failed (those abandoned on
+purpose by --disconnect are neither ok nor lost; the --json cells count them as `dropped`).
+A row goes to stderr as each cell ends and the whole table to stdout at the end, so a terminal
+shows it twice.
 """
 from __future__ import annotations
 
