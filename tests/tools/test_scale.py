@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from eagle_deploy.bench import scale
 
 
@@ -17,6 +19,7 @@ def test_shapes_have_the_published_parameter_counts():
     assert round(params("llama3-8b") / 1e9, 2) == 8.03  # Llama-3-8B: 8,030,261,248
 
 
+@pytest.mark.slow  # a child-process export plus eagle-validate and a Triton repository: ~12 s
 def test_the_tiny_shape_is_exported_with_its_stages_and_memory(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(scale, "SHARD_BYTES", 40_000)  # several shards even for the tiny shape
     assert scale.main(["--shape", "tiny", "--work", str(tmp_path), "--json", str(tmp_path / "r.json"), "--keep",
