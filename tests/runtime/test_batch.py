@@ -471,7 +471,7 @@ def test_a_short_prompt_is_prefilled_before_a_long_ones_next_chunk(gqa):
                                         (257, [128, 129]), (258, [128, 128, 2])])
 def test_chunk_sizes_are_the_setting_and_the_last_two_rows_or_more(seq, chunks):
     """prefill_chunk 128: every chunk is 128 rows but the last, which holds 2 to 129 rows."""
-    from eagle_deploy.runtime.batch import chunk_end
+    from eagle_deploy.runtime.decode import chunk_end
 
     sizes, a = [], 0
     while a < seq:

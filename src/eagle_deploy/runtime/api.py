@@ -28,7 +28,7 @@ from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.contract.verify import VerifyReport, sha256_file, verify_export
 
 from .backends import Backend, load_backend
-from .decode import Decoder, RoundObserver, Stats, TokenStopper
+from .decode import PREFILL_CHUNK, Decoder, RoundObserver, Stats, TokenStopper
 from .drafter import Drafter, EagleDrafter
 from .hybrid import ALTERNATE_LEN, ALTERNATES, MAX_LOOKUP, check_drafter_kind, head_of, make_drafter, uses_draft_graph
 from .planner import CostModel, measure_costs
@@ -184,7 +184,8 @@ class EagleRuntime:
     def __init__(self, folder: Path, manifest: Manifest, target, draft, tokenizer, tree: TreeConfig,
                  acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None,
                  round_observers: Sequence[RoundObserver] = (), row_exact: bool | None = None,
-                 drafter_kind: str = "eagle", planned: bool = False, costs: CostModel | None = None):
+                 drafter_kind: str = "eagle", planned: bool = False, costs: CostModel | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK):
         """target / draft: Backends (draft None with a custom `drafter`); row_exact: see
         Decoder (None: on for quantised targets, `row_exact_default`); round_observers: see
         Decoder. drafter_kind: "eagle" (the EAGLE head's tree), "hybrid" (head + context lookup
@@ -193,12 +194,14 @@ class EagleRuntime:
         round. The API's default is the plain EAGLE tree (`eagle`, unplanned: every round the
         same tree, so a seed gives the same tokens in every process); the commands default to
         hybrid.DEFAULT_DRAFTER, planned. costs: the device's CostModel (default: `device_costs`).
-        Raises ValueError on a bad acceptance setting or drafter kind."""
+        prefill_chunk: rows per prefill forward of a long prompt (Decoder; 0: one forward).
+        Raises ValueError on a bad acceptance setting, drafter kind or chunk."""
         self.folder, self.manifest, self.tokenizer, self.tree = Path(folder), manifest, tokenizer, tree
         self.drafter_kind, self.planned = check_drafter_kind(drafter_kind), planned
         self.costs = costs
         row_exact = row_exact_default(manifest) if row_exact is None else row_exact
-        self.decoder = Decoder(target, None, manifest.max_length, acceptance, threshold, round_observers, row_exact)
+        self.decoder = Decoder(target, None, manifest.max_length, acceptance, threshold, round_observers, row_exact,
+                               prefill_chunk)
         if drafter is None and (draft is not None or not uses_draft_graph(drafter_kind)):
             drafter = self._drafter(draft)
         self.decoder.drafter = drafter
@@ -222,7 +225,7 @@ class EagleRuntime:
              wrap_backend: Callable[[Backend], Backend] | None = None,
              round_observers: Sequence[RoundObserver] = (), with_draft: bool = True, verify: str = "fast",
              row_exact: bool | None = None, drafter_kind: str = "eagle",
-             planned: bool = False) -> "EagleRuntime":
+             planned: bool = False, prefill_chunk: int = PREFILL_CHUNK) -> "EagleRuntime":
         """Load `folder` (an eagle-export output). backend: "ort" (CPU), "ort-cuda", "trt".
         wrap_backend: applied to each loaded backend (target, draft) before use, e.g. a timing
         wrapper; round_observers: see Decoder. with_draft=False: open the target graph only
@@ -230,7 +233,7 @@ class EagleRuntime:
         verify: "fast" | "full" | "off", how the folder's files are checked against the manifest
         before any graph is opened (contract.verify.verify_export: a mismatch raises
         ManifestError); its report is `self.verification`.
-        drafter_kind / planned: see __init__ ("lookup" opens no draft graph).
+        drafter_kind / planned / prefill_chunk: see __init__ ("lookup" opens no draft graph).
         Raises ManifestError, TreeConfigError, FileNotFoundError, ValueError."""
         folder = Path(folder)
         check_drafter_kind(drafter_kind)
@@ -248,7 +251,7 @@ class EagleRuntime:
             draft = open_draft()
         tokenizer = load_tokenizer(folder, manifest)
         rt = cls(folder, manifest, target, draft, tokenizer, tree, acceptance, threshold, drafter, round_observers,
-                 row_exact, drafter_kind, planned)
+                 row_exact, drafter_kind, planned, prefill_chunk=prefill_chunk)
         if drafter is None and not with_draft and uses_draft_graph(drafter_kind):
             rt._open_draft = open_draft
         rt.verification = verification

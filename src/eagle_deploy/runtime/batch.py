@@ -86,7 +86,7 @@ from eagle_deploy.contract.verify import verify_export
 from .api import EagleRuntime, Prompt, device_costs, load_tokenizer, row_exact_default
 from .backends import load_backend
 from .backends.base import StepInputs, StepOutputs
-from .decode import RoundObserver, target_kv_capacity
+from .decode import RoundObserver, check_prefill_chunk, chunk_end, target_kv_capacity
 from .drafter import Drafter, EagleDrafter
 from .hybrid import make_drafter, uses_draft_graph
 from .kv import KVBuffer
@@ -275,9 +275,10 @@ class BatchEngine:
         decode, one chunk per forward of theirs (module doc, "Chunked prefill"); 0: in one
         forward. Raises BatchError."""
         check_batchable(manifest, slots, backend)
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
-            raise BatchError(f"prefill_chunk must be a whole number of tokens >= 0 (0: off), got {prefill_chunk!r}")
-        self.prefill_chunk = prefill_chunk
+        try:
+            self.prefill_chunk = check_prefill_chunk(prefill_chunk)
+        except ValueError as err:
+            raise BatchError(str(err)) from None
         self._row_exact = row_exact_default(manifest) if row_exact is None else row_exact
         check_kv_fits(manifest, tree, slots, self._row_exact)
         self.backends, self.slots, self.tree = backends, slots, tree
@@ -310,7 +311,7 @@ class BatchEngine:
 
         self.runtimes = [EagleRuntime(folder, manifest, SlotBackend(self, "target", b), None, tokenizer, tree,
                                       acceptance, threshold, drafter(b), observers(b), row_exact, drafter_kind,
-                                      planned, self.costs)
+                                      planned, self.costs, prefill_chunk=0)  # chunked here (_run_chunk)
                          for b in range(slots)]
 
     @classmethod
@@ -579,13 +580,6 @@ class BatchEngine:
         if errors and not return_exceptions:
             raise errors[0]
         return results
-
-
-def chunk_end(a: int, seq: int, chunk: int) -> int:
-    """The end of the prefill chunk that starts at row `a` of a `seq`-row prompt: a + chunk,
-    or seq when at most chunk + 1 rows are left (so the last chunk has 2 to chunk + 1 rows,
-    never one)."""
-    return seq if seq - a <= chunk + 1 else a + chunk
 
 
 def _copied(out: StepOutputs) -> StepOutputs:

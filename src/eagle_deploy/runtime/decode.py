@@ -55,6 +55,7 @@ class Stats:
     tree_depth_per_round: list[int] = field(default_factory=list)  # deepest draft node per round
     tree_size_per_round: list[int] = field(default_factory=list)  # nodes verified per round, root included
     draft_forwards: int = 0
+    prefill_forwards: int = 1  # target forwards of the prompt (more than one when chunked: Decoder)
     t_prefill: float = 0.0
     t_draft: float = 0.0
     t_verify: float = 0.0
@@ -79,8 +80,8 @@ class Stats:
 
     @property
     def target_forwards(self) -> int:
-        """Target forwards: the prefill plus one per round."""
-        return self.rounds + 1
+        """Target forwards: the prefill's (prefill_forwards) plus one per round."""
+        return self.rounds + self.prefill_forwards
 
     @property
     def draft_rounds(self) -> int:
@@ -108,7 +109,8 @@ class Stats:
         return {
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "finish_reason": self.finish_reason,
             "limited_by": self.limited_by,
-            "target_forwards": self.target_forwards, "draft_forwards": self.draft_forwards,
+            "target_forwards": self.target_forwards, "prefill_forwards": self.prefill_forwards,
+            "draft_forwards": self.draft_forwards,
             "mean_accept_len": round(self.mean_accept_len, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
             "decode_tokens_per_s": round(max(self.new_tokens - 1, 0) / decode_time, 2),
@@ -136,6 +138,23 @@ class _State:
     generated: int = 0
     finish_reason: str | None = None
     limited_by: str | None = None  # with finish_reason "length": "max_new_tokens" | "capacity"
+
+
+PREFILL_CHUNK = 256  # EagleRuntime's default rows per prefill forward (Decoder, prefill_chunk)
+
+
+def chunk_end(a: int, seq: int, chunk: int) -> int:
+    """The end of the prefill chunk that starts at row `a` of a `seq`-row prompt: a + chunk,
+    or seq when at most chunk + 1 rows are left (so the last chunk has 2 to chunk + 1 rows,
+    never one)."""
+    return seq if seq - a <= chunk + 1 else a + chunk
+
+
+def check_prefill_chunk(chunk) -> int:
+    """`chunk` (a whole number of rows >= 0; 0: the whole prompt in one forward), or ValueError."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise ValueError(f"prefill_chunk must be a whole number of tokens >= 0 (0: off), got {chunk!r}")
+    return chunk
 
 
 def target_kv_capacity(max_length: int, row_exact: bool) -> int:
@@ -171,12 +190,22 @@ class Decoder:
     row), verification trees are laid out depth-first (DraftTree.depth_first) and acceptance
     ends at the first accepted node off the top path (verify.contiguous), whose token becomes
     the bonus token. Costs measured on SmolLM2: vanilla -11 to -13%, EAGLE -8.5% (int8) / 0% (int4).
+
+    prefill_chunk: a prompt longer than prefill_chunk + 1 tokens is prefilled in forwards of
+    prefill_chunk rows (chunk_end: the last 2 to prefill_chunk + 1, never one), each at the
+    past the chunks before it wrote (0: one forward). The same rows as one forward, cheaper:
+    onnxruntime 1.32's CPU GroupQueryAttention (its tiled flash kernel) costs 14.3 ms per layer
+    for a 740-token prompt at once and 7.6-8.2 ms in chunks of 128-185 rows, so a 740-token
+    prefill of SmolLM2-135M took 1,047 -> 837 ms (fp32) and 1,417 -> 1,200 ms (int4) in chunks of
+    256 on an AMX Xeon, 2 threads, with logits, features and KV bit-identical to one forward
+    (docs/decisions.md, 2026-12-06). Raises ValueError on a bad acceptance setting or chunk.
     """
 
     def __init__(self, target: Backend, drafter: Drafter | None, max_length: int,
                  acceptance: str = "lossless", threshold: float = 0.0, round_observers: Sequence[RoundObserver] = (),
-                 row_exact: bool = False):
+                 row_exact: bool = False, prefill_chunk: int = 0):
         check_acceptance(acceptance, threshold)  # fail at load, not after the first forward
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self.target, self.drafter = target, drafter
         self.max_length = max_length
         self.row_exact = row_exact
@@ -230,11 +259,18 @@ class Decoder:
             raise ValueError(f"the prompt has {n} tokens; "
                              f"this export holds at most {self.max_length - 1} prompt tokens")
         stats.prompt_tokens = n
-        out = self.run_target(StepInputs(np.asarray(prompt, np.int64)[None], np.arange(n)[None],
-                                         causal_mask(0, n), np.array([[n - 1]])), 0)
+        ids, a, features = np.asarray(prompt, np.int64)[None], 0, []
+        stats.prefill_forwards = 0
+        while a < n:  # one forward, or chunks of prefill_chunk rows (see the class doc)
+            b = chunk_end(a, n, self.prefill_chunk) if self.prefill_chunk else n
+            out = self.run_target(StepInputs(ids[:, a:b], np.arange(a, b)[None], causal_mask(a, b - a),
+                                             np.array([[b - a - 1]])), a)
+            features.append(out.draft_features[0].copy())  # the backend reuses its output arrays
+            stats.prefill_forwards += 1
+            a = b
         logits = out.logits[0, 0]
         token = greedy_token(logits) if params.greedy else sample(target_probs(logits, params), rng)
-        return _State(list(prompt) + [token], n, out.draft_features[0].copy())
+        return _State(list(prompt) + [token], n, features[0] if len(features) == 1 else np.concatenate(features))
 
     def expand_tree(self, state: _State, drafter: Drafter | None, max_new_tokens: int) -> DraftTree:
         root = state.committed[-1]
