@@ -385,9 +385,9 @@ def test_a_long_prefill_runs_in_chunks_between_other_slots_forwards(model):
     events = []
     run_chunk, run_group = eng._run_chunk, eng._run_group
 
-    def chunk(call, alone=False):
+    def chunk(call):
         before = call.rows_done
-        run_chunk(call, alone)
+        run_chunk(call)
         events.append(("chunk", call.role, before, call.rows_done))
 
     def group(calls):
@@ -430,6 +430,35 @@ def test_a_long_prefill_runs_in_chunks_between_other_slots_forwards(model):
             assert np.array_equal(mine[:, :, :committed], theirs[:, :, :committed])
 
 
+def test_a_long_prefill_alone_runs_in_chunks_back_to_back(model):
+    """With no other slot decoding, a 61-token prompt is still prefilled in chunks of 8 (the
+    last 2 to 9 rows), one after the other; tokens, every round's logits and the committed KV
+    rows equal the solo runtime's unchunked run bit for bit (row-exact)."""
+    log = LogitsLog()
+    factory, script = forced(model, [LONG])
+    eng = engine(model, 2, row_exact=True, drafters=factory, prefill_chunk=8, round_observers=lambda b: [log])
+    sizes, run_chunk = [], eng._run_chunk
+
+    def chunk(call):
+        before = call.rows_done
+        run_chunk(call)
+        if call.role == "target":
+            sizes.append(call.rows_done - before)
+
+    eng._run_chunk = chunk
+    kv = {}
+    got = run_pinned(eng, {0: (LONG, {})}, kv, max_new_tokens=N)[0]
+    assert sizes == [8] * 7 + [5] and eng.prefill_chunks >= 8  # 61 rows: chunk_end's last chunk 2 to 9 rows
+    solo_log = LogitsLog()
+    solo = solo_runtime(model, script, row_exact=True, round_observers=[solo_log], prefill_chunk=0)
+    want = solo.generate(LONG, max_new_tokens=N)
+    assert got.token_ids == want.token_ids == model.expected(LONG, N)
+    assert len(log.rows) == len(solo_log.rows) and all(np.array_equal(m, t) for m, t in zip(log.rows, solo_log.rows))
+    committed = len(LONG) + len(want.token_ids) - 1
+    for mine, theirs in zip(kv[0], solo.decoder.kv.arrays):
+        assert np.array_equal(mine[:, :, :committed], theirs[:, :, :committed])
+
+
 def test_prefill_chunk_must_be_a_whole_number(gqa):
     for bad in (-1, 2.5, True):
         with pytest.raises(BatchError, match="prefill_chunk must be a whole number"):
@@ -456,7 +485,7 @@ def test_a_short_prompt_is_prefilled_before_a_long_ones_next_chunk(gqa):
     long.rows_done = 8
     ran = []
     eng._run_group = lambda group: ran.append(("group", [c.slot for c in group]))
-    eng._run_chunk = lambda c, alone=False: ran.append(("chunk", c.slot))
+    eng._run_chunk = lambda c: ran.append(("chunk", c.slot))
     eng._busy, eng._pending = {0, 1, 2}, {0: long, 1: decode, 2: short}
     with eng._cond:  # _step runs with the engine's lock held
         eng._step()

@@ -16,14 +16,16 @@ at once and the next queued request takes it with a prefill. Each slot is driven
 thread (`generate_many`, or eagle-serve's workers); the decode loop itself is unchanged.
 
 Chunked prefill (`prefill_chunk` > 0; eagle-serve's `--prefill-chunk`): a prompt of
-prefill_chunk + 2 tokens or more that arrives while other slots decode is run in chunks of
+prefill_chunk + 2 tokens or more is run in chunks of
 prefill_chunk rows ([a, b) at past a on its own slot's rows; the last one 2 to
 prefill_chunk + 1 rows, never one), with one forward of the other slots between two chunks,
 so a ~1k-token prompt no longer stalls every stream for its whole prefill (vLLM, SGLang and
 TensorRT-LLM chunk prefills for the same reason). Prefills waiting together go shortest
 remaining first, so a short prompt (one chunk or less, run whole) never waits for a long one's
-chunks; once no other slot waits, the rest runs at once. Each chunk's rows are computed as the
-same rows of the whole prefill are (tests/runtime/test_batch.py: tokens, logits and KV
+chunks. A long prompt with no other slot decoding is chunked too: its chunks run back to
+back, which on a CPU is also faster than one forward (attention over fewer query rows at
+once: docs/decisions.md, 2026-12-06; EagleRuntime's Decoder chunks the same way). Each
+chunk's rows are computed as the same rows of the whole prefill are (tests/runtime/test_batch.py: tokens, logits and KV
 bit-identical); the request's outputs are its chunks' joined. An EAGLE-3 draft's first
 extension (tapped and own features mixed) always runs whole.
 
@@ -271,9 +273,9 @@ class BatchEngine:
         it to force trees); shrink_trees: draft `tree_under_load` of the busy slots each round
         (False: `tree` always, so a seed gives the same tokens batched as alone); drafter_kind /
         planned: as for EagleRuntime (the slots share one CostModel); prefill_chunk: a prompt of
-        prefill_chunk + 2 tokens or more is prefilled in chunks of that size while other slots
-        decode, one chunk per forward of theirs (module doc, "Chunked prefill"); 0: in one
-        forward. Raises BatchError."""
+        prefill_chunk + 2 tokens or more is prefilled in chunks of that size, one chunk per
+        forward of the other slots while they decode, back to back while none does (module
+        doc, "Chunked prefill"); 0: in one forward. Raises BatchError."""
         check_batchable(manifest, slots, backend)
         try:
             self.prefill_chunk = check_prefill_chunk(prefill_chunk)
@@ -438,10 +440,10 @@ class BatchEngine:
             self._run_group(first[:1])
         else:  # shortest remaining prefill first: a short prompt never waits for a long one's chunks
             call = min(first, key=lambda c: (c.seq - c.rows_done, c.slot))
-            if call.rows_done == 0 and not (rest and self._chunked(call)):
-                self._run_group([call])  # whole: short, or nothing else decodes
+            if call.rows_done == 0 and not self._chunked(call):
+                self._run_group([call])  # whole: one chunk or less
             else:
-                self._run_chunk(call, alone=not rest)
+                self._run_chunk(call)
             self._decode_turn = bool(rest)
         self._cond.notify_all()
 
@@ -477,14 +479,13 @@ class BatchEngine:
                 and (x.tapped_features is None or x.tapped_features.shape[1] == 0)
                 and (x.features is None or x.features.shape[1] == call.seq))
 
-    def _run_chunk(self, call: _Call, alone: bool = False) -> None:
+    def _run_chunk(self, call: _Call) -> None:
         """The next chunk of a chunked prefill on its slot's rows: rows [a, a + prefill_chunk) at
-        past a, or the rest at once when at most prefill_chunk + 1 rows remain or no other slot
-        waits (`alone`), so no chunk is one row (onnxruntime's one-row kernels round
-        differently). The call completes with its chunks' outputs joined (`_join_chunks`)
-        after the last. Lock held."""
+        past a, or the rest at once when at most prefill_chunk + 1 rows remain, so no chunk is
+        one row (onnxruntime's one-row kernels round differently). The call completes with its
+        chunks' outputs joined (`_join_chunks`) after the last. Lock held."""
         a, S = call.rows_done, call.seq
-        b = S if alone else chunk_end(a, S, self.prefill_chunk)
+        b = chunk_end(a, S, self.prefill_chunk)
         x = call.inputs
         want = x.logits_indices[0]
         inside = [int(i) for i in want if a <= i < b]

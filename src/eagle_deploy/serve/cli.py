@@ -36,7 +36,7 @@ class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown as elsewhere; the description's example lines kept as written."""
 
 
-# --prefill-chunk's default: tokens per prefill chunk while other slots decode (runtime/batch.py,
+# --prefill-chunk's default: tokens per prefill chunk with several slots (runtime/batch.py,
 # "Chunked prefill"; measured in docs/decisions.md, "chunked prefill")
 DEFAULT_PREFILL_CHUNK = 128
 
@@ -57,10 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "more slots are busy, which is faster on a CPU and changes no greedy output, but a seeded "
                         "sampled request then gets the same tokens as alone only while at most 2 slots are busy)")
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
-                   help="with --slots > 1, a prompt of N + 2 tokens or more that arrives while other requests "
-                        "decode is prefilled N tokens at a time (the last chunk 2 to N + 1) between their forwards, "
-                        "so long prompts do not stall the other streams (output unchanged); 0: every prefill in "
-                        "one forward")
+                   help="with --slots > 1, a prompt of N + 2 tokens or more is prefilled N tokens at a time (the "
+                        "last chunk 2 to N + 1), between the forwards of the requests decoding meanwhile, so long "
+                        "prompts do not stall the other streams (output unchanged); 0: every prefill in one forward")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for the engine at most; more get HTTP 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
