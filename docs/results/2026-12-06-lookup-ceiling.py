@@ -5,7 +5,8 @@ the tau a context-lookup drafter alone would reach on them under several proposa
 round proposing a chain of at most 16 tokens and committing its longest match plus the bonus
 token: the product's rule (longest suffix of at most 3 tokens, latest occurrence), longer
 suffixes, 3 continuations with distinct first tokens (the alternates), and an oracle that
-tries every earlier occurrence of every suffix. Run from the repository root:
+tries every earlier occurrence of every suffix; and the product's rule with an index of the
+earlier requests' outputs beside the request's own context. Run from the repository root:
 python docs/results/2026-12-06-lookup-ceiling.py ENGINES QUESTION_JSONL LIMIT OUT_JSON"""
 import json
 import sys
@@ -75,6 +76,33 @@ for run in runs:
             for key in (run["task"], "all"):
                 tau[key][name][0] += acc + 1
                 tau[key][name][1] += 1
+# a per-server index of recent outputs (issue 22 part 3, optional): when an earlier request's
+# output matches a longer suffix than the request's own context, propose its continuation
+RECENT = 64
+history: list[list[int]] = []
+for run in runs:
+    prompt, out = run["prompt"], run["output"]
+    t = 0
+    while t < len(out):
+        ctx = prompt + out[:t]
+        own, best = None, (0, [])
+        for n in range(min(3, len(ctx) - 1), 0, -1):
+            if found := starts(ctx, n):
+                own = (n, ctx[found[-1]:found[-1] + CHAIN])
+                break
+        for h in history[-RECENT:]:
+            for n in range(min(3, len(ctx)), best[0], -1):
+                ends = [e for e in range(n, len(h)) if h[e - n:e] == ctx[-n:]]
+                if ends:
+                    best = (n, h[ends[-1]:ends[-1] + CHAIN])
+                    break
+        chain = best[1] if best[0] > (own[0] if own else 0) else (own[1] if own else [])
+        acc = min(common(chain, out[t:]), len(out) - t - 1)
+        t += acc + 1
+        for key in (run["task"], "all"):
+            tau[key][f"product's rule + outputs of the {RECENT} requests before"][0] += acc + 1
+            tau[key][f"product's rule + outputs of the {RECENT} requests before"][1] += 1
+    history.append(out)
 table = {task: {name: round(a / b, 3) for name, (a, b) in rules.items()} for task, rules in tau.items()}
 for task, rules in table.items():
     print(f"{task:14s}", " | ".join(f"{n}: {v:.2f}" for n, v in rules.items()))
