@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from eagle_deploy.contract import dtypes
-from eagle_deploy.contract.errors import first_line, import_tensorrt
+from eagle_deploy.contract.errors import first_line, import_tensorrt, max_length_hint, prompt_too_long
 
 
 def test_names_numpy_and_aliases():
@@ -46,3 +46,17 @@ def test_first_line():
 def test_import_tensorrt_names_the_install():
     with pytest.raises(ImportError, match=r"pip install '\.\[gpu\]'` to build"):
         import_tensorrt("to build")
+
+
+def test_a_prompt_over_the_capacity_says_what_to_do():
+    assert prompt_too_long(2461, 2048, 8192) == (
+        "the prompt has 2461 tokens; this export's KV capacity (max_length) is 2048 tokens, so at most 2047 prompt "
+        "tokens fit (one row is left for output): shorten the prompt, or re-export with a larger "
+        "`eagle-export --max-length` (up to 8192 for this model and head)")
+    assert prompt_too_long(9000, 8192, 8192, at_least=True) == (  # at the model's limit: only shortening helps
+        "the prompt has at least 9000 tokens; this export's KV capacity (max_length) is 8192 tokens, so at most 8191 "
+        "prompt tokens fit (one row is left for output): shorten the prompt")
+    assert max_length_hint(64, None) == "re-export with a larger `eagle-export --max-length`"
+    assert max_length_hint(64, 256) == ("re-export with a larger `eagle-export --max-length` "
+                                        "(up to 256 for this model and head)")
+    assert max_length_hint(256, 256) == ""

@@ -100,6 +100,16 @@ def test_an_export_from_before_the_head_limit_and_draft_vocab_size_still_loads()
     assert m.draft.trained is False  # as the readers fell back before: sources.draft.trained
 
 
+def test_length_limit_is_the_smaller_of_the_target_and_head_position_limits():
+    from dataclasses import replace
+
+    m = _manifest(max_length=128)
+    assert m.length_limit == 256
+    assert replace(m, draft=replace(m.draft, max_position_embeddings=200)).length_limit == 200
+    assert replace(m, draft=replace(m.draft, max_position_embeddings=512)).length_limit == 256
+    assert replace(m, draft=replace(m.draft, max_position_embeddings=None)).length_limit == 256  # not recorded
+
+
 def _rename_kv(d):
     d["target"]["inputs"][4]["name"] = "past_key_values.0.kez"
 

@@ -144,9 +144,9 @@ BAD = {
     "empty-text": (dict(prompt=""), "empty"),
     "blank-text": (dict(prompt="  \n "), "empty"),
     "empty-ids": (dict(prompt=[]), "empty"),
-    "too-long-ids": (dict(prompt=LONG), "holds at most"),
-    "max-length-ids": (dict(prompt=[5] * MAX_LENGTH), "holds at most"),
-    "too-long-text": (dict(prompt="x" * (MAX_LENGTH + 5)), "holds at most"),
+    "too-long-ids": (dict(prompt=LONG), "prompt tokens fit .*: shorten the prompt"),
+    "max-length-ids": (dict(prompt=[5] * MAX_LENGTH), "prompt tokens fit .*: shorten the prompt"),
+    "too-long-text": (dict(prompt="x" * (MAX_LENGTH + 5)), "prompt tokens fit .*: shorten the prompt"),
     "id-out-of-vocab": (dict(prompt=[5, 256]), r"\[0, 256\)"),
 }
 

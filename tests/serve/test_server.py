@@ -91,6 +91,7 @@ def test_completions_stream_equals_non_stream_equals_generate(client, reference,
     assert all(c.usage is None for c in chunks)  # no usage chunk without include_usage
     # the oracle drafter makes multi-token rounds for registered prompts
     assert full.model_extra["eagle"]["mean_accept_len"] > 2
+    assert full.model_extra["eagle"]["drafter"] == "eagle"  # what proposed the drafts (the API's default kind)
     ids = reference.encode(prompt, chat=False)
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=30, temperature=0)
     assert by_ids.choices[0].text == expected.text
@@ -338,6 +339,7 @@ def test_vanilla_mode_per_request_and_metrics(server, client, reference):
     assert r.choices[0].text == reference.generate(prompt, 16, chat=False, mode="vanilla").text
     eagle = r.model_extra["eagle"]
     assert eagle["mode"] == "vanilla" and eagle["mean_accept_len"] == 1.0 and eagle["draft_forwards"] == 0
+    assert eagle["drafter"] is None  # nothing drafted
     text = httpx2.get(server.url + "/metrics").text
     for name in ("eagle_serve_requests_total", "eagle_serve_prompt_tokens_total", "eagle_serve_completion_tokens_total",
                  "eagle_serve_acceptance_length_bucket", "eagle_serve_time_per_output_token_seconds_bucket",

@@ -24,6 +24,28 @@ def import_tensorrt(purpose: str = ""):
         raise ImportError(f"TensorRT is not installed or cannot load ({err}); {hint}") from None
 
 
+def max_length_hint(max_length: int, limit: int | None) -> str:
+    """What raises an export's KV capacity: "re-export with a larger `eagle-export
+    --max-length` (up to LIMIT for this model and head)", or "" when `max_length` is already
+    `limit` (then only a shorter request helps). limit: Manifest.length_limit (None: unknown,
+    the hint names no bound)."""
+    if limit is not None and max_length >= limit:
+        return ""
+    bound = f" (up to {limit} for this model and head)" if limit is not None else ""
+    return f"re-export with a larger `eagle-export --max-length`{bound}"
+
+
+def prompt_too_long(tokens: int, max_length: int, limit: int | None, at_least: bool = False) -> str:
+    """The one message for a prompt that does not fit an export's KV capacity of `max_length`
+    rows (at most max_length - 1 prompt tokens: one row is left for output), with what to do:
+    shorten the prompt, or re-export (`max_length_hint`). at_least: `tokens` is a lower bound
+    (the prompt was not tokenised whole)."""
+    hint = max_length_hint(max_length, limit)
+    return (f"the prompt has {'at least ' if at_least else ''}{tokens} tokens; this export's KV capacity "
+            f"(max_length) is {max_length} tokens, so at most {max_length - 1} prompt tokens fit (one row is "
+            f"left for output): shorten the prompt{', or ' + hint if hint else ''}")
+
+
 # errno -> what to do, for the write failures every writing command reports in one line
 DISK_ERRORS = {errno.EROFS: "the file system is read-only: choose a writable folder",
                errno.ENOSPC: "the disk is full: free space or choose a folder on another disk",

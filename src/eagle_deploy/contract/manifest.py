@@ -394,6 +394,13 @@ class Manifest:
         the lookup drafter) those not about the draft graph (they start DRAFT_GRAPH_NOTE)."""
         return self.notes if draft_graph else tuple(n for n in self.notes if not n.startswith(DRAFT_GRAPH_NOTE))
 
+    @property
+    def length_limit(self) -> int:
+        """The largest max_length a re-export of this model and head may have (`eagle-export
+        --max-length`): the target's max_position_embeddings, and the head's when recorded."""
+        head = self.draft.max_position_embeddings
+        return min(self.dims.max_position_embeddings, head) if head else self.dims.max_position_embeddings
+
     def to_json(self) -> dict:
         return {"name": self.name, "dims": self.dims.to_json(), "max_length": self.max_length,
                 "target": self.target.to_json(), "draft": self.draft.to_json(), "tree": self.tree.to_json(),

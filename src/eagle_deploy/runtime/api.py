@@ -22,6 +22,7 @@ import numpy as np
 
 from eagle_deploy.contract.cache import cache_root
 from eagle_deploy.contract.cpu import cpu_info
+from eagle_deploy.contract.errors import prompt_too_long
 from eagle_deploy.contract.manifest import Manifest, ManifestError
 from eagle_deploy.contract.onnx_io import MANIFEST_FILE
 from eagle_deploy.contract.tree_config import TreeConfig
@@ -335,9 +336,7 @@ class EagleRuntime:
         """`encode`, then check the prompt leaves room for output. Raises ValueError."""
         ids = self.encode(prompt, chat)
         if len(ids) >= self.manifest.max_length:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this export holds at most "
-                             f"{self.manifest.max_length - 1} prompt tokens "
-                             f"(max_length {self.manifest.max_length} = KV rows)")
+            raise ValueError(prompt_too_long(len(ids), self.manifest.max_length, self.manifest.length_limit))
         return ids
 
     def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, text: TextStream | None,

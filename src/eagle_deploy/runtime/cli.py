@@ -15,6 +15,7 @@ from eagle_deploy.contract.cli_args import (
     interruptible,
     tree_from_args,
 )
+from eagle_deploy.contract.errors import max_length_hint
 from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER
 
 
@@ -181,8 +182,9 @@ def _summary(result, comparison: dict, manifest, draft_graph: bool) -> str:
             f"tau {s.mean_accept_len:.2f} tokens/forward, {s.target_forwards} target forwards, "
             f"TTFT {s.t_prefill * 1e3:.0f} ms, finish: {result.finish_reason}")
     if s.limited_by == "capacity":
+        hint = max_length_hint(manifest.max_length, manifest.length_limit)
         line += (f" (the export's KV capacity, max_length {manifest.max_length}, ran out before --max-new-tokens; "
-                 f"re-export with a larger --max-length for longer outputs)")
+                 f"{hint + ' for longer outputs' if hint else 'the longest this model and head allow'})")
     if not s.lossless:
         line += f" [{LOSSY}: threshold acceptance]"
     if comparison:

@@ -33,6 +33,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from eagle_deploy.contract.errors import prompt_too_long
 from eagle_deploy.runtime.api import check_request, load_tokenizer
 from eagle_deploy.runtime.text import encode_chat, encode_user
 
@@ -75,8 +76,11 @@ class Frontend:
     prefixes of it (`_check_prefix`): once a prefix passes the capacity the request is refused
     without tokenising the rest."""
 
-    def __init__(self, tokenizer, max_length: int, vocab: int):
+    def __init__(self, tokenizer, max_length: int, vocab: int, length_limit: int | None = None):
+        """length_limit: the largest max_length a re-export may have (Manifest.length_limit;
+        None: unknown), named in the too-long error."""
         self.tokenizer, self.max_length, self.vocab = tokenizer, max_length, vocab
+        self.length_limit = length_limit
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="eagle-frontend")
 
     @classmethod
@@ -86,16 +90,15 @@ class Frontend:
         tokenizer = load_tokenizer(runtime.folder, m)
         if tokenizer is None:
             raise ValueError("this export has no tokenizer; eagle-serve needs one (re-export with the tokenizer)")
-        return cls(tokenizer, m.max_length, m.dims.vocab)
+        return cls(tokenizer, m.max_length, m.dims.vocab, m.length_limit)
 
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     def _too_long(self, n: int, param: str, at_least: bool = False) -> ApiError:
-        return invalid(param, f"the prompt has {'at least ' if at_least else ''}{n} tokens; this model's KV capacity "
-                              f"is {self.max_length} tokens, so at most {self.max_length - 1} prompt tokens fit (one "
-                              "row is left for output)", "context_length_exceeded")
+        message = prompt_too_long(n, self.max_length, self.length_limit, at_least)
+        return invalid(param, message, "context_length_exceeded")
 
     def _check_prefix(self, text: str, param: str) -> None:
         """Refuse a text whose first max_length * PREFIX_CHARS_PER_TOKEN characters alone

@@ -364,9 +364,10 @@ def fingerprint(version: str, info: dict) -> str:
 def stats_info(result: GenerationResult) -> dict:
     """Per-request decoding figures for the response's `eagle` field: tau (tokens per target
     verification forward, bonus included), rounds, target and draft forwards, TTFT (prefill)
-    and total engine time in ms, limited_by ("max_new_tokens" | "capacity" | None). A subset of
+    and total engine time in ms, limited_by ("max_new_tokens" | "capacity" | None), drafter
+    (what proposed the draft tokens: "hybrid", "eagle", "lookup"; None for vanilla). A subset of
     `Stats.to_json()` (prefill_ms, engine_ms: its time_ms prefill, total), plus `Stats.rounds`."""
     j = result.stats.to_json()
-    return {"mean_accept_len": j["mean_accept_len"], "rounds": result.stats.rounds,
+    return {"drafter": j["drafter"], "mean_accept_len": j["mean_accept_len"], "rounds": result.stats.rounds,
             "target_forwards": j["target_forwards"], "draft_forwards": j["draft_forwards"],
             "prefill_ms": j["time_ms"]["prefill"], "engine_ms": j["time_ms"]["total"], "limited_by": j["limited_by"]}
