@@ -352,7 +352,7 @@ def test_stop_strings_are_capped(server, stop, what):
 def spec_metrics(server) -> dict:
     out = {}
     for line in httpx2.get(server.url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("vllm:spec_decode_num_"):
+        if line.startswith(("vllm:spec_decode_num_", "eagle_serve_verification_rounds_total")):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
@@ -374,6 +374,7 @@ def test_speculative_usage_and_vllm_counters(server, long_prompt):
     labels = '{engine="0",model_name="tiny"}'
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     assert delta[f"vllm:spec_decode_num_drafts_total{labels}"] == rounds
+    assert delta['eagle_serve_verification_rounds_total{mode="eagle"}'] == rounds  # every round drafted here
     assert delta[f"vllm:spec_decode_num_draft_tokens_total{labels}"] == rounds * ORACLE_DEPTH
     assert delta[f"vllm:spec_decode_num_accepted_tokens_total{labels}"] == rounds * ORACLE_DEPTH
     for p in range(ORACLE_DEPTH):
@@ -387,7 +388,10 @@ def test_vanilla_request_counts_no_drafts(server, long_prompt):
         "model": MODEL, "prompt": long_prompt, "max_tokens": 6, "temperature": 0, "mode": "vanilla"}).json()
     spec = r["usage"]["speculative"]
     assert (spec["rounds"], spec["drafts"], spec["draft_tokens"], spec["accepted_tokens"]) == (5, 0, 0, 0)
-    assert spec_metrics(server) == before
+    after = spec_metrics(server)
+    vanilla = 'eagle_serve_verification_rounds_total{mode="vanilla"}'
+    assert after[vanilla] - before.get(vanilla, 0.0) == 5  # its rounds are counted, as no drafts
+    assert {k: v for k, v in after.items() if k != vanilla} == {k: v for k, v in before.items() if k != vanilla}
 
 
 def test_spec_counts_from_stats():

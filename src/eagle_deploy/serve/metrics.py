@@ -4,6 +4,10 @@
     eagle_serve_prompt_tokens_total                   prompt tokens of finished requests
     eagle_serve_completion_tokens_total               tokens delivered by finished requests
     eagle_serve_acceptance_length{mode}               histogram of tau per request (tokens per target forward)
+    eagle_serve_verification_rounds_total{mode}       target verification forwards of finished requests, drafted
+                                                      or not: vllm:spec_decode_num_drafts_total over its
+                                                      {mode="eagle"} is the share of rounds that drafted (a
+                                                      cost-aware drafter skips drafting where it does not pay)
     eagle_serve_time_to_first_token_seconds           histogram, from arrival (queue wait included)
     eagle_serve_time_per_output_token_seconds         histogram, (last - first token time) / (tokens - 1)
     eagle_serve_queue_length                          gauge: requests waiting for the engine
@@ -47,6 +51,8 @@ class ServeMetrics:
         self.completion_tokens = Counter("eagle_serve_completion_tokens", "Completion tokens delivered", registry=r)
         self.tau = Histogram("eagle_serve_acceptance_length", "tau per request: tokens committed per target "
                              "verification forward (bonus included)", ["mode"], buckets=TAU_BUCKETS, registry=r)
+        self.rounds = Counter("eagle_serve_verification_rounds", "Target verification forwards of finished "
+                              "requests, drafted or not", ["mode"], registry=r)
         self.ttft = Histogram("eagle_serve_time_to_first_token_seconds", "Time to first token, queue wait included",
                               buckets=TIME_BUCKETS, registry=r)
         self.tpot = Histogram("eagle_serve_time_per_output_token_seconds", "Time per output token after the first",
@@ -87,6 +93,7 @@ class ServeMetrics:
         self.completion_tokens.inc(len(result.token_ids))
         if s.rounds:
             self.tau.labels(s.mode).observe(s.mean_accept_len)
+            self.rounds.labels(s.mode).inc(s.rounds)
         first = job.t_first if job.t_first is not None else job.t_done
         if first is not None:
             self.ttft.observe(first - job.t_submit)
