@@ -199,7 +199,7 @@ def test_a_failing_request_fails_alone(gqa):
     got = run_pinned(eng, {0: (PROMPTS[0], {}), 1: (PROMPTS[1], {}), 2: (too_long, {})}, max_new_tokens=N)
     assert got[0].token_ids == gqa.expected(PROMPTS[0], N)
     assert isinstance(got[1], RuntimeError) and "injected fault" in str(got[1])
-    assert isinstance(got[2], ValueError) and "prompt has" in str(got[2])
+    assert isinstance(got[2], ValueError) and "prompt has" in str(got[2]) and "shorten the prompt" in str(got[2])
     boom.armed = False
     again = run_pinned(eng, {1: (PROMPTS[2], {}), 0: (PROMPTS[1], {})}, max_new_tokens=N)
     assert again[1].token_ids == gqa.expected(PROMPTS[2], N)

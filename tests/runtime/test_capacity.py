@@ -93,6 +93,14 @@ def test_prompt_at_or_past_capacity_is_refused_before_any_forward(model, extra):
     with pytest.raises(ValueError, match=f"{L + extra} tokens"):
         rt.generate(_long_prompt(L + extra), max_new_tokens=4)
     assert rt.decoder.target.calls == []
+    # the Decoder's own guard (what a caller of Decoder.decode without EagleRuntime meets) says the same
+    from eagle_deploy.runtime.decode import TokenStopper
+    from eagle_deploy.runtime.sampling import SamplingParams
+
+    with pytest.raises(ValueError, match=f"the prompt has {L + extra} tokens; .* at most {L - 1} prompt tokens fit "
+                                         r"\(one row is left for output\): shorten the prompt, or re-export"):
+        next(rt.decoder.decode(_long_prompt(L + extra), 4, SamplingParams(), TokenStopper()))
+    assert rt.decoder.target.calls == []
 
 
 def test_vanilla_runs_to_capacity(model):

@@ -12,6 +12,8 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from eagle_deploy.contract.errors import prompt_too_long
+
 from .acceptance import SpecCounts, tau
 from .backends.base import Backend, StepInputs
 from .drafter import Drafter, DraftRequest, causal_mask
@@ -256,8 +258,7 @@ class Decoder:
         if n == 0:
             raise ValueError("the prompt is empty")
         if n >= self.max_length:
-            raise ValueError(f"the prompt has {n} tokens; "
-                             f"this export holds at most {self.max_length - 1} prompt tokens")
+            raise ValueError(prompt_too_long(n, self.max_length, None))  # EagleRuntime names the limit first
         stats.prompt_tokens = n
         ids, a, features = np.asarray(prompt, np.int64)[None], 0, []
         stats.prefill_forwards = 0
