@@ -24,23 +24,26 @@ def import_tensorrt(purpose: str = ""):
         raise ImportError(f"TensorRT is not installed or cannot load ({err}); {hint}") from None
 
 
-def max_length_hint(max_length: int, limit: int | None) -> str:
-    """What raises an export's KV capacity: "re-export with a larger `eagle-export
-    --max-length` (up to LIMIT for this model and head)", or "" when `max_length` is already
-    `limit` (then only a shorter request helps). limit: Manifest.length_limit (None: unknown,
-    the hint names no bound)."""
-    if limit is not None and max_length >= limit:
+def max_length_hint(max_length: int, limit: int | None, need: int | None = None) -> str:
+    """What raises an export's KV capacity of `max_length` rows: "re-export with `eagle-export
+    --max-length` NEED or more (at most LIMIT)" (without a need: "with a larger ..."), or ""
+    when no re-export can help: `max_length` is already `limit`, or `need` rows exceed it.
+    limit: the largest max_length allowed (Manifest.length_limit; None: unknown, no bound
+    named); need: the rows the request needs (a prompt of n tokens: n + 1)."""
+    if limit is not None and (max_length >= limit or (need is not None and need > limit)):
         return ""
-    bound = f" (up to {limit} for this model and head)" if limit is not None else ""
-    return f"re-export with a larger `eagle-export --max-length`{bound}"
+    size = f" {need} or more" if need is not None else ""
+    bound = f" (at most {limit})" if limit is not None else ""
+    return f"re-export with {'a larger ' if need is None else ''}`eagle-export --max-length`{size}{bound}"
 
 
 def prompt_too_long(tokens: int, max_length: int, limit: int | None, at_least: bool = False) -> str:
     """The one message for a prompt that does not fit an export's KV capacity of `max_length`
     rows (at most max_length - 1 prompt tokens: one row is left for output), with what to do:
-    shorten the prompt, or re-export (`max_length_hint`). at_least: `tokens` is a lower bound
-    (the prompt was not tokenised whole)."""
-    hint = max_length_hint(max_length, limit)
+    shorten the prompt, or, when a re-export within `limit` would hold it, re-export
+    (`max_length_hint`). at_least: `tokens` is a lower bound (the prompt was not tokenised
+    whole)."""
+    hint = max_length_hint(max_length, limit, need=tokens + 1)
     return (f"the prompt has {'at least ' if at_least else ''}{tokens} tokens; this export's KV capacity "
             f"(max_length) is {max_length} tokens, so at most {max_length - 1} prompt tokens fit (one row is "
             f"left for output): shorten the prompt{', or ' + hint if hint else ''}")

@@ -202,7 +202,7 @@ class EagleRuntime:
         self.costs = costs
         row_exact = row_exact_default(manifest) if row_exact is None else row_exact
         self.decoder = Decoder(target, None, manifest.max_length, acceptance, threshold, round_observers, row_exact,
-                               prefill_chunk)
+                               prefill_chunk, manifest.length_limit)
         if drafter is None and (draft is not None or not uses_draft_graph(drafter_kind)):
             drafter = self._drafter(draft)
         self.decoder.drafter = drafter

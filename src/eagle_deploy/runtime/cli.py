@@ -184,7 +184,7 @@ def _summary(result, comparison: dict, manifest, draft_graph: bool) -> str:
     if s.limited_by == "capacity":
         hint = max_length_hint(manifest.max_length, manifest.length_limit)
         line += (f" (the export's KV capacity, max_length {manifest.max_length}, ran out before --max-new-tokens; "
-                 f"{hint + ' for longer outputs' if hint else 'the longest this model and head allow'})")
+                 f"{hint + ' for longer outputs' if hint else 'already the largest max_length allowed'})")
     if not s.lossless:
         line += f" [{LOSSY}: threshold acceptance]"
     if comparison:

@@ -201,15 +201,19 @@ class Decoder:
     prefill of SmolLM2-135M took 1,047 -> 837 ms (fp32) and 1,417 -> 1,200 ms (int4) in chunks of
     256 on an AMX Xeon, 2 threads, with logits, features and KV bit-identical to one forward
     (docs/decisions.md, 2026-12-06). Raises ValueError on a bad acceptance setting or chunk.
+
+    length_limit: the largest max_length a re-export of the model may have
+    (Manifest.length_limit), named in the error for a prompt that does not fit (None: unknown).
     """
 
     def __init__(self, target: Backend, drafter: Drafter | None, max_length: int,
                  acceptance: str = "lossless", threshold: float = 0.0, round_observers: Sequence[RoundObserver] = (),
-                 row_exact: bool = False, prefill_chunk: int = 0):
+                 row_exact: bool = False, prefill_chunk: int = 0, length_limit: int | None = None):
         check_acceptance(acceptance, threshold)  # fail at load, not after the first forward
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self.target, self.drafter = target, drafter
         self.max_length = max_length
+        self.length_limit = length_limit  # the largest max_length a re-export may have (named in errors; None: unknown)
         self.row_exact = row_exact
         self.kv = target.allocate_kv(target_kv_capacity(max_length, row_exact))
         self.acceptance, self.threshold = acceptance, threshold
@@ -258,7 +262,7 @@ class Decoder:
         if n == 0:
             raise ValueError("the prompt is empty")
         if n >= self.max_length:
-            raise ValueError(prompt_too_long(n, self.max_length, None))  # EagleRuntime names the limit first
+            raise ValueError(prompt_too_long(n, self.max_length, self.length_limit))
         stats.prompt_tokens = n
         ids, a, features = np.asarray(prompt, np.int64)[None], 0, []
         stats.prefill_forwards = 0

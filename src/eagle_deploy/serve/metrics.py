@@ -74,6 +74,8 @@ class ServeMetrics:
                                      registry=r)
         self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                     "Accepted tokens per draft position.", [*vllm, "position"], registry=r)
+        for mode in ("eagle", "vanilla"):
+            self.rounds.labels(mode)  # exported as 0 from the start
         for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
             c.labels(*self.spec_labels)  # exported as 0 from the start
 
