@@ -514,3 +514,9 @@ def test_out_of_range_values_name_the_flag_and_value(capsys, flags, message):
 
     assert main(["--engines", "no-such-folder", *flags]) == 2
     assert capsys.readouterr().err.strip() == f"eagle-bench: error: {message}"
+
+
+def test_usage_names_both_modes():
+    usage = cli.build_parser().format_usage()
+    assert usage.startswith("usage: eagle-bench --engines DIR [options]\n")
+    assert "eagle-bench serve --url URL [options]" in usage  # the load mode, dispatched before this parser

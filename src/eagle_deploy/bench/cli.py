@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     from eagle_deploy.runtime.backends import BACKENDS
 
     p = argparse.ArgumentParser(prog="eagle-bench", description=__doc__,
+                                usage="%(prog)s --engines DIR [options]\n       %(prog)s serve --url URL "
+                                      "[options]   (load mode; see: eagle-bench serve -h)",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=Path, required=True, help="export folder written by eagle-export")
     p.add_argument("--sets", default=None,
