@@ -52,16 +52,20 @@ def test_a_prompt_over_the_capacity_says_what_to_do():
     assert prompt_too_long(2461, 2048, 8192) == (
         "the prompt has 2461 tokens; this export's KV capacity (max_length) is 2048 tokens, so at most 2047 prompt "
         "tokens fit (one row is left for output): shorten the prompt, or re-export with `eagle-export --max-length` "
-        "2462 or more (at most 8192)")
-    # no re-export holds it: the prompt needs more rows than the limit (8192 tokens need 8193), or the
-    # export is already at the limit
+        "2462 or more plus the new tokens wanted (at most 8192)")
+    assert prompt_too_long(8191, 2048, 8192).endswith("`eagle-export --max-length` 8192 or more plus the new tokens "
+                                                      "wanted (at most 8192)")
+    # too long for any re-export (8192 tokens need 8193 rows): how short a re-export would need it
     for tokens in (8192, 20000):
-        assert prompt_too_long(tokens, 2048, 8192).endswith("fit (one row is left for output): shorten the prompt")
-    assert prompt_too_long(8191, 2048, 8192).endswith("`eagle-export --max-length` 8192 or more (at most 8192)")
+        assert prompt_too_long(tokens, 2048, 8192).endswith(
+            "fit (one row is left for output): shorten the prompt (a re-export with `eagle-export --max-length 8192`, "
+            "the most this model allows, would take up to 8191 prompt tokens)")
+    # already at the limit: only shortening helps
     assert prompt_too_long(9000, 8192, 8192, at_least=True) == (
         "the prompt has at least 9000 tokens; this export's KV capacity (max_length) is 8192 tokens, so at most 8191 "
         "prompt tokens fit (one row is left for output): shorten the prompt")
-    assert prompt_too_long(300, 256, None).endswith("or re-export with `eagle-export --max-length` 301 or more")
+    assert prompt_too_long(300, 256, None).endswith("or re-export with `eagle-export --max-length` 301 or more plus "
+                                                    "the new tokens wanted")
     assert max_length_hint(64, None) == "re-export with a larger `eagle-export --max-length`"
     assert max_length_hint(64, 256) == "re-export with a larger `eagle-export --max-length` (at most 256)"
     assert max_length_hint(256, 256) == ""

@@ -175,7 +175,8 @@ def test_huge_prompt_is_refused_from_a_prefix(server, reference):
     assert (err.status, err.param, err.code) == (400, "prompt", "context_length_exceeded")
     assert "at least" in err.message and f"at most {m.max_length - 1} prompt tokens" in err.message
     n = int(err.message.split("at least ")[1].split()[0])  # a lower bound: the text was not tokenised whole
-    assert err.message.endswith(f"shorten the prompt, or re-export with `eagle-export --max-length` {n + 1} or more")
+    assert err.message.endswith(f"shorten the prompt, or re-export with `eagle-export --max-length` {n + 1} or more "
+                                "plus the new tokens wanted")
     assert seen == [m.max_length * PREFIX_CHARS_PER_TOKEN]
     # over the server: same refusal, the engine never sees it
     submitted = scheduler(server).submitted

@@ -98,15 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "eagle-hybrid (head + context lookup in one tree, cost-aware: the commands' default), "
                         "eagle-lookup; comma-separated")
     p.add_argument("--no-drafters", action="store_true", help="plain EAGLE and vanilla only (no --drafters systems)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per generation (default: 128)")
     p.add_argument("--temperatures", type=_floats, default=[0.0], help="comma-separated, 0 = greedy (e.g. 0,0.7,1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampled runs use seed + prompt index")
     p.add_argument("--baselines", type=_baselines, default=None,
                    help=f"opt-in systems to compare with, comma-separated: {','.join(BASELINES)}, the peer families "
                         f"{','.join(PEERS)} (every precision), or 'all' "
                         "(default: none, EAGLE vs vanilla only). On a 2-core CPU with SmolLM2-135M, each HF baseline "
-                        "adds about as much time per prompt as EAGLE + vanilla together (README); llamacpp needs "
-                        "pip install '.[llamacpp]', the peers pip install '.[peers]' (OpenVINO's converter: README)")
+                        "adds about as much time per prompt as EAGLE + vanilla together; llamacpp needs "
+                        "pip install '.[llamacpp]', the peers pip install '.[peers]' (both, and OpenVINO's converter: "
+                        "docs/guide-benchmarking.md)")
     p.add_argument("--extra-engines", type=Path, action="append", default=[],
                    help="another export of the same model (e.g. an int4 one), run interleaved on the first backend "
                         "as eagle@<folder name> and vanilla@<folder name>; repeatable")

@@ -24,29 +24,35 @@ def import_tensorrt(purpose: str = ""):
         raise ImportError(f"TensorRT is not installed or cannot load ({err}); {hint}") from None
 
 
-def max_length_hint(max_length: int, limit: int | None, need: int | None = None) -> str:
-    """What raises an export's KV capacity of `max_length` rows: "re-export with `eagle-export
-    --max-length` NEED or more (at most LIMIT)" (without a need: "with a larger ..."), or ""
-    when no re-export can help: `max_length` is already `limit`, or `need` rows exceed it.
+def max_length_hint(max_length: int, limit: int | None) -> str:
+    """What raises an export's KV capacity of `max_length` rows: "re-export with a larger
+    `eagle-export --max-length` (at most LIMIT)", or "" when `max_length` is already `limit`.
     limit: the largest max_length allowed (Manifest.length_limit; None: unknown, no bound
-    named); need: the rows the request needs (a prompt of n tokens: n + 1)."""
-    if limit is not None and (max_length >= limit or (need is not None and need > limit)):
+    named)."""
+    if limit is not None and max_length >= limit:
         return ""
-    size = f" {need} or more" if need is not None else ""
-    bound = f" (at most {limit})" if limit is not None else ""
-    return f"re-export with {'a larger ' if need is None else ''}`eagle-export --max-length`{size}{bound}"
+    return f"re-export with a larger `eagle-export --max-length`{f' (at most {limit})' if limit is not None else ''}"
 
 
 def prompt_too_long(tokens: int, max_length: int, limit: int | None, at_least: bool = False) -> str:
     """The one message for a prompt that does not fit an export's KV capacity of `max_length`
     rows (at most max_length - 1 prompt tokens: one row is left for output), with what to do:
-    shorten the prompt, or, when a re-export within `limit` would hold it, re-export
-    (`max_length_hint`). at_least: `tokens` is a lower bound (the prompt was not tokenised
-    whole)."""
-    hint = max_length_hint(max_length, limit, need=tokens + 1)
+    shorten the prompt; or re-export with the --max-length that holds it (prompt + 1 rows,
+    plus the output wanted) when that is within `limit` (Manifest.length_limit; None:
+    unknown); or, when even `limit` is too small, how short a re-export would need it.
+    at_least: `tokens` is a lower bound (the prompt was not tokenised whole)."""
+    need = tokens + 1
+    if limit is not None and max_length >= limit:
+        remedy = "shorten the prompt"
+    elif limit is not None and need > limit:
+        remedy = (f"shorten the prompt (a re-export with `eagle-export --max-length {limit}`, the most this model "
+                  f"allows, would take up to {limit - 1} prompt tokens)")
+    else:
+        remedy = (f"shorten the prompt, or re-export with `eagle-export --max-length` {need} or more plus the new "
+                  f"tokens wanted{f' (at most {limit})' if limit is not None else ''}")
     return (f"the prompt has {'at least ' if at_least else ''}{tokens} tokens; this export's KV capacity "
             f"(max_length) is {max_length} tokens, so at most {max_length - 1} prompt tokens fit (one row is "
-            f"left for output): shorten the prompt{', or ' + hint if hint else ''}")
+            f"left for output): {remedy}")
 
 
 # errno -> what to do, for the write failures every writing command reports in one line

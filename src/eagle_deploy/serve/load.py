@@ -374,15 +374,16 @@ def build_parser(prog: str = "python -m eagle_deploy.serve.load") -> argparse.Ar
     p.add_argument("--prompts", type=Path, action="append", default=[], help="a JSONL prompt file; replaces --sets")
     p.add_argument("--limit", type=int, default=None,
                    help="first N prompts of each set, 0 = all (default: 8 of each built-in set, all of a file)")
-    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8], help="comma-separated in-flight request counts")
-    p.add_argument("--modes", default="eagle,vanilla", help="comma-separated: eagle, vanilla")
+    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8],
+                   help="comma-separated in-flight request counts (default: 1,2,4,8)")
+    p.add_argument("--modes", default="eagle,vanilla", help="comma-separated: eagle, vanilla (default: eagle,vanilla)")
     p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=128,
                    help="completion tokens per request (the API's max_tokens; --max-new-tokens, as eagle-run and "
-                        "eagle-bench call it, is the same option)")
-    p.add_argument("--temperature", type=float, default=0.0)
+                        "eagle-bench call it, is the same option) (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default: 0)")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
                    help="chat wraps each prompt as a user message; completions sends it raw")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: 600)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the warm-up (per mode, one short request per slot of the highest --concurrency)")
     p.add_argument("--disconnect", type=float, default=0.0,
