@@ -31,7 +31,11 @@ def max_length_hint(max_length: int, limit: int | None) -> str:
     named)."""
     if limit is not None and max_length >= limit:
         return ""
-    return f"re-export with a larger `eagle-export --max-length`{f' (at most {limit})' if limit is not None else ''}"
+    return f"re-export with a larger `eagle-export --max-length`{_at_most(limit)}"
+
+
+def _at_most(limit: int | None) -> str:
+    return f" (at most {limit})" if limit is not None else ""
 
 
 def prompt_too_long(tokens: int, max_length: int, limit: int | None, at_least: bool = False) -> str:
@@ -42,14 +46,14 @@ def prompt_too_long(tokens: int, max_length: int, limit: int | None, at_least: b
     unknown); or, when even `limit` is too small, how short a re-export would need it.
     at_least: `tokens` is a lower bound (the prompt was not tokenised whole)."""
     need = tokens + 1
-    if limit is not None and max_length >= limit:
+    if not max_length_hint(max_length, limit):  # already at the limit: no re-export holds more
         remedy = "shorten the prompt"
     elif limit is not None and need > limit:
         remedy = (f"shorten the prompt (a re-export with `eagle-export --max-length {limit}`, the most this model "
                   f"allows, would take up to {limit - 1} prompt tokens)")
     else:
         remedy = (f"shorten the prompt, or re-export with `eagle-export --max-length` {need} or more plus the new "
-                  f"tokens wanted{f' (at most {limit})' if limit is not None else ''}")
+                  f"tokens wanted{_at_most(limit)}")
     return (f"the prompt has {'at least ' if at_least else ''}{tokens} tokens; this export's KV capacity "
             f"(max_length) is {max_length} tokens, so at most {max_length - 1} prompt tokens fit (one row is "
             f"left for output): {remedy}")
