@@ -30,7 +30,9 @@ def test_run_load_cells(server, tmp_path):
     assert all(c["tau"] == 1.0 for c in result["cells"] if c["mode"] == "vanilla")
     n = len(PROMPTS)
     assert [c["same_as_first"] for c in result["cells"]] == [None, [n, n], None, [n, n]]
-    assert [c["same_as_vanilla"] for c in result["cells"]] == [None, None, None, [n, n]]  # vanilla ran after eagle
+    # eagle ran first: its cells are compared with vanilla's first cell once vanilla has run
+    assert [c["same_as_vanilla"] for c in result["cells"]] == [[n, n], [n, n], None, [n, n]]
+    assert load.format_table(result).splitlines()[1].split()[-2] == f"{n}/{n}"  # the final table's =van
     samples = result["samples"]["eagle/2"]
     assert len(samples) == len(PROMPTS) and all(s["ok"] and s["completion_tokens"] >= 1 for s in samples)
     # greedy: the same text at every concurrency and in both modes

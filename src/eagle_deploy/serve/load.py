@@ -16,8 +16,8 @@ this). Standard library + numpy only.
 
 Columns: `conc`, requests in flight; `ok`, requests completed; `tokens`, completion tokens;
 `TPOT`, time per output token; `same`, greedy texts equal to the same prompt's in the mode's
-first concurrency level (`-` in that cell); `=van`, equal to vanilla's first cell (`-` unless
-vanilla runs first: `--modes vanilla,eagle`); `lost`, requests that failed (those abandoned on
+first concurrency level (`-` in that cell); `=van`, equal to vanilla's first cell (in the final
+table; a row printed before vanilla has run shows `-` there); `lost`, requests that failed (those abandoned on
 purpose by --disconnect are neither ok nor lost; the --json cells count them as `dropped`).
 A row goes to stderr as each cell ends and the whole table to stdout at the end, so a terminal
 shows it twice.
@@ -296,7 +296,8 @@ def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
     """Every (mode, concurrency) cell in turn -> {"schema", "config", "model", "server",
     "cells": [summarize(...)], "samples": {"<mode>/<c>": [Sample as dict]}}. Greedy cells also
     get same_as_first (against the mode's first concurrency level; None in that cell) and
-    same_as_vanilla (against vanilla's first cell, when vanilla ran first) from `same_text`.
+    same_as_vanilla (against vanilla's first cell, whichever mode ran first; None in that cell
+and without vanilla) from `same_text`.
     Raises RuntimeError when the server cannot be reached, ValueError without prompts."""
     if not cfg.prompts:
         raise ValueError("no prompts")
@@ -312,7 +313,7 @@ def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
         for mode in cfg.modes:
             run_cell(client, replace(cfg, prompts=warm, max_tokens=min(cfg.max_tokens, 16), disconnect=0.0,
                                      long_clients=0, rate=0.0), model, mode, max(cfg.concurrency))
-    cells, samples, first = [], {}, {}
+    cells, samples, first, done = [], {}, {}, []
     for mode in cfg.modes:
         for c in cfg.concurrency:
             longs: list[Sample] = []
@@ -327,7 +328,12 @@ def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
                 first.setdefault(mode, got)
             log(format_row(cell))
             cells.append(cell)
+            done.append((cell, got))
             samples[f"{mode}/{c}"] = [{**asdict(s), "tpot": s.tpot} for s in got]
+    if cfg.temperature == 0 and "vanilla" in first:  # cells that ran before vanilla: compared now
+        for cell, got in done:
+            if cell["mode"] != "vanilla" and cell["same_as_vanilla"] is None:
+                cell["same_as_vanilla"] = same_text(got, first["vanilla"])
     config = {k: v for k, v in asdict(cfg).items() if k not in ("prompts", "long_prompts")}
     config["prompt_ids"] = [p["id"] for p in cfg.prompts]
     config["long_prompt_ids"] = [p["id"] for p in cfg.long_prompts]
