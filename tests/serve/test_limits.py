@@ -405,3 +405,19 @@ def test_spec_counts_from_stats():
     assert (c.rounds, c.drafts, c.draft_tokens, c.accepted_tokens, c.accepted_per_pos) == (4, 3, 7, 3, (2, 1, 0))
     assert c.mean_accept_len == 1.75
     assert s.to_json()["speculative"] == c.usage()  # what Triton's stats output and usage.speculative carry
+
+
+def test_a_request_cut_by_the_kv_capacity_says_so(server, reference):
+    """finish_reason "length" with `eagle.limited_by` naming the limit that ran out: "capacity"
+    when the export's KV rows filled before the request's max_tokens, "max_tokens" (the HTTP
+    field's name) otherwise."""
+    m = reference.manifest
+    ids = reference.prompt_ids(ORACLE_PROMPTS[0], chat=False)
+    prompt = (ids * m.max_length)[:m.max_length - 3]  # 3 KV rows left: 4 new tokens (the last needs no row)
+    r = httpx2.post(server.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 50, "temperature": 0}).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 4
+    assert r["eagle"]["limited_by"] == "capacity"
+    r = httpx2.post(server.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["eagle"]["limited_by"] == "max_tokens"

@@ -184,7 +184,7 @@ def test_max_tokens_inside_an_accepted_chunk(client, reference, oracle_refs, str
     else:
         full = client.completions.create(**kw)
         text, finish, used = full.choices[0].text, full.choices[0].finish_reason, full.usage.completion_tokens
-        assert full.model_extra["eagle"]["limited_by"] == "max_new_tokens"
+        assert full.model_extra["eagle"]["limited_by"] == "max_tokens"  # the HTTP field's name
     assert (text, finish, used) == (expected.text, "length", n)
     assert expected.token_ids == oracle_refs[prompt][:n]
 

@@ -364,10 +364,13 @@ def fingerprint(version: str, info: dict) -> str:
 def stats_info(result: GenerationResult) -> dict:
     """Per-request decoding figures for the response's `eagle` field: tau (tokens per target
     verification forward, bonus included), rounds, target and draft forwards, TTFT (prefill)
-    and total engine time in ms, limited_by ("max_new_tokens" | "capacity" | None), drafter
-    (what proposed the draft tokens: "hybrid", "eagle", "lookup"; None for vanilla). A subset of
-    `Stats.to_json()` (prefill_ms, engine_ms: its time_ms prefill, total), plus `Stats.rounds`."""
+    and total engine time in ms, limited_by (which limit ended a "length" finish, named as the
+    HTTP request names it: "max_tokens" (the request's max_tokens or max_completion_tokens) |
+    "capacity" (the export's KV capacity) | None), drafter (what proposed the draft tokens:
+    "hybrid", "eagle", "lookup"; None for vanilla). A subset of `Stats.to_json()` (prefill_ms,
+    engine_ms: its time_ms prefill, total), plus `Stats.rounds`."""
     j = result.stats.to_json()
+    limited_by = "max_tokens" if j["limited_by"] == "max_new_tokens" else j["limited_by"]
     return {"drafter": j["drafter"], "mean_accept_len": j["mean_accept_len"], "rounds": result.stats.rounds,
             "target_forwards": j["target_forwards"], "draft_forwards": j["draft_forwards"],
-            "prefill_ms": j["time_ms"]["prefill"], "engine_ms": j["time_ms"]["total"], "limited_by": j["limited_by"]}
+            "prefill_ms": j["time_ms"]["prefill"], "engine_ms": j["time_ms"]["total"], "limited_by": limited_by}
