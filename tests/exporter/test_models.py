@@ -207,6 +207,26 @@ def test_force_onto_a_regular_file_is_refused(mha, tmp_path, capsys):
     assert (out_root / "afile").read_text() == "x" and sorted(p.name for p in out_root.iterdir()) == ["afile"]
 
 
+def test_force_never_replaces_a_folder_that_is_not_an_export(mha, tmp_path, capsys):
+    out_root = tmp_path / "engines"
+    (out_root / "mine").mkdir(parents=True)
+    (out_root / "mine" / "precious.txt").write_text("keep me")
+    rc = main(["--model", str(mha.target_dir), "--draft", str(mha.head_dir), "--out", str(out_root), "--name", "mine",
+               "--force", "--max-length", "64"])
+    line = _one_error(capsys.readouterr().err)
+    assert rc == 2 and "no manifest.json, not an export: --force replaces only an export folder" in line
+    assert (out_root / "mine" / "precious.txt").read_text() == "keep me"
+    assert sorted(p.name for p in out_root.iterdir()) == ["mine"]
+
+
+def test_max_length_zero_is_refused_not_taken_as_the_default(mha, tmp_path, capsys):
+    rc = main(["--model", str(mha.target_dir), "--draft", str(mha.head_dir), "--out", str(tmp_path / "e"),
+               "--max-length", "0"])
+    line = _one_error(capsys.readouterr().err)
+    assert rc == 2 and "--max-length 0 must be in [2, " in line
+    assert not (tmp_path / "e").exists() or list((tmp_path / "e").iterdir()) == []
+
+
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
 def test_model_folder_with_damaged_weights_is_one_clear_error(mha, tmp_path, capsys, damage):
     folder = tmp_path / "model"
@@ -236,3 +256,19 @@ def test_static_tree_with_size_flags_is_refused(mha, tmp_path, capsys, flag):
                "--tree", "eagle1", flag, "3"])
     line = _one_error(capsys.readouterr().err)
     assert rc == 2 and "--tree eagle1" in line and flag in line
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--triton-instances", "0"], "--triton-instances must be >= 1, got 0"),
+    (["--triton-instances", "2", "--triton-repo-is-a-file"], "exists and is not a folder"),
+])
+def test_triton_repo_flags_are_checked_before_the_export(mha, tmp_path, capsys, flags, message):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    repo = afile if "--triton-repo-is-a-file" in flags else tmp_path / "repo"
+    flags = [f for f in flags if f != "--triton-repo-is-a-file"]
+    rc = main(["--model", str(mha.target_dir), "--draft", str(mha.head_dir), "--out", str(tmp_path / "e"),
+               "--max-length", "64", "--triton-repo", str(repo), *flags])
+    line = _one_error(capsys.readouterr().err)
+    assert rc == 2 and message in line
+    assert not (tmp_path / "e").exists()  # nothing was exported first

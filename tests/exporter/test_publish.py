@@ -102,6 +102,7 @@ def test_force_replaces_the_old_folder_only_once_the_new_one_is_in_place(sources
     out = tmp_path / "out"
     (out / "tiny").mkdir(parents=True)
     (out / "tiny" / "old.txt").write_text("old")
+    (out / "tiny" / c.MANIFEST_FILE).write_text("{}")  # an (old) export: --force replaces only those
     seen = []
     if not exchange:
         monkeypatch.setattr(publish, "_renameat2", lambda src, dst, flags: False)

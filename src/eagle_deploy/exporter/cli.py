@@ -11,6 +11,7 @@ from pathlib import Path
 from eagle_deploy.contract.cli_args import (
     HelpFormatter,
     add_tree_args,
+    check_at_least,
     cli_error,
     disk_error,
     interruptible,
@@ -134,6 +135,10 @@ def main(argv=None) -> int:
     previous = (signal.signal(signal.SIGTERM, _interrupt)
                 if threading.current_thread() is threading.main_thread() else None)
     try:
+        if args.triton_repo is not None:  # said before minutes of export, not after
+            check_at_least([("--triton-instances", args.triton_instances, 1)])
+            if args.triton_repo.exists() and not args.triton_repo.is_dir():
+                raise ValueError(f"--triton-repo {args.triton_repo} exists and is not a folder")
         options = ExportOptions(dtype=args.dtype, max_length=args.max_length, graph_top_k=args.graph_top_k,
                                 draft_vocab=args.draft_vocab, tree=tree_from_args(args, None),
                                 external_data=args.external_data,

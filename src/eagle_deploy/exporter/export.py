@@ -24,7 +24,7 @@ from eagle_deploy.contract.manifest import (
     SourceRecord,
     Sources,
 )
-from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED, TOKENIZER_DIR
+from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED, MANIFEST_FILE, TOKENIZER_DIR
 from eagle_deploy.contract.tree_config import TreeConfig, default_tree
 from eagle_deploy.contract.verify import file_records, sha256_file
 
@@ -235,7 +235,8 @@ def tree_for(options: ExportOptions, dtype: str, kv_layout: str) -> TreeConfig:
 
 def resolve_inputs(model: str, draft: str | None, out_root: Path, options: ExportOptions, progress=None) -> ExportPlan:
     """Check the options, resolve the checkpoint and the head, and the output folder (which must
-    not exist unless options.force). Raises ValueError, ModelNotAvailableError,
+    not exist unless options.force, and then must be an export folder, holding a manifest, or
+    empty: --force never deletes anything else). Raises ValueError, ModelNotAvailableError,
     UnsupportedModelError, HeadCheckpointError, FileExistsError."""
     dtype, tree = check_options(options)
     _say(progress, f"resolving {model}")
@@ -246,6 +247,9 @@ def resolve_inputs(model: str, draft: str | None, out_root: Path, options: Expor
         raise FileExistsError(f"{out} exists and is not an export folder; remove it or choose another --name")
     if out.exists() and not options.force:
         raise FileExistsError(f"{out} exists; pass --force to replace it")
+    if out.exists() and not (out / MANIFEST_FILE).is_file() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is a folder with files but no {MANIFEST_FILE}, not an export: --force replaces "
+                              "only an export folder; remove it yourself or choose another --name")
     return ExportPlan(model, draft, checkpoint, head_dir, out, dtype, tree)
 
 
@@ -274,11 +278,11 @@ def load_models(plan: ExportPlan, options: ExportOptions, progress=None) -> Load
     _say(progress, f"reading {checkpoint.hf_dir}")
     hf, weights = skeleton_target(checkpoint.hf_dir, TORCH_DTYPES[plan.dtype])
     dims = dims_of(hf.config)
-    requested = options.max_length or checkpoint.max_length
+    requested = options.max_length if options.max_length is not None else checkpoint.max_length
     if requested is not None:
         check_max_length(requested, dims, dims)  # the target's range, before the head loads
     head = load_head(head_dir, hf) if head_dir else random_head(hf, seed=options.seed)
-    if not options.max_length and requested is not None:  # an alias default is capped like the computed one
+    if options.max_length is None and requested is not None:  # an alias default is capped like the computed one
         requested = min(requested, head.dims.max_position_embeddings)
     max_length = check_max_length(requested, dims, head.dims)
     if isinstance(head, Eagle3Head):  # its own draft vocabulary, mapped in its graph by d2t
