@@ -271,6 +271,43 @@ def test_quantised_weight_that_matches_no_checkpoint_weight_fails(quant_export, 
     assert any(node.name in ln and "matches no weight of the checkpoint" in ln for ln in failing), out
 
 
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_a_quantised_export_of_linked_files_validates(quant_export, tmp_path, capsys, link):
+    """Files linked into another folder (ln -s, cp -al): onnx.load refuses linked external data
+    files, so the quantised weights are read back by the project's own reader."""
+    linked = tmp_path / "linked"
+    shutil.copytree(quant_export, linked, symlinks=False,
+                    copy_function=(lambda a, b: Path(b).symlink_to(Path(a).resolve())) if link == "symlink"
+                    else (lambda a, b: Path(b).hardlink_to(a)))
+    assert any(p.is_symlink() for p in linked.rglob("*")) == (link == "symlink")
+    rc = v.main(["--engines", str(linked), "--work", str(tmp_path / "work"), "--graphs", "draft"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "PASSED" in out and "FAIL" not in out
+
+
+def test_a_head_changed_since_the_export_is_named_not_blamed_on_the_export(export_dir, tmp_path, capsys):
+    import json
+
+    from eagle_deploy.contract.manifest import Manifest
+
+    bad = copy_export(export_dir, tmp_path / "bad")
+    head = Path(Manifest.load(bad).sources.draft.path)
+    moved = tmp_path / "head"
+    shutil.copytree(head, moved)
+    data = json.loads((bad / c.MANIFEST_FILE).read_text())
+    data["sources"]["draft"]["path"] = str(moved)
+    (bad / c.MANIFEST_FILE).write_text(json.dumps(data))
+    weights = next(n for n in data["sources"]["draft"]["sha256"])
+    blob = bytearray((moved / weights).read_bytes())
+    blob[-1] ^= 1  # retrained in place, as far as the bytes go
+    (moved / weights).write_bytes(bytes(blob))
+    rc = v.main(["--engines", str(bad), "--work", str(tmp_path / "work"), "--verify", "off"])
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if "eagle-validate" in ln]
+    assert rc == 2 and len(err) == 1, err  # one error line (transformers' progress bars aside)
+    assert err[0].startswith(f"eagle-validate: error: the draft head {moved} changed since the export was made "
+                             f"({weights} has another sha256")
+
+
 def test_eagle3_export_passes_against_an_independent_reference(eagle3, tmp_path, capsys):
     """An EAGLE-3 export (head 96 wide on a 64-wide target, reduced draft vocabulary): the target
     graph with its tapped features and the draft graph (extension fed taps, expansions fed the

@@ -182,6 +182,21 @@ def array_of(tensor, folder: Path | None = None):
     return np.frombuffer(tensor_bytes(tensor, folder), dtype=dtype).reshape(tuple(tensor.dims))
 
 
+def load_model(path: Path):
+    """`onnx.load(path)` with every external tensor read by `tensor_bytes` from the graph's
+    folder and held inline: onnx.load itself refuses data files that are symbolic or hard
+    links (an export linked or `cp -al`-copied elsewhere), which onnxruntime opens fine.
+    Raises ValueError for a truncated data file, OSError for a missing one."""
+    import onnx
+
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    for tensor in graph_tensors(model):
+        if external_info(tensor) is not None:
+            set_inline(tensor, tensor_bytes(tensor, path.parent))
+    return model
+
+
 def stored_bytes(tensors) -> int:
     """Bytes of data the initializers `tensors` hold, inline or external (external ones not read)."""
     total = 0

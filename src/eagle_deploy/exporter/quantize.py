@@ -286,13 +286,17 @@ def quantize_graph(folder: Path, entry: GraphEntry, kind: str, external_data: st
     return replace(entry, quant=kind, quant_info=info)
 
 
-def dequantised_weights(model) -> list[tuple]:
+def dequantised_weights(model, folder: Path | None = None) -> list[tuple]:
     """[(node name, W [N, K] float32, step [N, K] float32)] for every MatMulNBits node: the
     weight exactly as the kernel sees it ((q - zero point) * scale, the node computes A @ W.T)
-    and its quantisation step (|scale| per block). Raises ValueError for other quantised ops
-    (dynamic int8 MatMulInteger), whose weights this does not read back."""
+    and its quantisation step (|scale| per block). `model` may be loaded without its external
+    data: those tensors are read from `folder` (external_data.array_of), one at a time. Raises
+    ValueError for other quantised ops (dynamic int8 MatMulInteger), whose weights this does not
+    read back, and for external data without a folder or a truncated data file."""
     import numpy as np
-    from onnx import helper, numpy_helper
+    from onnx import helper
+
+    from .external_data import array_of
 
     other = sorted({n.op_type for n in quantised_nodes(model)} - {"MatMulNBits"})
     if other:
@@ -305,11 +309,11 @@ def dequantised_weights(model) -> list[tuple]:
         a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
         K, N, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
         blocks = -(-K // block)
-        packed = numpy_helper.to_array(inits[node.input[1]]).astype(np.int32).reshape(N, blocks, -1)
+        packed = array_of(inits[node.input[1]], folder).astype(np.int32).reshape(N, blocks, -1)
         q = np.stack([packed & 0xF, packed >> 4], -1).reshape(N, blocks, block) if bits == 4 else packed
-        scales = numpy_helper.to_array(inits[node.input[2]]).astype(np.float32).reshape(N, blocks)
+        scales = array_of(inits[node.input[2]], folder).astype(np.float32).reshape(N, blocks)
         if len(node.input) > 3 and node.input[3]:
-            zp = numpy_helper.to_array(inits[node.input[3]]).astype(np.int32).reshape(N, -1)
+            zp = array_of(inits[node.input[3]], folder).astype(np.int32).reshape(N, -1)
             zp = np.stack([zp & 0xF, zp >> 4], -1).reshape(N, -1)[:, :blocks] if bits == 4 else zp[:, :blocks]
         else:
             zp = np.full((N, blocks), 1 << (bits - 1), np.int32)

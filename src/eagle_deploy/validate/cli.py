@@ -273,11 +273,10 @@ def graph_runners(folder: Path, manifest, which: str, work: Path | None = None) 
 def fp32_activation_graph(path: Path, work: Path | None, which: str):
     """The quantised graph at `path` with fp32 activations (exporter.quantize.with_fp32_activations):
     saved as `work/<which>_fp32act.onnx` (path returned) or, without `work`, serialised bytes."""
-    import onnx
-
+    from eagle_deploy.exporter.external_data import load_model
     from eagle_deploy.exporter.quantize import save_graph_in_place, with_fp32_activations
 
-    model = with_fp32_activations(onnx.load(str(path)))
+    model = with_fp32_activations(load_model(path))
     if work is None:
         return model.SerializeToString()
     out = Path(work) / f"{which}_fp32act.onnx"
@@ -386,7 +385,8 @@ def quantised_reference(folder: Path, manifest, refs: dict) -> list[Row]:
         graph = getattr(manifest, which)
         if not graph.quant:
             continue
-        weights = dequantised_weights(onnx.load(str(folder / graph.path)))
+        # its external data read by our own reader: onnx.load refuses symlinked / hard-linked data files
+        weights = dequantised_weights(onnx.load(str(folder / graph.path), load_external_data=False), folder)
         for node in with_quantised_weights(refs[which].module, weights):
             rows.append(Row(which, "onnxrt", "weights", node, float("nan"), float("nan"), None, False,
                             "quantised weight matches no weight of the checkpoint"))

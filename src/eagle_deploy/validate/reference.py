@@ -89,12 +89,14 @@ def load_reference_target(manifest):
 
 def head_dir_of(manifest) -> Path | None:
     """The head folder named in the manifest (path, else the spec resolved again), or None
-    for a random head."""
+    for a random head. Raises ReferenceError when it is missing, or when its weight files are
+    not the ones the export was made from (sha256 against `sources.draft.sha256`: a head
+    retrained or replaced in place would otherwise be reported as a wrong export)."""
     from eagle_deploy.exporter.models import resolve_draft
 
     src = manifest.sources.draft
     if src.path and Path(src.path).is_dir():
-        return Path(src.path)
+        return check_head_unchanged(Path(src.path), src.sha256)
     if not manifest.draft.trained:
         return None
     try:
@@ -103,7 +105,24 @@ def head_dir_of(manifest) -> Path | None:
         raise ReferenceError(f"the export's draft head {src.path or src.spec} is not available: {err}") from None
     if found is None:
         raise ReferenceError(f"the export's trained draft head {src.path or src.spec} is not on this machine")
-    return found
+    return check_head_unchanged(found, src.sha256)
+
+
+def check_head_unchanged(folder: Path, recorded) -> Path:
+    """`folder` when each weight file recorded at export time ({name: sha256}) is there with
+    the same sha256; ReferenceError naming the first that differs or is missing."""
+    from eagle_deploy.contract.verify import sha256_file
+
+    for name, digest in sorted(recorded.items()):
+        path = folder / name
+        if not path.is_file():
+            raise ReferenceError(f"the draft head {folder} no longer has {name}, which the export was made from: "
+                                 "restore that head, or re-export from the new one")
+        if sha256_file(path) != digest:
+            raise ReferenceError(f"the draft head {folder} changed since the export was made ({name} has another "
+                                 "sha256 than the manifest's sources.draft): eagle-validate compares an export with "
+                                 "the head it was made from; restore that head, or re-export from the new one")
+    return folder
 
 
 def load_reference_head(manifest, hf):
