@@ -148,6 +148,11 @@ BAD = {
     "max-length-ids": (dict(prompt=[5] * MAX_LENGTH), "prompt tokens fit .*: shorten the prompt"),
     "too-long-text": (dict(prompt="x" * (MAX_LENGTH + 5)), "prompt tokens fit .*: shorten the prompt"),
     "id-out-of-vocab": (dict(prompt=[5, 256]), r"\[0, 256\)"),
+    # a command-line argument that is not UTF-8 reaches Python as lone surrogates (surrogateescape)
+    "not-utf8-text": (dict(prompt="hi \udcff there"), r"^the prompt is not valid UTF-8: the byte 0xff at character 3"),
+    "lone-surrogate": (dict(prompt="x\ud800"), r"^the prompt is not valid Unicode: a lone surrogate \\ud800 at"),
+    "not-utf8-message": (dict(prompt=[{"role": "user", "content": "a\udcfe"}]), "^message 0's content is not valid"),
+    "not-utf8-stop": (dict(stop=["ok", "\udce9t\udce9"]), "^a stop string is not valid UTF-8: the byte 0xe9 at"),
 }
 
 

@@ -290,6 +290,7 @@ class EagleRuntime:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("the prompt is empty")
+            check_unicode(prompt, "the prompt")
             use_chat = self.manifest.chat_template if chat is None else chat
             if use_chat:
                 return self._chat_ids([{"role": "user", "content": prompt}])
@@ -298,6 +299,9 @@ class EagleRuntime:
         if not prompt:
             raise ValueError("the prompt is empty")
         if all(isinstance(m, dict) for m in prompt):
+            for i, m in enumerate(prompt):
+                if isinstance(m.get("content"), str):
+                    check_unicode(m["content"], f"message {i}'s content")
             return self._chat_ids(prompt)
         if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             prompt = [int(t) for t in prompt]
@@ -374,6 +378,21 @@ class EagleRuntime:
         return request.result
 
 
+def check_unicode(text: str, what: str) -> None:
+    """Raise ValueError unless `text` is valid Unicode (encodable as UTF-8): Python keeps the
+    bytes of a command-line argument that is not UTF-8 as lone surrogates (U+DC80-U+DCFF), and
+    no tokenizer takes those. `what` names the text in the message ("the prompt")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        if 0xDC80 <= code <= 0xDCFF:
+            raise ValueError(f"{what} is not valid UTF-8: the byte 0x{code - 0xDC00:02x} at character {err.start} "
+                             "(text in another encoding?)") from None
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate \\u{code:04x} at character "
+                         f"{err.start}") from None
+
+
 def check_request(max_new_tokens, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                   stop: Sequence[str] | str = (), mode: str = "eagle") -> tuple[SamplingParams, list[str]]:
     """Validate one request's settings (no model needed) -> (SamplingParams, stop list).
@@ -385,4 +404,6 @@ def check_request(max_new_tokens, temperature: float = 0.0, top_p: float = 1.0, 
     stop = [stop] if isinstance(stop, str) else list(stop or ())
     if any(not isinstance(s, str) or s == "" for s in stop):
         raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+    for s in stop:
+        check_unicode(s, "a stop string")
     return params, stop
