@@ -66,6 +66,37 @@ def test_settings_are_checked_before_anything_is_written(tiny, tmp_path):
     assert "EXECUTION_ENV_PATH" not in params_of((out / "eagle" / "config.pbtxt").read_text())
 
 
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_an_export_whose_files_are_not_its_manifests_is_refused(tiny, tmp_path, damage):
+    """Checked as eagle-run checks it (verify_export "fast"), not when tritonserver loads it."""
+    from tests.tools.tiny_export import copy_export
+
+    bad = copy_export(tiny, tmp_path / "bad")
+    path = bad / "draft.onnx"
+    data = bytearray(path.read_bytes())
+    if damage == "flipped":
+        data[len(data) // 2:len(data) // 2 + 16] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 16])
+    else:
+        data = data[:len(data) // 2]
+    path.write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match="draft.onnx"):
+        triton_repo.write_repo(bad, tmp_path / "repo", execution_env="")
+    assert not (tmp_path / "repo").exists()
+
+
+def test_backend_trt_needs_engines_and_missing_paths_are_noted(tiny, tmp_path, capsys):
+    with pytest.raises(ValueError, match="--backend trt needs TensorRT engines"):
+        triton_repo.write_repo(tiny, tmp_path / "repo", execution_env="", backend="trt")
+    rc = triton_repo.main(["--engines", str(tiny), "--out", str(tmp_path / "repo"), "--execution-env",
+                           str(tmp_path / "no-env"), "--worker-python", str(tmp_path / "no-python")])
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 0  # a repository may be served where those paths exist (a container)
+    assert err == [f"eagle-triton-repo: note: --worker-python {tmp_path / 'no-python'} is not an executable file on "
+                   "this machine: the model's workers will not start unless it is one where tritonserver runs",
+                   f"eagle-triton-repo: note: --execution-env {tmp_path / 'no-env'} does not exist on this machine: "
+                   "tritonserver will not load the model unless it exists where tritonserver runs"]
+
+
 def test_copied_engines_make_a_self_contained_repository(tiny, tmp_path, model_module, reference):
     model_dir = triton_repo.write_repo(tiny, tmp_path / "repo", copy_engines=True, execution_env="")
     p = params_of((model_dir / "config.pbtxt").read_text())

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import sys
@@ -105,9 +106,17 @@ def write_repo(engines, out, *, name: str = "eagle", instances: int = 1, kind: s
     folder. execution_env None -> the stub venv (created if missing, see env.py); "" -> no
     EXECUTION_ENV_PATH (the stub then uses the Python it finds, e.g. a stock Triton image's).
     Raises ValueError (bad setting), FileExistsError (model folder exists and not force),
-    ManifestError / FileNotFoundError (not an export folder), env.StubEnvError."""
+    ManifestError / FileNotFoundError (not an export folder, or one whose files are not the
+    ones its manifest describes: contract.verify.verify_export "fast", as eagle-run checks it),
+    env.StubEnvError."""
+    from eagle_deploy.contract.verify import verify_export
+
     engines = Path(engines).absolute()
     manifest = Manifest.load(engines)
+    verify_export(engines, manifest, "fast", progress=False)  # refused now, not when tritonserver loads it
+    if backend == "trt" and manifest.engines.trt is None:
+        raise ValueError(f"--backend trt needs TensorRT engines in {engines} (eagle-export --backend trt builds "
+                         "them); this export has none")
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
         raise ValueError(f"model name must be letters, digits, '_', '-' or '.', got {name!r}")
     if not isinstance(instances, int) or instances < 1:
@@ -206,8 +215,24 @@ def main(argv=None) -> int:
         model_dir = write_repo(args.engines, args.out, tree=tree_from_args(args, None), **repo_kwargs(args))
     except (ValueError, ManifestError, FileExistsError, FileNotFoundError, StubEnvError) as err:
         return cli_error("eagle-triton-repo", err)
+    for note in missing_paths(args.worker_python, args.execution_env):
+        print(f"eagle-triton-repo: note: {note}", file=sys.stderr)
     print(model_dir)
     return 0
+
+
+def missing_paths(worker_python: str | None, execution_env: str | None) -> list[str]:
+    """Notes for the paths the repository names that this machine lacks: not errors, since a
+    repository (e.g. with --copy-engines) may be served from another machine or a container
+    where they exist, but tritonserver fails to load the model where they do not."""
+    notes = []
+    if worker_python and not (Path(worker_python).is_file() and os.access(worker_python, os.X_OK)):
+        notes.append(f"--worker-python {worker_python} is not an executable file on this machine: the model's "
+                     "workers will not start unless it is one where tritonserver runs")
+    if execution_env and not Path(execution_env).exists():
+        notes.append(f"--execution-env {execution_env} does not exist on this machine: tritonserver will not load "
+                     "the model unless it exists where tritonserver runs")
+    return notes
 
 
 def repo_kwargs(args) -> dict:
