@@ -77,6 +77,18 @@ def test_a_concurrent_export_of_the_same_name_fails_naming_the_other_process(sou
     assert rc == 0 and stdout.strip() == str(out / "tiny") and _left(out) == ["tiny"]
 
 
+def test_partial_folders_of_a_killed_export_are_removed_by_the_next_one(sources, tmp_path, capsys):
+    """A SIGKILLed export cannot clean up; the next export to the same destination removes its
+    partial folders (it holds the lock, so no live export owns them), nothing else."""
+    out = tmp_path / "out"
+    for name in (".tiny.partial-abc123", ".tiny.partial-x", ".other.partial-abc", ".tiny.old-77"):
+        (out / name).mkdir(parents=True)
+        (out / name / "target.onnx").write_text("half")
+    rc, stdout, _ = _main(_export(sources, out), capsys)
+    assert rc == 0 and stdout.strip() == str(out / "tiny")
+    assert _left(out) == [".other.partial-abc", ".tiny.old-77", "tiny"]
+
+
 def test_force_is_checked_at_the_rename(sources, tmp_path, capsys, monkeypatch):
     """The destination appears while the export runs (another process, without the lock):
     without --force nothing is replaced and the partial folder is removed."""

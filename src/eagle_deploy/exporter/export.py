@@ -35,7 +35,7 @@ from .eagle3 import Eagle3Head
 from .head_files import HEAD_WEIGHT_FILES
 from .heads import load_head
 from .models import Checkpoint, resolve_draft, resolve_model
-from .publish import destination_lock, publish_folder
+from .publish import destination_lock, partial_prefix, publish_folder, remove_stale_partials
 from .steps import TORCH_DTYPES, DraftOnnxFromHead, TargetOnnxFromHF, TokenizerFromHF
 from .target import UnsupportedModelError, dims_of, supported_families
 from .weights import skeleton_target
@@ -431,7 +431,9 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
     all in a private temporary folder under `out_root` -> publish_folder (renamed into place).
     From the start to the rename it holds the destination's lock (publish.destination_lock);
     --force (options.force) is checked again at the rename, and an old folder is deleted only
-    once the new one is in place. A failure at any step leaves no partial folder.
+    once the new one is in place. A failure at any step leaves no partial folder, and the
+    partial folders of an export killed outright are removed by the next one to the same
+    destination (publish.remove_stale_partials, under the lock).
 
     Raises ModelNotAvailableError, UnsupportedModelError, HeadCheckpointError, ValueError,
     FileExistsError (folder exists and not options.force, also when it appeared meanwhile),
@@ -442,8 +444,12 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
     Path(out_root).mkdir(parents=True, exist_ok=True)
     try:
         with destination_lock(plan.out):  # before the models load: a busy or read-only destination fails at once
+            stale = remove_stale_partials(plan.out)
+            if stale:
+                _say(progress, f"removed {len(stale)} partial folder(s) a killed export of {plan.out.name} left: "
+                               f"{', '.join(p.name for p in stale)}")
             models = load_models(plan, options, progress)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{plan.out.name}.partial-", dir=out_root))
+            tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(plan.out), dir=out_root))
             try:
                 target_entry, draft_entry, tokenizer = build_graphs(plan, models, options, tmp, progress)
                 plan = replace(plan, tree=tree_for(options, plan.dtype, target_entry.kv_layout))  # the graph kind made

@@ -72,6 +72,24 @@ def destination_lock(out: Path, what: str = "eagle-export"):
         os.close(fd)
 
 
+def partial_prefix(out: Path) -> str:
+    """The name prefix of the private folders a destination `out` is written in before its
+    rename (`.<name>.partial-`)."""
+    return f".{Path(out).name}.partial-"
+
+
+def remove_stale_partials(out: Path) -> list[Path]:
+    """Delete the partial folders of destination `out` (`partial_prefix`) that an export killed
+    before it could clean up (SIGKILL, power loss) left beside it; returns them. Call it only
+    while holding `destination_lock(out)`: then no live process is writing any of them. Backup
+    folders (`.<name>.old-<pid>`) are left alone: one may be the only copy of an old export."""
+    out = Path(out)
+    stale = sorted(p for p in out.parent.glob(partial_prefix(out) + "*") if p.is_dir() and not p.is_symlink())
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
 def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     """renameat2(2) with `flags`; False where the C library or the file system lacks it."""
     fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
