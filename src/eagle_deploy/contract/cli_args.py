@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import sys
 from pathlib import Path
@@ -88,26 +89,56 @@ def tree_from_args(args, base: TreeConfig | None) -> TreeConfig | None:
 
 
 def number_list(kind: type, minimum: float, what: str):
-    """An argparse `type=` for comma-separated numbers of `kind` (int or float), each >= `minimum`;
-    a bad value is reported as "expected comma-separated ..." or "<what> must be >= <minimum>"."""
+    """An argparse `type=` for comma-separated numbers of `kind` (int or float), each >= `minimum`
+    (floats finite too: nan and inf are refused); a bad value is reported as "expected
+    comma-separated ...", "<what> must be >= <minimum>" or "<what> must be finite numbers >= ..."."""
     def parse(text: str) -> list:
         try:
             vals = [kind(x) for x in text.split(",") if x.strip()]
         except ValueError:
             noun = "integers" if kind is int else "numbers"
             raise argparse.ArgumentTypeError(f"expected comma-separated {noun}, got {text!r}") from None
+        if kind is not int and not all(math.isfinite(v) for v in vals):
+            raise argparse.ArgumentTypeError(f"{what} must be finite numbers >= {minimum}, got {text!r}")
         if not vals or any(v < minimum for v in vals):
             raise argparse.ArgumentTypeError(f"{what} must be >= {minimum}, got {text!r}")
         return vals
     return parse
 
 
-def check_at_least(checks) -> None:
+def check_at_least(checks, finite: bool = False) -> None:
     """Raise ValueError "<flag> must be >= <least>, got <value>" for the first (flag, value,
-    least) whose value is below least; a None value (a flag left unset) passes."""
+    least) whose value is below least, and "<flag> must be a finite number >= <least>, got nan"
+    for a NaN (which compares False with everything) or, with `finite`, an infinite value
+    (otherwise inf passes: e.g. a request rate of inf, all at once); a None value (a flag left
+    unset) passes."""
     for flag, value, least in checks:
-        if value is not None and value < least:
+        if value is None:
+            continue
+        if isinstance(value, float) and (math.isnan(value) or (finite and math.isinf(value))):
+            raise ValueError(f"{flag} must be a finite number >= {least}, got {value}")
+        if value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
+
+
+def check_output_path(flag: str, path: Path | None, folder: bool) -> None:
+    """Raise ValueError (one line naming `flag`) when a command could not write `path` at its
+    end: a file where a folder is written (`folder`) or a folder where a file is, a file among
+    its parents, or no write permission in the nearest existing one (a read-only mount). Called
+    before any work, so a long run fails at once; missing parent folders pass (the writer
+    creates them). None (a flag left unset) passes."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.exists() and path.is_dir() != folder:
+        raise ValueError(f"{flag} {path} is a {'file, not a folder' if folder else 'folder, not a file'}")
+    for where in (path, *path.parents):  # the nearest existing one is written into
+        if where.exists():
+            if not where.is_dir() and where != path:
+                raise ValueError(f"{flag} {path}: {where} is a file, not a folder")
+            if not os.access(where, os.W_OK):
+                raise ValueError(f"{flag} {path}: {where} is not writable: choose a writable folder")
+            return
 
 
 LOSSY = "NOT LOSSLESS"

@@ -83,7 +83,8 @@ def humaneval_prompts() -> list[dict]:
 
 def prompt_set(name: str) -> list[dict]:
     """[{"id", "category", "prompt", ...}] of "humaneval", "chat" (the project's evaluation set),
-    "train", or a prompt file (`read_jsonl`). Raises ValueError on an unknown name."""
+    "train", or a prompt file (`read_jsonl`). Raises ValueError on an unknown name, or on a
+    file name (a path with a folder or a suffix: "x.jsonl") that is missing or a folder."""
     if name == "humaneval":
         return humaneval_prompts()
     if name == "chat":
@@ -93,7 +94,13 @@ def prompt_set(name: str) -> list[dict]:
             raise ValueError(f"the training prompts ship with the repository, not the wheel ({TRAIN_PROMPTS} is "
                              "missing): run from a clone, or pass --prompts FILE.jsonl")
         return read_jsonl(TRAIN_PROMPTS)
-    if not Path(name).is_file():
+    path = Path(name)
+    if path.is_dir():
+        raise ValueError(f"prompt file {name} is a folder: expected a JSONL file ({{\"prompt\": ...}} per line)")
+    if not path.is_file() and (path.suffix or len(path.parts) > 1):  # a file name, not a set's
+        raise ValueError(f"prompt file {name} does not exist: expected humaneval, chat, train or an existing "
+                         "JSONL file ({\"prompt\": ...} per line)")
+    if not path.is_file():
         raise ValueError(f"unknown prompt set {name!r}: expected humaneval, chat, train or a JSONL file "
                          "({\"prompt\": ...} per line)")
     return read_jsonl(Path(name))

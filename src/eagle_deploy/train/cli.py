@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import check_at_least, cli_error, interruptible, number_list
+from eagle_deploy.contract.cli_args import check_at_least, check_output_path, cli_error, interruptible, number_list
 
 FEATURES_DIR = "features"
 # prompts per token-data part: enough that the few long prompts of a part (documents of 1-2k
@@ -49,6 +50,7 @@ PRESETS = {
 }
 ARCHS = ("eagle", "eagle3")
 STAGES = ("data", "features")
+DEVICES = "auto, cpu, cuda or cuda:N (N: a GPU index)"  # what --device accepts (check_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,6 +186,8 @@ class Session:
     device: str
     work: Path
     data_dir: Path | None = None  # generated token-data parts (--data-dir, default WORK/data)
+    prompts: list | None = None  # the --prompts rows (training_prompts); None with --data
+    given: list = field(default_factory=list)  # the --data parts (TokenData), read before the target loads
     target: dict = field(default_factory=dict)  # which target the caches were made by (target_fingerprint)
     log_lines: list = field(default_factory=list)
     by_category: dict = field(default_factory=dict)  # {category: {"sequences", "response_tokens"}} of the data
@@ -207,10 +211,11 @@ class Session:
 def run(args, s: dict) -> int:
     """data -> features -> train -> export, each stage timed; see the module docstring."""
     t_start = time.perf_counter()
-    missing = [str(p) for p in args.data or () if not Path(p).is_file()]
-    if missing:
-        raise FileNotFoundError(f"--data {missing[0]} does not exist (token data written by eagle-train, .npz)")
+    check_args(args)
+    given = [read_part(Path(p), "--data") for p in args.data or ()]  # a bad file fails before the target loads
+    prompts = training_prompts(args)  # and a missing, empty or malformed prompt file
     session = open_session(args, s)
+    session.prompts, session.given = prompts, given
     checkpoint, hf, tokenizer, eos = load_target_for_training(session)
     vocab = hf.config.vocab_size
     if args.draft_vocab is not None and not 1 <= args.draft_vocab <= vocab:
@@ -244,18 +249,62 @@ def run(args, s: dict) -> int:
     return 0
 
 
+def work_folder(args) -> Path:
+    """--work, default OUT/../<out name>.work."""
+    return args.work or args.out.parent / (args.out.name + ".work")
+
+
+def check_args(args) -> None:
+    """Raise ValueError for what the flags alone show wrong, before anything is read or loaded:
+    --device's form, --feature-layers without --arch eagle3, a missing --data or --decontaminate
+    file, and an output folder (--out, --work, --data-dir) that is a file or cannot be written
+    (found once at the end of a run that had generated data for half an hour)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+        raise ValueError(f"--device {args.device!r} is not a device this command runs on: expected {DEVICES}")
+    if args.feature_layers is not None and args.arch != "eagle3":
+        raise ValueError("--feature-layers has no effect with --arch eagle: only an EAGLE-3 head (--arch eagle3) "
+                         "taps several layers (an EAGLE-1/2 head reads the last layer's features)")
+    missing = [str(p) for p in args.data or () if not Path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"--data {missing[0]} does not exist (token data written by eagle-train, .npz)")
+    missing = [str(p) for p in args.decontaminate if not Path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"--decontaminate {missing[0]} does not exist (a prompt file: JSONL, e.g. "
+                                "Spec-Bench's question.jsonl)")
+    for flag, folder in (("--out", args.out), ("--work", work_folder(args)), ("--data-dir", args.data_dir)):
+        check_output_path(flag, folder, folder=True)
+
+
+def training_prompts(args) -> list[dict] | None:
+    """The --prompts rows (contract.prompts.prompt_set), read before the target loads so a
+    missing, malformed or empty prompt file fails at once; None with --data (nothing is
+    generated). Raises ValueError."""
+    if args.data:
+        return None
+    from eagle_deploy.contract.prompts import prompt_set
+
+    rows = prompt_set(args.prompts)
+    if not rows:
+        raise ValueError(f"no prompts to answer in {args.prompts}: expected {{\"prompt\": ...}} records, one per "
+                         "line")
+    return rows
+
+
 def check_settings(s: dict) -> None:
-    """Raise ValueError naming the first preset value (after the flags) out of its range."""
+    """Raise ValueError naming the first preset value (after the flags) out of its range (NaN and
+    inf included)."""
     least = {"limit": 0, "max_new_tokens": 0, "gen_batch": 1, "batch_tokens": 1, "ce_topk": 0, "unroll": 1,
              "time_budget_min": 0, "warmup_steps": 0, "lr": 0}  # lr 0: the starting head unchanged
-    check_at_least((f"--{name.replace('_', '-')}", s[name], low) for name, low in least.items())
+    check_at_least(((f"--{name.replace('_', '-')}", s[name], low) for name, low in least.items()), finite=True)
+    if not abs(s["epochs"]) < float("inf"):  # nan or inf
+        raise ValueError(f"--epochs must be a finite number > 0, got {s['epochs']}")
     if not s["epochs"] > 0:
         raise ValueError(f"--epochs must be > 0, got {s['epochs']}")
     try:
         temperatures = [float(t) for t in str(s["modes"]).split(",")]
     except ValueError:
         temperatures = [-1.0]
-    if not all(t >= 0 for t in temperatures):
+    if not all(0 <= t < float("inf") for t in temperatures):
         raise ValueError(f"--modes: comma-separated sampling temperatures >= 0 (0 = greedy), got {s['modes']!r}")
 
 
@@ -267,6 +316,9 @@ def open_session(args, s: dict) -> Session:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device is usable here (torch {torch.__version__}); "
                          "use --device cpu or auto")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s): "
+                         f"expected cuda:0 to cuda:{torch.cuda.device_count() - 1}, cuda, cpu or auto")
     check_settings(s)
     if device.startswith("cuda"):
         torch.set_float32_matmul_precision("high")  # TF32 matmuls for generation/features
@@ -275,8 +327,8 @@ def open_session(args, s: dict) -> Session:
     if args.torch_dtype == "bf16" and not device.startswith("cuda") and not cpu_has_native_bf16():
         raise ValueError("--torch-dtype bf16 on a CPU needs native bf16 instructions (avx512_bf16 or amx_bf16 in "
                          "/proc/cpuinfo); this CPU emulates bf16, slower than fp32: use --torch-dtype fp32")
-    if args.gen_time_budget_min < 0 or args.features_time_budget_min < 0:
-        raise ValueError("--gen-time-budget-min and --features-time-budget-min must be >= 0")
+    check_at_least([("--gen-time-budget-min", args.gen_time_budget_min, 0),
+                    ("--features-time-budget-min", args.features_time_budget_min, 0)], finite=True)
     if args.max_steps < 0:
         raise ValueError(f"--max-steps must be >= 0 (0: from --epochs), got {args.max_steps}")
     if s["max_new_tokens"] == 0 and not args.prompt_positions and args.stop_after != "data":
@@ -287,10 +339,7 @@ def open_session(args, s: dict) -> Session:
     if args.features_time_budget_min and args.no_cache_features:
         raise ValueError("--features-time-budget-min needs the feature cache (a block computed and not kept would "
                          "be computed again by every run): drop --no-cache-features")
-    work = args.work or args.out.parent / (args.out.name + ".work")
-    for folder, flag in ((work, "--work"), (args.data_dir, "--data-dir")):
-        if folder is not None and folder.exists() and not folder.is_dir():
-            raise ValueError(f"{flag} {folder} is a file, not a folder")
+    work = work_folder(args)  # checked by check_args
     work.mkdir(parents=True, exist_ok=True)
     return Session(args, s, device, work, args.data_dir or work / "data")
 
@@ -322,7 +371,7 @@ def load_or_generate_data(session: Session, hf, tokenizer, eos):
     from .data import TokenData
 
     if session.args.data:
-        data = TokenData.concat(TokenData.load(p) for p in session.args.data)
+        data = TokenData.concat(session.given or [read_part(Path(p), "--data") for p in session.args.data])
         session.log(f"data: {len(data)} sequences, {data.response_tokens} response tokens "
                     f"from {len(session.args.data)} file(s)")
     else:
@@ -569,7 +618,8 @@ def _generate(session: Session, hf, tokenizer, eos):
     from .data import TokenData, decontaminate, evaluation_texts, generate_data
 
     args, s, log = session.args, session.settings, session.log
-    prompts, dropped = decontaminate(prompt_set(args.prompts), evaluation_texts(args.decontaminate))
+    rows = session.prompts if session.prompts is not None else prompt_set(args.prompts)
+    prompts, dropped = decontaminate(rows, evaluation_texts(args.decontaminate))
     if dropped:
         log(f"decontamination: dropped {sum(dropped.values())} prompt(s) sharing a 13-word n-gram with an "
             f"evaluation set ({', '.join(f'{c} {k}' for c, k in sorted(dropped.items()))})")
@@ -640,13 +690,21 @@ def chunk_digest(rows: list[dict]) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
-def read_part(path: Path):
-    """TokenData.load, or ValueError naming the file when it is not a readable part."""
+def read_part(path: Path, flag: str | None = None):
+    """TokenData.load, or ValueError naming the file when it is not a readable part (`flag`: the
+    option that named the file, e.g. --data; else a part of --data-dir)."""
+    import zipfile
+
     from .data import TokenData
 
     try:
         return TokenData.load(path)
     except Exception as err:  # truncated, a git-LFS pointer, not an npz, missing arrays ...
+        if flag is not None:  # numpy's own words for a text file are about pickled data
+            why = ("not an .npz archive" if not zipfile.is_zipfile(path) else
+                   f"{type(err).__name__}: {' '.join(str(err).split())[:120]}")
+            raise ValueError(f"{flag} {path} is not token data ({why}): expected a token-data part written by "
+                             "eagle-train (WORK/data/part-*.npz, or --data-dir's)") from None
         raise ValueError(f"{path} is not a readable token-data part ({type(err).__name__}: "
                          f"{' '.join(str(err).split())[:120]}): restore it (an un-fetched git-LFS file?) or "
                          "delete it to regenerate it") from None

@@ -15,7 +15,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import check_at_least, cli_error, interruptible
+from eagle_deploy.contract.cli_args import check_at_least, check_output_path, cli_error, interruptible
 from eagle_deploy.runtime.acceptance import pooled_depth_rates, pooled_tau
 
 
@@ -41,6 +41,26 @@ def evaluate(runtime, prompts: list[dict], max_new_tokens: int, progress=None) -
                    "depth_acceptance": pooled_depth_rates(many, max_depth)}
                for k, many in sorted(per_cat.items())}
     return {"summary": summary, "prompts": records}
+
+
+PROMPT_FILE = "a JSONL file with one {\"prompt\": ...} per line"  # what eagle-eval reads beside the named sets
+
+
+def check_prompts(name: str, rows: list[dict], expected: str = PROMPT_FILE) -> None:
+    """Raise ValueError (one line) for a prompt set with no prompt (`expected`: what it should
+    hold), or with an empty (or whitespace) prompt, naming the set and, for a prompt file, the
+    line: the runtime refuses an empty prompt only when its turn comes, after the work before it."""
+    if not rows:
+        raise ValueError(f"{name} holds no prompts: expected {expected}")
+    empty = [i for i, row in enumerate(rows) if not str(row["prompt"]).strip()]
+    if not empty:
+        return
+    where = f"{name} (prompt {rows[empty[0]].get('id')})"
+    if Path(name).is_file():  # the record's line, counted as contract.prompts.read_jsonl counts it
+        text = Path(name).read_text(encoding="utf-8")
+        lines = [n + 1 for n, line in enumerate(text.split("\n")) if line.strip()]
+        where = f"{name}:{empty[0] + 1 if text.lstrip().startswith('[') else lines[empty[0]]}"
+    raise ValueError(f"{where}: the prompt is empty: every record needs a non-empty prompt")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,18 +104,24 @@ def main(argv=None) -> int:
     from eagle_deploy.runtime.api import EagleRuntime
 
     try:
-        # before the export is opened or any prompt runs
+        # before the export is opened or any prompt runs: the flags, the --json path, the prompts
         check_at_least([("--max-new-tokens", args.max_new_tokens, 1), ("--limit", args.limit, 0),
                         ("--threads", args.threads, 1)])
-        manifest = Manifest.load(args.engines)
-        tree = tree_from_args(args, manifest.tree)
-        rt = EagleRuntime.load(args.engines, tree=tree, threads=args.threads,
-                               row_exact={"auto": None, "on": True, "off": False}[args.row_exact])
+        check_output_path("--json", args.json, folder=False)
         chosen = args.prompts if args.prompts is not None else ([] if args.specbench else ["humaneval", "chat"])
         names = [n.strip() for arg in chosen for n in arg.split(",") if n.strip()]
         sets = {name: prompt_set(name) for name in names}
         if args.specbench is not None:  # already --limit per task
             sets["specbench"] = specbench_prompts(args.specbench, args.limit)
+        for name, prompts in sets.items():  # the prompts that will run (--limit of each set)
+            if name == "specbench":
+                check_prompts(f"--specbench {args.specbench}", prompts, "Spec-Bench's question.jsonl")
+            else:
+                check_prompts(name, prompts[: args.limit] if args.limit else prompts)
+        manifest = Manifest.load(args.engines)
+        tree = tree_from_args(args, manifest.tree)
+        rt = EagleRuntime.load(args.engines, tree=tree, threads=args.threads,
+                               row_exact={"auto": None, "on": True, "off": False}[args.row_exact])
     except (ManifestError, TreeConfigError, FileNotFoundError, ModuleNotFoundError, ValueError) as err:
         return cli_error("eagle-eval", err)
     result = {"engines": str(args.engines), "tree": tree.to_json(), "max_new_tokens": args.max_new_tokens,
@@ -115,6 +141,7 @@ def main(argv=None) -> int:
             rates = " ".join("-" if r is None else f"{r:.2f}" for r in s["depth_acceptance"])
             print(f"{cat:>{width}}  tau {s['tau']:.3f}  rounds {s['rounds']:5d}  per-depth acceptance {rates}")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)  # as eagle-bench's --out
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
