@@ -107,6 +107,31 @@ def _logits(rows=4, vocab=16, seed=0):
     return np.random.default_rng(seed).normal(0, 3, (1, rows, vocab)).astype(np.float32)
 
 
+def test_output_paths_are_checked_before_the_validation_runs(export_dir, tmp_path, capsys, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    monkeypatch.setattr(v, "run_validation", lambda *a, **kw: pytest.fail("validation ran"))
+    for flags, message in ((["--work", str(afile)], f"--work {afile} is a file, not a folder"),
+                           (["--json", str(afile / "r.json")], f"--json {afile / 'r.json'}: {afile} is a file"),
+                           (["--json", str(tmp_path)], f"--json {tmp_path} is a folder, not a file")):
+        assert v.main(["--engines", str(export_dir), *flags]) == 2
+        assert capsys.readouterr().err.strip() == f"eagle-validate: error: {message}" + (
+            ", not a folder" if "r.json" in message else "")
+
+
+def test_a_graph_named_twice_is_validated_once(export_dir, tmp_path, monkeypatch):
+    class Seen(Exception):
+        pass
+
+    def record(folder, work, graphs, **kw):
+        raise Seen(graphs)
+
+    monkeypatch.setattr(v, "run_validation", record)
+    with pytest.raises(Seen) as seen:
+        v.main(["--engines", str(export_dir), "--graphs", "draft,draft,target"])
+    assert seen.value.args == (["draft", "target"],)
+
+
 def test_fp32_rule_is_polygraphy_elementwise():
     p = v.Policy("elementwise", atol=1e-4, rtol=1e-5)
     ref = _logits()

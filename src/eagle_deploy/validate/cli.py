@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from eagle_deploy.contract import onnx_io as c
-from eagle_deploy.contract.cli_args import add_verify_arg, cli_error, interruptible
+from eagle_deploy.contract.cli_args import add_verify_arg, check_output_path, cli_error, interruptible
 from eagle_deploy.contract.profiles import ProfileSpec
 
 REFERENCE = "torch-reference"
@@ -475,7 +475,13 @@ def main(argv=None) -> int:
     graphs = [g.strip() for g in args.graphs.split(",") if g.strip()]
     if not graphs or any(g not in ("target", "draft") for g in graphs):
         return cli_error("eagle-validate", f"--graphs takes target and/or draft, got {args.graphs!r}")
+    graphs = list(dict.fromkeys(graphs))  # "draft,draft" validates the draft once
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    try:  # the outputs first: a run of minutes must not fail at its end
+        check_output_path("--work", args.work, folder=True)
+        check_output_path("--json", args.json, folder=False)
+    except ValueError as err:
+        return cli_error("eagle-validate", err)
     try:
         report = run_validation(args.engines, args.work, graphs, log=say, verify=args.verify)
     except (ManifestError, ReferenceError, FileNotFoundError, ValueError, ImportError) as err:
@@ -499,6 +505,7 @@ def main(argv=None) -> int:
     print(f"{'PASSED' if report['passed'] else 'FAILED'}: {len(rows) - len(failed)}/{len(rows)} outputs "
           f"within tolerance ({report['seconds']}s)")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)  # as eagle-bench's --out
         args.json.write_text(json.dumps(report, indent=2, default=float) + "\n")
     return 0 if report["passed"] else 1
 
