@@ -328,6 +328,9 @@ def test_cli_vanilla_with_compare_vanilla_is_a_usage_error(capsys):
     (["--drafter", "lookup", "--tree-top-k", "3"], "--tree-top-k has no effect: --drafter lookup drafts no head tree"),
     (["--drafter", "lookup", "--tree", "dynamic", "--total-tokens", "8"],
      "--tree, --total-tokens have no effect: --drafter lookup drafts no head tree"),
+    (["--top-k", "5"], "--top-k has no effect: --temperature 0 decodes greedily (the target's most likely token)"),
+    (["--top-p", "0.5", "--top-k", "5", "--temperature", "0"],
+     "--top-p, --top-k have no effect: --temperature 0 decodes greedily (the target's most likely token)"),
 ])
 def test_cli_flags_that_change_nothing_are_one_clear_error(capsys, flags, message):
     """Flags the chosen decoding ignores used to be accepted silently (a fresh-user report):

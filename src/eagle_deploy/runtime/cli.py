@@ -70,8 +70,14 @@ def _check_request_flags(args) -> None:
 
 
 def _check_no_effect(args) -> None:
-    """Raise ValueError for flags that would change nothing: draft flags with --vanilla, and the
-    head's tree flags with --drafter lookup (context lookup drafts chains, no head tree)."""
+    """Raise ValueError for flags that would change nothing: draft flags with --vanilla, the
+    head's tree flags with --drafter lookup (context lookup drafts chains, no head tree), and
+    --top-p / --top-k at --temperature 0 (greedy decoding takes the argmax; --seed is left
+    alone: scripts pass it with every temperature)."""
+    sampling = [flag for flag, changed in (("--top-p", args.top_p != 1.0), ("--top-k", args.top_k != 0)) if changed]
+    if args.temperature == 0 and sampling:
+        raise ValueError(f"{', '.join(sampling)} {'has' if len(sampling) == 1 else 'have'} no effect: "
+                         "--temperature 0 decodes greedily (the target's most likely token)")
     tree = [flag for flag, value in (("--tree", args.tree), ("--total-tokens", args.total_tokens),
                                      ("--depth", args.depth), ("--tree-top-k", args.tree_top_k)) if value is not None]
     if args.vanilla:
