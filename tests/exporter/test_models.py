@@ -272,3 +272,18 @@ def test_triton_repo_flags_are_checked_before_the_export(mha, tmp_path, capsys, 
     line = _one_error(capsys.readouterr().err)
     assert rc == 2 and message in line
     assert not (tmp_path / "e").exists()  # nothing was exported first
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", ""], "--model is empty: give a model alias"),
+    (["--model", "x", "--out", "{afile}"], "--out {afile} is a file, not a folder"),
+    (["--model", "x", "--graph-top-k", "0"], "--graph-top-k must be an integer >= 1 (the draft graph's top-k output"),
+])
+def test_empty_model_and_out_that_is_a_file_are_named(tmp_path, capsys, flags, message):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    flags = [f.format(afile=afile) for f in flags]
+    argv = flags if "--out" in flags else [*flags, "--out", str(tmp_path / "e")]
+    rc = main(argv)
+    line = _one_error(capsys.readouterr().err)
+    assert rc == 2 and message.format(afile=afile) in line

@@ -124,6 +124,14 @@ def test_cli(tiny, tmp_path, capsys):
     assert triton_repo.main(["--engines", str(tiny), "--out", str(out), "--name", "m", "--execution-env", ""]) == 2
     assert "exists" in capsys.readouterr().err
     assert triton_repo.main(["--engines", str(tmp_path), "--out", str(out), "--name", "x", "--execution-env", ""]) == 2
+    capsys.readouterr()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert triton_repo.main(["--engines", str(tiny), "--out", str(afile), "--execution-env", ""]) == 2
+    assert capsys.readouterr().err.strip() == f"eagle-triton-repo: error: --out {afile} is a file, not a folder"
+    assert triton_repo.main(["--engines", str(tiny), "--out", str(out), "--instances", "0", "--execution-env", ""]) == 2
+    assert capsys.readouterr().err.strip() == ("eagle-triton-repo: error: instances (--instances) must be an integer "
+                                               ">= 1, got 0")
 
 
 def test_eagle_export_triton_repo(tiny, tmp_path, capsys):

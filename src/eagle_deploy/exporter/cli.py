@@ -135,6 +135,11 @@ def main(argv=None) -> int:
     previous = (signal.signal(signal.SIGTERM, _interrupt)
                 if threading.current_thread() is threading.main_thread() else None)
     try:
+        if not args.model.strip():
+            raise ValueError("--model is empty: give a model alias (eagle-export --help lists them), a Hugging Face "
+                             "folder or a .gguf file")
+        if args.out.exists() and not args.out.is_dir():
+            raise ValueError(f"--out {args.out} is a file, not a folder")
         if args.triton_repo is not None:  # said before minutes of export, not after
             check_at_least([("--triton-instances", args.triton_instances, 1)])
             if args.triton_repo.exists() and not args.triton_repo.is_dir():

@@ -223,6 +223,9 @@ def check_options(options: ExportOptions) -> tuple[str, TreeConfig]:
         raise ValueError(f"--dtype {options.dtype} is not one of {', '.join(CLI_DTYPES)}")
     if options.quant and dtype != "float32":
         raise ValueError(f"--quant {options.quant} quantises an fp32 graph; drop --dtype {options.dtype}")
+    if not isinstance(options.graph_top_k, int) or options.graph_top_k < 1:
+        raise ValueError(f"--graph-top-k must be an integer >= 1 (the draft graph's top-k output width), got "
+                         f"{options.graph_top_k}")
     return dtype, tree_for(options, dtype, kv_layout_for(options.graph, dtype))
 
 

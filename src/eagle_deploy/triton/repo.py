@@ -118,28 +118,29 @@ def write_repo(engines, out, *, name: str = "eagle", instances: int = 1, kind: s
         raise ValueError(f"--backend trt needs TensorRT engines in {engines} (eagle-export --backend trt builds "
                          "them); this export has none")
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
-        raise ValueError(f"model name must be letters, digits, '_', '-' or '.', got {name!r}")
+        raise ValueError(f"model name (--name) must be letters, digits, '_', '-' or '.', got {name!r}")
     if not isinstance(instances, int) or instances < 1:
-        raise ValueError(f"instances must be an integer >= 1, got {instances!r}")
+        raise ValueError(f"instances (--instances) must be an integer >= 1, got {instances!r}")
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend must be one of {', '.join(BACKEND_CHOICES)}, got {backend!r}")
     if threads != "auto" and (not str(threads).isdigit() or int(threads) < 1):
-        raise ValueError(f"threads must be 'auto' or an integer >= 1, got {threads!r}")
+        raise ValueError(f"threads (--threads) must be 'auto' or an integer >= 1, got {threads!r}")
     if acceptance not in ACCEPTANCE or not 0.0 < float(threshold) <= 1.0:
         raise ValueError(f"acceptance must be lossless|threshold and threshold in (0, 1], "
                          f"got {acceptance!r}, {threshold}")
     if drafter_kind not in DRAFTER_KINDS:
         raise ValueError(f"drafter_kind must be one of {', '.join(DRAFTER_KINDS)}, got {drafter_kind!r}")
     if not isinstance(default_max_tokens, int) or default_max_tokens < 1:
-        raise ValueError(f"default_max_tokens must be an integer >= 1, got {default_max_tokens!r}")
+        raise ValueError("default_max_tokens (--default-max-tokens) must be an integer >= 1, got "
+                         f"{default_max_tokens!r}")
     if tree is not None:
         tree.validate(manifest.draft.graph_top_k)
     out = Path(out).absolute()
     model_dir = out / name
     if model_dir.exists() and not force:
-        raise FileExistsError(f"{model_dir} exists (pass force=True / --force to replace it)")
+        raise FileExistsError(f"{model_dir} exists: pass --force (force=True) to replace it")
     if execution_env is None:
         from .env import ensure_stub_env
 
@@ -212,6 +213,8 @@ def main(argv=None) -> int:
     from .env import StubEnvError
 
     try:
+        if args.out.exists() and not args.out.is_dir():
+            raise ValueError(f"--out {args.out} is a file, not a folder")
         model_dir = write_repo(args.engines, args.out, tree=tree_from_args(args, None), **repo_kwargs(args))
     except (ValueError, ManifestError, FileExistsError, FileNotFoundError, StubEnvError) as err:
         return cli_error("eagle-triton-repo", err)
