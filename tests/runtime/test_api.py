@@ -329,6 +329,8 @@ def test_cli_vanilla_with_compare_vanilla_is_a_usage_error(capsys):
     (["--drafter", "lookup", "--tree", "dynamic", "--total-tokens", "8"],
      "--tree, --total-tokens have no effect: --drafter lookup drafts no head tree"),
     (["--top-k", "5"], "--top-k has no effect: --temperature 0 decodes greedily (the target's most likely token)"),
+    (["--threshold", "0.5"], "--threshold has no effect without --acceptance threshold (lossless acceptance takes "
+                             "no threshold)"),
     (["--top-p", "0.5", "--top-k", "5", "--temperature", "0"],
      "--top-p, --top-k have no effect: --temperature 0 decodes greedily (the target's most likely token)"),
 ])

@@ -52,7 +52,8 @@ def test_eagle_serve_subprocess(serve_export):
     assert "serving 'tiny'" in err and "3 requests at a time" in err
 
 
-@pytest.mark.parametrize("argv", [["--acceptance", "threshold", "--threshold", "0"], ["--max-queue", "0"],
+@pytest.mark.parametrize("argv", [["--acceptance", "threshold", "--threshold", "0"], ["--threshold", "0.5"],
+                                  ["--max-queue", "0"],
                                   ["--total-tokens", "1"], ["--slots", "0"], ["--slots", "2", "--backend", "trt"]])
 def test_bad_settings_exit_2(serve_export, argv, capsys):
     assert cli.main(["--engines", str(serve_export), *argv]) == 2
@@ -60,6 +61,8 @@ def test_bad_settings_exit_2(serve_export, argv, capsys):
     assert err.startswith("eagle-serve: error:") and len(err.strip().splitlines()) == 1
     if argv[0] in ("--max-queue", "--slots") and argv[1] == "0":
         assert f"{argv[0]} must be >= 1, got 0" in err
+    if argv[0] == "--threshold":
+        assert "--threshold has no effect without --acceptance threshold" in err
 
 
 def test_missing_export_exits_2(tmp_path, capsys):

@@ -186,8 +186,21 @@ def add_engine_args(parser: argparse.ArgumentParser, threshold_effect: str) -> N
     parser.add_argument("--acceptance", default="lossless", choices=["lossless", "threshold"],
                         help="'threshold' accepts a draft token when the target's probability of it is >= "
                              f"--threshold: {LOSSY}, {threshold_effect}")
-    parser.add_argument("--threshold", type=float, default=0.3,
-                        help=f"probability threshold for --acceptance threshold ({LOSSY})")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help=f"probability threshold for --acceptance threshold ({LOSSY}) (default: "
+                             f"{DEFAULT_THRESHOLD})")
+
+
+DEFAULT_THRESHOLD = 0.3  # --threshold when --acceptance threshold is given alone
+
+
+def threshold_of(args) -> float:
+    """The threshold add_engine_args' flags ask for: --threshold, else DEFAULT_THRESHOLD.
+    ValueError for --threshold without --acceptance threshold (it would change nothing)."""
+    if args.threshold is not None and args.acceptance != "threshold":
+        raise ValueError("--threshold has no effect without --acceptance threshold (lossless acceptance takes no "
+                         "threshold)")
+    return DEFAULT_THRESHOLD if args.threshold is None else args.threshold
 
 
 

@@ -13,6 +13,7 @@ from eagle_deploy.contract.cli_args import (
     check_at_least,
     cli_error,
     interruptible,
+    threshold_of,
     tree_from_args,
 )
 from eagle_deploy.contract.errors import max_length_hint
@@ -111,6 +112,7 @@ def main(argv=None) -> int:
             raise ValueError("--stream and --json cannot be combined (--json prints one object at the end)")
         if not args.prompt.strip():
             raise ValueError("the prompt is empty")
+        args.threshold = threshold_of(args)
         check_acceptance(args.acceptance, args.threshold)
         manifest = Manifest.load(args.engines)
         tree = tree_from_args(args, manifest.tree)

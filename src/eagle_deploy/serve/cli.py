@@ -28,6 +28,7 @@ from eagle_deploy.contract.cli_args import (
     check_at_least,
     cli_error,
     interruptible,
+    threshold_of,
     tree_from_args,
 )
 
@@ -142,6 +143,7 @@ def main(argv=None) -> int:
         key = api_key(args)
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+        args.threshold = threshold_of(args)
         check_acceptance(args.acceptance, args.threshold)
         manifest = Manifest.load(args.engines)
         tree = tree_from_args(args, manifest.tree)
