@@ -75,6 +75,26 @@ def test_saved_manifest_loads_back_equal_with_the_format_1_layout(tmp_path):
     assert isinstance(loaded.tree, TreeConfig) and isinstance(loaded.target.inputs[0], TensorSpec)
 
 
+def test_a_folder_that_is_no_export_says_what_to_pass(tmp_path):
+    """A missing path, eagle-export's --out (which holds exports) and any other folder."""
+    with pytest.raises(ManifestError) as err:
+        Manifest.load(tmp_path / "nope")
+    assert str(err.value) == (f"{tmp_path / 'nope'} does not exist: pass an export folder (eagle-export prints the "
+                              "one it writes), or run eagle-export first")
+    for name in ("b-model", "a-model"):
+        (tmp_path / "engines" / name).mkdir(parents=True)
+        _manifest().save(tmp_path / "engines" / name)
+    (tmp_path / "engines" / "notes").mkdir()
+    with pytest.raises(ManifestError) as err:
+        Manifest.load(tmp_path / "engines")
+    assert str(err.value) == (f"{tmp_path / 'engines'} is not an export folder (no manifest.json) but holds exports: "
+                              f"pass {tmp_path / 'engines' / 'a-model'} or {tmp_path / 'engines' / 'b-model'}")
+    with pytest.raises(ManifestError) as err:
+        Manifest.load(tmp_path / "engines" / "notes")
+    assert str(err.value) == (f"{tmp_path / 'engines' / 'notes'} is not an export folder (no manifest.json); run "
+                              "eagle-export first")
+
+
 def test_json_beyond_the_parsers_limits_is_a_manifest_error(tmp_path):
     for text in ('{"format_version": ' + "9" * 5000 + "}", "[" * 100_000 + "]" * 100_000):
         (tmp_path / c.MANIFEST_FILE).write_text(text)

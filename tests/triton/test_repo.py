@@ -55,7 +55,7 @@ def test_settings_are_checked_before_anything_is_written(tiny, tmp_path):
             triton_repo.write_repo(tiny, out, execution_env="", **kw)
     with pytest.raises(TreeConfigError):
         triton_repo.write_repo(tiny, out, execution_env="", tree=TreeConfig("dynamic", 16, 4, 99))
-    with pytest.raises(ManifestError, match="not an export folder"):
+    with pytest.raises(ManifestError, match="nothing does not exist: pass an export folder"):
         triton_repo.write_repo(tmp_path / "nothing", out, execution_env="")
     assert not out.exists()
     triton_repo.write_repo(tiny, out, execution_env="")

@@ -434,6 +434,14 @@ class Manifest:
         folder = Path(folder)
         path = folder / MANIFEST_FILE
         if not path.exists():
+            if not folder.exists():
+                raise ManifestError(f"{folder} does not exist: pass an export folder (eagle-export prints the one it "
+                                    "writes), or run eagle-export first")
+            inside = sorted(str(p.parent) for p in folder.glob(f"*/{MANIFEST_FILE}")) if folder.is_dir() else []
+            if inside:  # --out of eagle-export given instead of the export in it
+                raise ManifestError(f"{folder} is not an export folder (no {MANIFEST_FILE}) but holds "
+                                    f"{'exports' if len(inside) > 1 else 'an export'}: pass "
+                                    f"{' or '.join(inside[:3])}{' or ...' if len(inside) > 3 else ''}")
             raise ManifestError(f"{folder} is not an export folder (no {MANIFEST_FILE}); run eagle-export first")
         try:
             data = json.loads(path.read_text())
