@@ -138,7 +138,7 @@ def test_instances_have_their_own_worker_and_a_dead_worker_is_replaced(model_mod
 
 def test_worker_that_cannot_load_fails_initialize(model_module, tmp_path):
     model = model_module.TritonPythonModel()
-    with pytest.raises(model_module.WorkerGone, match="failed to load.*manifest"):
+    with pytest.raises(model_module.WorkerGone, match="failed to load: ManifestError: .*missing-export does not exist"):
         model.initialize(model_args(tmp_path / "missing-export"))
 
 
