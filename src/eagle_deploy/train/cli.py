@@ -371,7 +371,7 @@ def load_or_generate_data(session: Session, hf, tokenizer, eos):
     from .data import TokenData
 
     if session.args.data:
-        data = TokenData.concat(session.given or [read_part(Path(p), "--data") for p in session.args.data])
+        data = TokenData.concat(session.given)  # read by run(), before the target loaded
         session.log(f"data: {len(data)} sequences, {data.response_tokens} response tokens "
                     f"from {len(session.args.data)} file(s)")
     else:
@@ -613,13 +613,10 @@ def _generate(session: Session, hf, tokenizer, eos):
     import numpy as np
     from tqdm import tqdm
 
-    from eagle_deploy.contract.prompts import prompt_set
-
     from .data import TokenData, decontaminate, evaluation_texts, generate_data
 
     args, s, log = session.args, session.settings, session.log
-    rows = session.prompts if session.prompts is not None else prompt_set(args.prompts)
-    prompts, dropped = decontaminate(rows, evaluation_texts(args.decontaminate))
+    prompts, dropped = decontaminate(session.prompts, evaluation_texts(args.decontaminate))  # read by run()
     if dropped:
         log(f"decontamination: dropped {sum(dropped.values())} prompt(s) sharing a 13-word n-gram with an "
             f"evaluation set ({', '.join(f'{c} {k}' for c, k in sorted(dropped.items()))})")
