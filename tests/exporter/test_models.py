@@ -260,7 +260,7 @@ def test_static_tree_with_size_flags_is_refused(mha, tmp_path, capsys, flag):
 
 @pytest.mark.parametrize("flags, message", [
     (["--triton-instances", "0"], "--triton-instances must be >= 1, got 0"),
-    (["--triton-instances", "2", "--triton-repo-is-a-file"], "exists and is not a folder"),
+    (["--triton-instances", "2", "--triton-repo-is-a-file"], "is a file, not a folder"),
 ])
 def test_triton_repo_flags_are_checked_before_the_export(mha, tmp_path, capsys, flags, message):
     afile = tmp_path / "afile"

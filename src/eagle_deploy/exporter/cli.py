@@ -12,6 +12,7 @@ from eagle_deploy.contract.cli_args import (
     HelpFormatter,
     add_tree_args,
     check_at_least,
+    check_output_path,
     cli_error,
     disk_error,
     interruptible,
@@ -138,12 +139,11 @@ def main(argv=None) -> int:
         if not args.model.strip():
             raise ValueError("--model is empty: give a model alias (eagle-export --help lists them), a Hugging Face "
                              "folder or a .gguf file")
-        if args.out.exists() and not args.out.is_dir():
+        if args.out.exists() and not args.out.is_dir():  # not check_output_path: an unwritable --out is DISK_FAILURE
             raise ValueError(f"--out {args.out} is a file, not a folder")
         if args.triton_repo is not None:  # said before minutes of export, not after
             check_at_least([("--triton-instances", args.triton_instances, 1)])
-            if args.triton_repo.exists() and not args.triton_repo.is_dir():
-                raise ValueError(f"--triton-repo {args.triton_repo} exists and is not a folder")
+            check_output_path("--triton-repo", args.triton_repo, folder=True)
         options = ExportOptions(dtype=args.dtype, max_length=args.max_length, graph_top_k=args.graph_top_k,
                                 draft_vocab=args.draft_vocab, tree=tree_from_args(args, None),
                                 external_data=args.external_data,

@@ -40,6 +40,7 @@ from eagle_deploy.contract.cli_args import (
     HelpFormatter,
     add_drafter_args,
     add_tree_args,
+    check_output_path,
     cli_error,
     interruptible,
     tree_from_args,
@@ -213,8 +214,7 @@ def main(argv=None) -> int:
     from .env import StubEnvError
 
     try:
-        if args.out.exists() and not args.out.is_dir():
-            raise ValueError(f"--out {args.out} is a file, not a folder")
+        check_output_path("--out", args.out, folder=True)
         model_dir = write_repo(args.engines, args.out, tree=tree_from_args(args, None), **repo_kwargs(args))
     except (ValueError, ManifestError, FileExistsError, FileNotFoundError, StubEnvError) as err:
         return cli_error("eagle-triton-repo", err)
