@@ -297,7 +297,7 @@ def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
     "cells": [summarize(...)], "samples": {"<mode>/<c>": [Sample as dict]}}. Greedy cells also
     get same_as_first (against the mode's first concurrency level; None in that cell) and
     same_as_vanilla (against vanilla's first cell, whichever mode ran first; None in that cell
-and without vanilla) from `same_text`.
+    and without vanilla) from `same_text`.
     Raises RuntimeError when the server cannot be reached, ValueError without prompts."""
     if not cfg.prompts:
         raise ValueError("no prompts")
