@@ -21,6 +21,8 @@ PROMPTS = [
     [100, 3, 77, 20, 21, 22, 23, 1, 2],
     [65, 32, 119, 111, 114, 108, 100, 10, 200, 17, 33, 90],
 ]
+# the head's own tree every round, not the commands' planned hybrid default (EngineOptions)
+HEAD_TREE = {"drafter_kind": "eagle", "planned": False}
 REF_TOKENS = 96  # reference continuation length kept per prompt (no EOS stop)
 
 # The CPU is shared with other jobs: torch's default thread pool spinning against them made
@@ -69,10 +71,13 @@ class TinyModel:
                           threads=THREADS)
 
     def runtime(self, folder: Path | None = None, **kw):
-        """A freshly loaded EagleRuntime (ORT CPU) over this export (or `folder`)."""
+        """A freshly loaded EagleRuntime (ORT CPU) over this export (or `folder`), drafting the
+        head's tree every round (HEAD_TREE) unless `kw` says otherwise: the decoder and head
+        tests count its forwards and trees; the default drafter has tests of its own
+        (tests/runtime/test_options.py)."""
         from eagle_deploy.runtime.api import EagleRuntime
 
-        return EagleRuntime.load(folder or self.export_dir, threads=THREADS, **kw)
+        return EagleRuntime.load(folder or self.export_dir, **{**HEAD_TREE, "threads": THREADS, **kw})
 
     @cached_property
     def rt(self):

@@ -142,17 +142,20 @@ BAD = {
     "stop-none-entry": (dict(stop=["ok", None]), "stop"),
     "mode": (dict(mode="fast"), "mode"),
     "empty-text": (dict(prompt=""), "empty"),
-    "blank-text": (dict(prompt="  \n "), "empty"),
     "empty-ids": (dict(prompt=[]), "empty"),
     "too-long-ids": (dict(prompt=LONG), "prompt tokens fit .*: shorten the prompt"),
     "max-length-ids": (dict(prompt=[5] * MAX_LENGTH), "prompt tokens fit .*: shorten the prompt"),
     "too-long-text": (dict(prompt="x" * (MAX_LENGTH + 5)), "prompt tokens fit .*: shorten the prompt"),
     "id-out-of-vocab": (dict(prompt=[5, 256]), r"\[0, 256\)"),
     # a command-line argument that is not UTF-8 reaches Python as lone surrogates (surrogateescape)
-    "not-utf8-text": (dict(prompt="hi \udcff there"), r"^the prompt is not valid UTF-8: the byte 0xff at character 3"),
-    "lone-surrogate": (dict(prompt="x\ud800"), r"^the prompt is not valid Unicode: a lone surrogate \\ud800 at"),
-    "not-utf8-message": (dict(prompt=[{"role": "user", "content": "a\udcfe"}]), "^message 0's content is not valid"),
-    "not-utf8-stop": (dict(stop=["ok", "\udce9t\udce9"]), "^a stop string is not valid UTF-8: the byte 0xe9 at"),
+    "not-utf8-text": (dict(prompt="hi \udcff there"), r"^prompt is not valid UTF-8: the byte 0xff at character 3"),
+    "lone-surrogate": (dict(prompt="x\ud800"), r"^prompt is not valid Unicode: a lone surrogate \\ud800 at"),
+    "not-utf8-message": (dict(prompt=[{"role": "user", "content": "a\udcfe"}]), r"^prompt\[0\].content is not valid"),
+    "not-utf8-stop": (dict(stop=["ok", "\udce9t\udce9"]), r"^stop\[1\] is not valid UTF-8: the byte 0xe9 at"),
+    "message-without-content": (dict(prompt=[{"role": "user"}]), r"^prompt\[0\].content is missing"),
+    "message-content-not-text": (dict(prompt=[{"role": "user", "content": 3}]), r"^prompt\[0\].content must be a"),
+    "too-many-stops": (dict(stop=[f"s{i}" for i in range(17)]), "^stop holds at most 16 stop strings, got 17"),
+    "stop-too-long": (dict(stop=["ok", "x" * 257]), r"^stop\[1\] has 257 characters"),
 }
 
 

@@ -28,7 +28,7 @@ from eagle_deploy.runtime.batch import (
     tree_under_load,
 )
 from eagle_deploy.runtime.drafter import EagleDrafter
-from tests.conftest import PROMPTS, THREADS
+from tests.conftest import HEAD_TREE, PROMPTS, THREADS
 from tests.helpers import ForcingDrafter, clone_runtime_export, wrong_token
 
 N = 40
@@ -67,7 +67,7 @@ def solo_runtime(model, script=None, **kw) -> EagleRuntime:
 
 
 def engine(model, slots: int, **kw) -> BatchEngine:
-    return BatchEngine.load(model.export_dir, slots, threads=THREADS, **kw)
+    return BatchEngine.load(model.export_dir, slots, **{**HEAD_TREE, "threads": THREADS, **kw})
 
 
 def run_pinned(eng: BatchEngine, jobs: dict[int, tuple], kv: dict | None = None, **kw) -> dict:
@@ -460,10 +460,15 @@ def test_a_long_prefill_alone_runs_in_chunks_back_to_back(model):
 
 
 def test_prefill_chunk_must_be_a_whole_number(gqa):
+    from eagle_deploy.contract.errors import SettingError
+    from eagle_deploy.runtime.decode import PREFILL_CHUNK
+
     for bad in (-1, 2.5, True):
-        with pytest.raises(BatchError, match="prefill_chunk must be a whole number"):
+        with pytest.raises(SettingError, match="prefill_chunk must be an integer >= 0") as err:
             engine(gqa, 2, prefill_chunk=bad)
-    eng = engine(gqa, 2)  # off by default: every prefill in one forward
+        assert err.value.field == "prefill_chunk"
+    eng = engine(gqa, 2)  # the runtime's default chunk (EngineOptions): a 61-token prompt is one forward
+    assert eng.prefill_chunk == PREFILL_CHUNK > len(LONG) + 1
     eng.generate_many([LONG, PROMPTS[0]], max_new_tokens=8)
     assert eng.prefill_chunks == 0
 

@@ -258,7 +258,7 @@ def test_fresh_process_gives_identical_tokens(mha):
     script = (
         "import json, sys\n"
         "from eagle_deploy.runtime.api import EagleRuntime\n"
-        f"rt = EagleRuntime.load(sys.argv[1], threads={THREADS})\n"
+        f"rt = EagleRuntime.load(sys.argv[1], threads={THREADS}, drafter_kind='eagle', planned=False)\n"
         "out = []\n"
         "for prompt in json.loads(sys.argv[2]):\n"
         "    for kw in json.loads(sys.argv[3]):\n"

@@ -74,5 +74,5 @@ def test_default_chunk_and_short_prompts(mha):
 
 @pytest.mark.parametrize("bad", [-1, True, 2.5, "8"])
 def test_bad_chunk_is_a_value_error_at_load(mha, bad):
-    with pytest.raises(ValueError, match="prefill_chunk must be a whole number"):
+    with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 0"):
         mha.runtime(prefill_chunk=bad)

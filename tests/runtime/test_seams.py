@@ -15,7 +15,7 @@ from eagle_deploy.runtime.decode import Stats
 from eagle_deploy.runtime.drafter import causal_mask, expansion_mask
 from eagle_deploy.runtime.tree import DraftTree
 from eagle_deploy.runtime.verify import verify_greedy
-from tests.conftest import PROMPTS
+from tests.conftest import HEAD_TREE, PROMPTS
 from tests.helpers import RecordingBackend, run_step
 
 # --------------------------------------------------------------------------- backend outputs
@@ -109,7 +109,7 @@ def test_wrappers_and_observers_are_given_at_load(mha):
         wrapped.append(RecordingBackend(backend))
         return wrapped[-1]
 
-    rt = EagleRuntime.load(mha.export_dir, threads=1, wrap_backend=wrap,
+    rt = EagleRuntime.load(mha.export_dir, threads=1, wrap_backend=wrap, **HEAD_TREE,
                            round_observers=[lambda tree, logits, v: seen.append((tree.size, logits.shape, v.accepted))])
     assert [w.name for w in wrapped] == [w.inner.name for w in wrapped] and len(wrapped) == 2
     assert rt.decoder.target is wrapped[0] and rt.decoder.drafter.backend is wrapped[1]
@@ -162,7 +162,7 @@ def test_decoder_and_drafter_masks_come_from_the_one_home(mha):
         return rec[-1]
 
     trees = []
-    rt = EagleRuntime.load(mha.export_dir, threads=1, wrap_backend=wrap,
+    rt = EagleRuntime.load(mha.export_dir, threads=1, wrap_backend=wrap, **HEAD_TREE,
                            round_observers=[lambda tree, logits, v: trees.append(tree)])
     rt.generate(PROMPTS[2], max_new_tokens=8)
     target_calls = rec[0].calls

@@ -16,9 +16,11 @@ import pytest
 
 from eagle_deploy.contract.verify import rerecord_files
 from eagle_deploy.runtime.tree import DraftTree
+from tests.conftest import HEAD_TREE
 from tests.tools.tiny_export import copy_export, tiny_export
 
 THREADS = 1
+
 ORACLE_DEPTH = 3  # draft tokens per oracle round: a full round commits 4 tokens
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -146,7 +148,7 @@ def reference(serve_export):
     """A separate EagleRuntime over the export (the export's own head): what the server must match."""
     from eagle_deploy.runtime.api import EagleRuntime
 
-    return EagleRuntime.load(serve_export, threads=THREADS)
+    return EagleRuntime.load(serve_export, threads=THREADS, **HEAD_TREE)
 
 
 @pytest.fixture(scope="session")
@@ -179,7 +181,7 @@ def make_server(folder: Path, faults=None, oracle_refs=None, reference=None, slo
     from eagle_deploy.serve.app import create_app
     from eagle_deploy.serve.engine import SlotScheduler
 
-    kw = dict(threads=THREADS, **runtime_kw)
+    kw = {**HEAD_TREE, "threads": THREADS, **runtime_kw}
     if oracle_refs is not None:
         def oracle(inner):
             drafter = OracleDrafter(inner)

@@ -322,7 +322,7 @@ def test_deeply_nested_json_gets_400(server):
 @pytest.mark.parametrize("endpoint, field, param", [
     ("completions", '"prompt": "abc \\ud800"', "prompt"),
     ("chat/completions", '"messages": [{"role": "user", "content": "abc \\udfff"}]', "messages[0].content"),
-    ("completions", '"prompt": "ok", "stop": ["x", "\\ud83d"]', "stop"),
+    ("completions", '"prompt": "ok", "stop": ["x", "\\ud83d"]', "stop[1]"),
 ])
 def test_lone_surrogate_gets_400_naming_the_field(server, endpoint, field, param):
     raw = ('{"model": "tiny", ' + field + "}").encode()
@@ -335,14 +335,16 @@ def test_lone_surrogate_gets_400_naming_the_field(server, endpoint, field, param
 
 # ---- 7. stop-string caps --------------------------------------------------------------------
 
-@pytest.mark.parametrize("stop, what", [([f"s{i}" for i in range(MAX_STOPS + 1)], f"at most {MAX_STOPS} stop"),
-                                        (["y" * (MAX_STOP_CHARS + 1)], f"at most {MAX_STOP_CHARS} characters")])
-def test_stop_strings_are_capped(server, stop, what):
+@pytest.mark.parametrize("stop, what, param", [
+    ([f"s{i}" for i in range(MAX_STOPS + 1)], f"at most {MAX_STOPS} stop", "stop"),
+    (["y" * (MAX_STOP_CHARS + 1)], f"at most {MAX_STOP_CHARS} characters", "stop[0]")])
+def test_stop_strings_are_capped(server, stop, what, param):
+    """The runtime's caps (runtime.request), the same in the Python API."""
     submitted = scheduler(server).submitted
     r = httpx2.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "stop": stop}, timeout=30)
     assert r.status_code == 400
     err = r.json()["error"]
-    assert err["param"] == "stop" and what in err["message"]
+    assert err["param"] == param and what in err["message"] and err["message"].startswith(param + " ")
     assert scheduler(server).submitted == submitted
     ok = httpx2.post(server.url + "/v1/completions", timeout=30, json={
         "model": MODEL, "prompt": "x", "max_tokens": 2, "stop": [f"s{i}" for i in range(MAX_STOPS - 1)] + ["z" * 256]})

@@ -118,7 +118,10 @@ def load_systems(cfg: BenchConfig, manifest, result: dict, log: Callable) -> _Lo
     runs += [(Path(f).resolve().name, Path(f), cfg.backends[0], None) for f in cfg.extra_engines]
     for key, folder, backend, i in runs:
         before = rss_mb()
-        rt = EagleRuntime.load(folder, backend=backend, tree=cfg.tree, threads=cfg.threads)
+        # eagle-bench's `eagle` is the head's fixed tree every round (its hybrid, planned
+        # systems are `cfg.drafters`, below)
+        rt = EagleRuntime.load(folder, backend=backend, tree=cfg.tree, threads=cfg.threads, drafter_kind="eagle",
+                               planned=False)
         eagle, vanilla = (EagleSystem(rt, m, system_name(m, i, backend) if i is not None else f"{m}@{key}")
                           for m in ("eagle", "vanilla"))
         loaded.add(eagle, result["memory"], before)

@@ -297,7 +297,7 @@ def tune(cfg: TuneConfig, log: Callable = print) -> dict:
 
     recorder = _Recorder()
     rt = EagleRuntime.load(cfg.engines, backend=cfg.backend, threads=cfg.threads, wrap_backend=recorder.wrap,
-                           round_observers=[recorder.observe])
+                           round_observers=[recorder.observe], drafter_kind="eagle", planned=False)  # the head's tree
     m, previous = rt.manifest, rt.tree
     top_ks = [k for k in cfg.top_ks if k <= m.draft.graph_top_k]
     depths = {K: calib_depth(K, cfg.node_budget, cfg.max_depth) for K in top_ks}

@@ -10,17 +10,22 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import DISK_ERRORS, disk_errno
+from .errors import DISK_ERRORS, SettingError, disk_errno
 from .tree_config import DEFAULT_DRAFTER, DEFAULT_TREE, DRAFTER_KINDS, STATIC_TREES, TreeConfig, TreeConfigError
 
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 BAD_INPUT = 2  # argparse's exit status for a usage error; every CLI's for input it refuses
 
 
-def cli_error(prog: str, message) -> int:
+def cli_error(prog: str, message, flags: dict[str, str] | None = None) -> int:
     """Print `prog: error: message` on stderr (argparse's form) as one line (whitespace runs,
     newlines included, collapsed) and return BAD_INPUT, the tail of every CLI's refusal:
-    `return cli_error("eagle-run", err)`."""
+    `return cli_error("eagle-run", err)`. flags: {field: flag}: a SettingError about one of
+    those fields is worded with the flag typed ("--top-p must be ...", not "top_p must be")."""
+    if isinstance(message, SettingError) and flags:
+        base = message.field.partition("[")[0].partition(".")[0]
+        if base in flags:
+            message = message.named(flags[base])
     print(f"{prog}: error: " + " ".join(str(message).split()), file=sys.stderr)
     return BAD_INPUT
 
@@ -191,16 +196,17 @@ def add_engine_args(parser: argparse.ArgumentParser, threshold_effect: str) -> N
                              f"{DEFAULT_THRESHOLD})")
 
 
-DEFAULT_THRESHOLD = 0.3  # --threshold when --acceptance threshold is given alone
+DEFAULT_THRESHOLD = 0.3  # the threshold of threshold acceptance when none is given (runtime.options)
 
 
-def threshold_of(args) -> float:
-    """The threshold add_engine_args' flags ask for: --threshold, else DEFAULT_THRESHOLD.
-    ValueError for --threshold without --acceptance threshold (it would change nothing)."""
+def threshold_of(args) -> float | None:
+    """--threshold as given (None: runtime.options.EngineOptions' default). ValueError for
+    --threshold without --acceptance threshold, worded with the flags (it would change
+    nothing)."""
     if args.threshold is not None and args.acceptance != "threshold":
         raise ValueError("--threshold has no effect without --acceptance threshold (lossless acceptance takes no "
                          "threshold)")
-    return DEFAULT_THRESHOLD if args.threshold is None else args.threshold
+    return args.threshold
 
 
 

@@ -6,6 +6,23 @@ import importlib
 import os
 
 
+class SettingError(ValueError):
+    """A request field or engine option with a bad value: the one error type of
+    `runtime.request.Request` and `runtime.options.EngineOptions`. `field` names it as the
+    Python API does ("top_p", "stop[1]", "messages[0].content"), `rule` says what is wrong
+    ("must be in (0, 1], got 2.0"); str() is "<field> <rule>". Each front end names the field
+    its own way through `named`: eagle-run by its flag ("--top-p"), eagle-serve by its JSON
+    `param` ("max_tokens"), the Triton model by its input."""
+
+    def __init__(self, field: str, rule: str):
+        super().__init__(f"{field} {rule}")
+        self.field, self.rule = field, rule
+
+    def named(self, name: str) -> str:
+        """The message with the field called `name` ("--top-p must be in (0, 1], got 2.0")."""
+        return f"{name} {self.rule}"
+
+
 def first_line(err: BaseException) -> str:
     """The first line of an exception's message (its type name when the message is empty):
     what a one-line error report quotes of a third-party exception."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import numbers
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Generator, Sequence
@@ -22,21 +22,20 @@ import numpy as np
 
 from eagle_deploy.contract.cache import cache_root
 from eagle_deploy.contract.cpu import cpu_info
-from eagle_deploy.contract.errors import prompt_too_long
+from eagle_deploy.contract.errors import SettingError, first_line, prompt_too_long
 from eagle_deploy.contract.manifest import Manifest, ManifestError
 from eagle_deploy.contract.onnx_io import MANIFEST_FILE
 from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.contract.verify import VerifyReport, sha256_file, verify_export
 
 from .backends import Backend, load_backend
-from .decode import PREFILL_CHUNK, Decoder, RoundObserver, Stats, TokenStopper
+from .decode import Decoder, RoundObserver, Stats, TokenStopper
 from .drafter import Drafter, EagleDrafter
-from .hybrid import ALTERNATE_LEN, ALTERNATES, MAX_LOOKUP, check_drafter_kind, head_of, make_drafter, uses_draft_graph
+from .hybrid import ALTERNATE_LEN, ALTERNATES, MAX_LOOKUP, head_of, make_drafter, uses_draft_graph
+from .options import EngineOptions
 from .planner import CostModel, measure_costs
-from .sampling import SamplingParams, whole_number
+from .request import Prompt, Request
 from .text import TextStream, encode_chat
-
-Prompt = str | Sequence[dict] | Sequence[int]
 
 
 @dataclass
@@ -176,40 +175,52 @@ def row_exact_default(manifest: Manifest) -> bool:
 
 
 class EagleRuntime:
-    """An export folder loaded once: target + draft backends, KV buffers, tokenizer.
+    """An export folder loaded once: target + draft backends, KV buffers, tokenizer, decoded
+    as its `options` (an EngineOptions: the one set of defaults) say.
+
+    One request at a time owns the KV buffers. A request started from another thread while
+    one runs waits until it has ended (requests from several threads are served one after
+    another, each answer correct); a second request started from the same thread while a
+    stream of it is paused takes the buffers over, and the paused stream then raises
+    RuntimeError instead of decoding from overwritten KV. For requests decoded at once, use a
+    `BatchEngine` (or one instance per thread).
 
     acceptance "threshold" is NOT lossless (see verify.verify_threshold); the default
     "lossless" reproduces the target's distribution exactly (greedy: token for token).
     """
 
-    def __init__(self, folder: Path, manifest: Manifest, target, draft, tokenizer, tree: TreeConfig,
-                 acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None,
-                 round_observers: Sequence[RoundObserver] = (), row_exact: bool | None = None,
-                 drafter_kind: str = "eagle", planned: bool = False, costs: CostModel | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
-        """target / draft: Backends (draft None with a custom `drafter`); row_exact: see
-        Decoder (None: on for quantised targets, `row_exact_default`); round_observers: see
-        Decoder. drafter_kind: "eagle" (the EAGLE head's tree), "hybrid" (head + context lookup
-        in one tree) or "lookup" (hybrid.make_drafter); planned: size each round's draft by its
-        expected tokens per second (planner.DraftPlanner), else draft the configured tree every
-        round. The API's default is the plain EAGLE tree (`eagle`, unplanned: every round the
-        same tree, so a seed gives the same tokens in every process); the commands default to
-        hybrid.DEFAULT_DRAFTER, planned. costs: the device's CostModel (default: `device_costs`).
-        prefill_chunk: rows per prefill forward of a long prompt (Decoder; 0: one forward).
-        Raises ValueError on a bad acceptance setting, drafter kind or chunk."""
-        self.folder, self.manifest, self.tokenizer, self.tree = Path(folder), manifest, tokenizer, tree
-        self.drafter_kind, self.planned = check_drafter_kind(drafter_kind), planned
+    def __init__(self, folder: Path, manifest: Manifest, target, draft, tokenizer,
+                 options: EngineOptions | None = None, drafter: Drafter | None = None,
+                 round_observers: Sequence[RoundObserver] = (), costs: CostModel | None = None):
+        """target / draft: Backends (draft None with a custom `drafter`); options: how to
+        decode (EngineOptions; its tree None: the manifest's); round_observers: see Decoder;
+        costs: the device's CostModel for a planned drafter (default: `device_costs`).
+        Raises SettingError (a ValueError) on options the export cannot take."""
+        options = EngineOptions.of(options)
+        self.folder, self.manifest, self.tokenizer = Path(folder), manifest, tokenizer
+        self.tree = (options.tree or manifest.tree).validate(manifest.draft.graph_top_k)
+        row_exact = row_exact_default(manifest) if options.row_exact is None else options.row_exact
+        self.options = options.replace(tree=self.tree, row_exact=row_exact)
         self.costs = costs
-        row_exact = row_exact_default(manifest) if row_exact is None else row_exact
-        self.decoder = Decoder(target, None, manifest.max_length, acceptance, threshold, round_observers, row_exact,
-                               prefill_chunk, manifest.length_limit)
-        if drafter is None and (draft is not None or not uses_draft_graph(drafter_kind)):
+        self.decoder = Decoder(target, None, manifest.max_length, options.acceptance, options.threshold_or_zero,
+                               round_observers, row_exact, options.prefill_chunk, manifest.length_limit)
+        if drafter is None and (draft is not None or not uses_draft_graph(options.drafter_kind)):
             drafter = self._drafter(draft)
         self.decoder.drafter = drafter
         self.eos_ids = list(manifest.eos_token_ids)
         self._requests = 0  # requests started on this instance (see _stream)
+        self._owner: int | None = None  # the thread whose request owns the KV buffers now
+        self._free = threading.Condition()
         self._open_draft: Callable[[], Backend] | None = None  # set by load(with_draft=False)
         self.verification: VerifyReport | None = None  # what load's verify_export checked
+
+    @property
+    def drafter_kind(self) -> str:
+        return self.options.drafter_kind
+
+    @property
+    def planned(self) -> bool:
+        return self.options.planned
 
     def _drafter(self, draft: Backend | None) -> Drafter:
         """The drafter of this runtime's kind over the draft-graph backend `draft` (a planned
@@ -221,39 +232,37 @@ class EagleRuntime:
         return make_drafter(self.drafter_kind, head, self.tree, self.planned, self.costs, self.decoder.row_exact)
 
     @classmethod
-    def load(cls, folder, backend: str = "ort", tree: TreeConfig | None = None, threads: int | None = None,
-             acceptance: str = "lossless", threshold: float = 0.0, drafter: Drafter | None = None,
+    def load(cls, folder, options: EngineOptions | None = None, *, drafter: Drafter | None = None,
              wrap_backend: Callable[[Backend], Backend] | None = None,
-             round_observers: Sequence[RoundObserver] = (), with_draft: bool = True, verify: str = "fast",
-             row_exact: bool | None = None, drafter_kind: str = "eagle",
-             planned: bool = False, prefill_chunk: int = PREFILL_CHUNK) -> "EagleRuntime":
-        """Load `folder` (an eagle-export output). backend: "ort" (CPU), "ort-cuda", "trt".
-        wrap_backend: applied to each loaded backend (target, draft) before use, e.g. a timing
-        wrapper; round_observers: see Decoder. with_draft=False: open the target graph only
-        (vanilla decoding, e.g. to measure its memory alone) until `load_draft()`.
-        verify: "fast" | "full" | "off", how the folder's files are checked against the manifest
-        before any graph is opened (contract.verify.verify_export: a mismatch raises
-        ManifestError); its report is `self.verification`.
-        drafter_kind / planned / prefill_chunk: see __init__ ("lookup" opens no draft graph).
-        Raises ManifestError, TreeConfigError, FileNotFoundError, ValueError."""
+             round_observers: Sequence[RoundObserver] = (), with_draft: bool = True, **changes) -> "EagleRuntime":
+        """Load `folder` (an eagle-export output) to decode as `options` say (EngineOptions;
+        default: EngineOptions(), the commands' defaults), with `changes` to single options on
+        top (`EagleRuntime.load(folder, threads=2, drafter_kind="eagle")`).
+        drafter: a custom Drafter instead of the options' kind. wrap_backend: applied to each
+        loaded backend (target, draft) before use, e.g. a timing wrapper; round_observers: see
+        Decoder. with_draft=False: open the target graph only (vanilla decoding, e.g. to
+        measure its memory alone) until `load_draft()`. The folder's files are checked against
+        the manifest first (options.verify; its report is `self.verification`).
+        Raises SettingError (ValueError), TypeError (an unknown option), ManifestError,
+        TreeConfigError, FileNotFoundError."""
+        options = EngineOptions.of(options, **changes)
         folder = Path(folder)
-        check_drafter_kind(drafter_kind)
         manifest = Manifest.load(folder)
-        verification = verify_export(folder, manifest, verify)
-        tree = (tree or manifest.tree).validate(manifest.draft.graph_top_k)
+        verification = verify_export(folder, manifest, options.verify)
+        tree = (options.tree or manifest.tree).validate(manifest.draft.graph_top_k)
+        options = options.replace(tree=tree)
         wrap = wrap_backend or (lambda b: b)
-        target = wrap(load_backend(backend, folder, manifest, "target", threads, tree=tree))
+        target = wrap(load_backend(options.backend, folder, manifest, "target", options.threads, tree=tree))
         draft = None
 
         def open_draft() -> Backend:
-            return wrap(load_backend(backend, folder, manifest, "draft", threads, tree=tree))
+            return wrap(load_backend(options.backend, folder, manifest, "draft", options.threads, tree=tree))
 
-        if drafter is None and with_draft and uses_draft_graph(drafter_kind):
+        graph = drafter is None and uses_draft_graph(options.drafter_kind)
+        if graph and with_draft:
             draft = open_draft()
-        tokenizer = load_tokenizer(folder, manifest)
-        rt = cls(folder, manifest, target, draft, tokenizer, tree, acceptance, threshold, drafter, round_observers,
-                 row_exact, drafter_kind, planned, prefill_chunk=prefill_chunk)
-        if drafter is None and not with_draft and uses_draft_graph(drafter_kind):
+        rt = cls(folder, manifest, target, draft, load_tokenizer(folder, manifest), options, drafter, round_observers)
+        if graph and not with_draft:
             rt._open_draft = open_draft
         rt.verification = verification
         return rt
@@ -270,46 +279,46 @@ class EagleRuntime:
     def set_tree(self, tree: TreeConfig) -> None:
         """Use another draft tree from the next request on (a new drafter over the same draft
         backend; its KV buffer is sized for the new tree). Raises TreeConfigError."""
-        drafter = self.decoder.drafter
-        if self._open_draft is not None:  # the draft graph is not open yet: load_draft uses the tree
-            self.tree = tree.validate(self.manifest.draft.graph_top_k)
-            return
-        head = head_of(drafter)
-        if not uses_draft_graph(self.drafter_kind):
-            self.tree = tree.validate(self.manifest.draft.graph_top_k)
-            return
-        if not isinstance(head, EagleDrafter):
+        tree = tree.validate(self.manifest.draft.graph_top_k)
+        head = head_of(self.decoder.drafter)
+        if self._open_draft is None and uses_draft_graph(self.drafter_kind) and not isinstance(head, EagleDrafter):
             raise TypeError("set_tree needs the EAGLE drafter (this runtime uses a custom drafter)")
-        self.tree = tree.validate(self.manifest.draft.graph_top_k)
-        self.decoder.drafter = self._drafter(head.backend)
+        self.tree, self.options = tree, self.options.replace(tree=tree)
+        if self._open_draft is None and uses_draft_graph(self.drafter_kind):  # else load_draft uses the tree
+            self.decoder.drafter = self._drafter(head.backend)
 
-    def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+    def encode(self, prompt: Prompt | Request, chat: bool | None = None) -> list[int]:
         """Prompt -> token ids. A string is wrapped in the chat template when the export has
         one (unless chat=False); a list of {"role", "content"} dicts always is; a list of ints
-        is used as is. Raises ValueError on an empty prompt."""
+        is used as is. Raises SettingError (a ValueError) on a prompt Request refuses or a
+        token id outside the vocabulary, ValueError when the export has no tokenizer or its
+        chat template refuses the messages."""
+        if not isinstance(prompt, Request):
+            prompt = Request(prompt, chat=chat)
+        prompt, chat = prompt.prompt, prompt.chat
         if isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError("the prompt is empty")
-            check_unicode(prompt, "the prompt")
             use_chat = self.manifest.chat_template if chat is None else chat
             if use_chat:
                 return self._chat_ids([{"role": "user", "content": prompt}])
             return list(self._tok().encode(prompt, add_special_tokens=True))
-        prompt = list(prompt)
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if all(isinstance(m, dict) for m in prompt):
-            for i, m in enumerate(prompt):
-                if isinstance(m.get("content"), str):
-                    check_unicode(m["content"], f"message {i}'s content")
+        if isinstance(prompt[0], dict):
             return self._chat_ids(prompt)
-        if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
-            prompt = [int(t) for t in prompt]
-            vocab = self.manifest.dims.vocab
-            if any(t < 0 or t >= vocab for t in prompt):
-                raise ValueError(f"prompt token ids must be in [0, {vocab})")
-            return prompt
-        raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
+        vocab = self.manifest.dims.vocab
+        bad = next((t for t in prompt if t >= vocab), None)
+        if bad is not None:
+            raise SettingError("prompt", f"token ids must be in [0, {vocab}), got {bad}")
+        return list(prompt)
+
+    def prompt_ids(self, prompt: Prompt | Request, chat: bool | None = None) -> list[int]:
+        """`encode`, then check the prompt is some tokens and leaves room for output in the KV
+        capacity. Raises SettingError (a ValueError) and what `encode` raises."""
+        ids = self.encode(prompt, chat)
+        if not ids:
+            raise SettingError("prompt", "encodes to no tokens")
+        if len(ids) >= self.manifest.max_length:
+            raise SettingError("prompt", prompt_too_long(len(ids), self.manifest.max_length,
+                                                         self.manifest.length_limit).removeprefix("the prompt "))
+        return ids
 
     def _tok(self):
         if self.tokenizer is None:
@@ -317,93 +326,90 @@ class EagleRuntime:
         return self.tokenizer
 
     def _chat_ids(self, messages) -> list[int]:
-        return encode_chat(self._tok(), messages)
+        tokenizer = self._tok()
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this export's tokenizer has no chat template: pass a string with chat=False, or "
+                             "token ids")
+        try:
+            return encode_chat(tokenizer, messages)
+        except Exception as err:  # the template's own checks (e.g. role order, raise_exception)
+            raise ValueError(f"the chat template refused these messages: {first_line(err)}") from None
 
-    def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int | None = None, stop: Sequence[str] | str = (), mode: str = "eagle",
-               chat: bool | None = None) -> Generation:
+    def request(self, prompt: Prompt | Request, max_new_tokens: int | None = None, **settings) -> Request:
+        """The Request for `prompt` and `settings` (Request's fields; a Request is returned
+        as is and takes no settings). Raises SettingError, TypeError for a setting Request
+        does not have."""
+        if isinstance(prompt, Request):
+            if max_new_tokens is not None or settings:
+                raise TypeError("pass either a Request or a prompt with settings, not both")
+            return prompt
+        if max_new_tokens is not None:
+            settings["max_new_tokens"] = max_new_tokens
+        return Request(prompt, **settings)
+
+    def stream(self, prompt: Prompt | Request, max_new_tokens: int | None = None, **settings) -> Generation:
         """A `Generation`: iterate it for text deltas as tokens are committed; afterwards its
-        `result` is the GenerationResult. mode: "eagle" or "vanilla" (same engine, one token
-        per target forward). Raises ValueError on bad settings when called (before any
-        forward), not at the first `next()`."""
-        params, stop = check_request(max_new_tokens, temperature, top_p, top_k, seed, stop, mode)
-        if mode == "eagle" and self._open_draft is not None:
+        `result` is the GenerationResult. prompt: a Request, or a prompt with Request's
+        fields as keywords (max_new_tokens, temperature, top_p, top_k, seed, stop, mode "eagle" |
+        "vanilla", chat). Raises SettingError (a ValueError) on bad settings when called
+        (before any forward), not at the first `next()`."""
+        request = self.request(prompt, max_new_tokens, **settings)
+        if request.mode == "eagle" and self._open_draft is not None:
             raise ValueError("this runtime was loaded without its draft graph (with_draft=False): call load_draft() "
                              "before EAGLE decoding")
-        ids = self.prompt_ids(prompt, chat)
-        if self.tokenizer is None and stop:
-            raise ValueError("stop strings need a tokenizer")
-        text = TextStream(self.tokenizer, self.eos_ids, stop) if self.tokenizer is not None else None
-        return Generation(self._stream(ids, int(max_new_tokens), params, text, mode))
+        ids = self.prompt_ids(request)
+        if self.tokenizer is None and request.stop:
+            raise SettingError("stop", "needs a tokenizer (this export has none)")
+        text = TextStream(self.tokenizer, self.eos_ids, request.stop) if self.tokenizer is not None else None
+        return Generation(self._stream(ids, request, text))
 
-    def prompt_ids(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
-        """`encode`, then check the prompt leaves room for output. Raises ValueError."""
-        ids = self.encode(prompt, chat)
-        if len(ids) >= self.manifest.max_length:
-            raise ValueError(prompt_too_long(len(ids), self.manifest.max_length, self.manifest.length_limit))
-        return ids
-
-    def _stream(self, ids: list[int], max_new_tokens: int, params: SamplingParams, text: TextStream | None,
-                mode: str) -> Generator[str, None, GenerationResult]:
-        stopper = text or TokenStopper(self.eos_ids)
-        stats = Stats(drafter=None if mode == "vanilla" else self.drafter_kind)
-        tokens: list[int] = []
-        # one request at a time owns the KV buffers: a stream resumed after another request
-        # started on this instance would decode from overwritten KV, so it fails instead
-        self._requests += 1
-        me = self._requests
-        for chunk in self.decoder.decode(ids, max_new_tokens, params, stopper, vanilla=(mode == "vanilla"),
-                                         stats=stats):
-            tokens += chunk
+    def _stream(self, ids: list[int], request: Request, text: TextStream | None
+                ) -> Generator[str, None, GenerationResult]:
+        me = self._claim()
+        try:
+            stopper = text or TokenStopper(self.eos_ids)
+            vanilla = request.mode == "vanilla"
+            stats = Stats(drafter=None if vanilla else self.drafter_kind)
+            tokens: list[int] = []
+            for chunk in self.decoder.decode(ids, request.max_new_tokens, request.sampling, stopper, vanilla=vanilla,
+                                             stats=stats):
+                tokens += chunk
+                if text is not None:
+                    delta = text.take()
+                    if delta:
+                        yield delta
+                if self._requests != me:
+                    raise RuntimeError("another request started on this EagleRuntime while this stream was paused; "
+                                       "streams on one instance cannot be interleaved (load a second instance)")
             if text is not None:
-                delta = text.take()
-                if delta:
-                    yield delta
-            if self._requests != me:
-                raise RuntimeError("another request started on this EagleRuntime while this stream was paused; "
-                                   "streams on one instance cannot be interleaved (load a second instance)")
-        if text is not None:
-            tail = text.take(final=True)
-            if tail:
-                yield tail
-        return GenerationResult(text.text if text is not None else "", tokens, stats.finish_reason, stats)
+                tail = text.take(final=True)
+                if tail:
+                    yield tail
+            return GenerationResult(text.text if text is not None else "", tokens, stats.finish_reason, stats)
+        finally:
+            self._release(me)
 
-    def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop: Sequence[str] | str = (), mode: str = "eagle",
-                 chat: bool | None = None) -> GenerationResult:
+    def _claim(self) -> int:
+        """Take the KV buffers for a new request (class doc): wait while a request of another
+        thread holds them; from the thread that holds them, take them over (the paused
+        stream fails at its next step). Returns the request's number."""
+        me_thread = threading.get_ident()
+        with self._free:
+            while self._owner is not None and self._owner != me_thread:
+                self._free.wait()
+            self._owner = me_thread
+            self._requests += 1
+            return self._requests
+
+    def _release(self, me: int) -> None:
+        with self._free:
+            if self._requests == me:  # still the latest request: the buffers are free
+                self._owner = None
+                self._free.notify_all()
+
+    def generate(self, prompt: Prompt | Request, max_new_tokens: int | None = None, **settings) -> GenerationResult:
         """Generate to completion; see `stream` for the arguments."""
-        request = self.stream(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, mode, chat)
+        request = self.stream(prompt, max_new_tokens, **settings)
         for _ in request:
             pass
         return request.result
-
-
-def check_unicode(text: str, what: str) -> None:
-    """Raise ValueError unless `text` is valid Unicode (encodable as UTF-8): Python keeps the
-    bytes of a command-line argument that is not UTF-8 as lone surrogates (U+DC80-U+DCFF), and
-    no tokenizer takes those. `what` names the text in the message ("the prompt")."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        code = ord(text[err.start])
-        if 0xDC80 <= code <= 0xDCFF:
-            raise ValueError(f"{what} is not valid UTF-8: the byte 0x{code - 0xDC00:02x} at character {err.start} "
-                             "(text in another encoding?)") from None
-        raise ValueError(f"{what} is not valid Unicode: a lone surrogate \\u{code:04x} at character "
-                         f"{err.start}") from None
-
-
-def check_request(max_new_tokens, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                  stop: Sequence[str] | str = (), mode: str = "eagle") -> tuple[SamplingParams, list[str]]:
-    """Validate one request's settings (no model needed) -> (SamplingParams, stop list).
-    A single string is one stop string. Raises ValueError naming the bad setting."""
-    if mode not in ("eagle", "vanilla"):
-        raise ValueError(f"mode must be 'eagle' or 'vanilla', got {mode!r}")
-    whole_number(max_new_tokens, "max_new_tokens", 1)
-    params = SamplingParams(temperature, top_p, top_k, seed)
-    stop = [stop] if isinstance(stop, str) else list(stop or ())
-    if any(not isinstance(s, str) or s == "" for s in stop):
-        raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
-    for s in stop:
-        check_unicode(s, "a stop string")
-    return params, stop

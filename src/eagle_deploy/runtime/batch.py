@@ -85,14 +85,16 @@ from eagle_deploy.contract.profiles import draft_kv_capacity
 from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.contract.verify import verify_export
 
-from .api import EagleRuntime, Prompt, device_costs, load_tokenizer, row_exact_default
+from .api import EagleRuntime, device_costs, load_tokenizer, row_exact_default
 from .backends import load_backend
 from .backends.base import StepInputs, StepOutputs
-from .decode import RoundObserver, check_prefill_chunk, chunk_end, target_kv_capacity
+from .decode import RoundObserver, chunk_end, target_kv_capacity
 from .drafter import Drafter, EagleDrafter
 from .hybrid import make_drafter, uses_draft_graph
 from .kv import KVBuffer
 from .memory import available_mb
+from .options import EngineOptions
+from .request import Prompt
 
 # output fields whose axis 1 follows logits_indices (N); every other output follows the new tokens (S)
 _PER_LOGIT = {"logits", "topk_logprobs", "topk_ids"}
@@ -261,27 +263,28 @@ class BatchEngine:
     Counters: batched_forwards (forwards of two or more slots), solo_forwards (of one slot).
     """
 
-    def __init__(self, folder: Path, manifest: Manifest, backends: dict, tokenizer, tree: TreeConfig, slots: int,
-                 backend: str = "ort", acceptance: str = "lossless", threshold: float = 0.0,
+    def __init__(self, folder: Path, manifest: Manifest, backends: dict, tokenizer, slots: int,
+                 options: EngineOptions | None = None,
                  round_observers: Callable[[int], Sequence[RoundObserver]] | None = None,
-                 row_exact: bool | None = None, drafters: Callable[[int, EagleDrafter], Drafter] | None = None,
-                 shrink_trees: bool = True, drafter_kind: str = "eagle", planned: bool = False,
-                 prefill_chunk: int = 0):
+                 drafters: Callable[[int, EagleDrafter], Drafter] | None = None, shrink_trees: bool = True):
         """backends: {"target": Backend, "draft": Backend} (batch-capable, see check_batchable);
+        options: how every slot decodes (EngineOptions: the drafter kind and planning as for
+        EagleRuntime, the slots sharing one CostModel; its tree None: the manifest's; its
+        prefill_chunk: a prompt of prefill_chunk + 2 tokens or more is prefilled in chunks of
+        that size, one chunk per forward of the other slots while they decode, back to back
+        while none does (module doc, "Chunked prefill"); 0: in one forward).
         round_observers(b): slot b's round observers (see Decoder); drafters(b, drafter): the
         drafter slot b uses, given its EAGLE drafter over the batched draft graph (tests wrap
         it to force trees); shrink_trees: draft `tree_under_load` of the busy slots each round
-        (False: `tree` always, so a seed gives the same tokens batched as alone); drafter_kind /
-        planned: as for EagleRuntime (the slots share one CostModel); prefill_chunk: a prompt of
-        prefill_chunk + 2 tokens or more is prefilled in chunks of that size, one chunk per
-        forward of the other slots while they decode, back to back while none does (module
-        doc, "Chunked prefill"); 0: in one forward. Raises BatchError."""
-        check_batchable(manifest, slots, backend)
-        try:
-            self.prefill_chunk = check_prefill_chunk(prefill_chunk)
-        except ValueError as err:
-            raise BatchError(str(err)) from None
-        self._row_exact = row_exact_default(manifest) if row_exact is None else row_exact
+        (False: the tree always, so a seed gives the same tokens batched as alone).
+        Raises BatchError."""
+        options = EngineOptions.of(options)
+        check_batchable(manifest, slots, options.backend)
+        tree = (options.tree or manifest.tree).validate(manifest.draft.graph_top_k)
+        drafter_kind, planned = options.drafter_kind, options.planned
+        self.prefill_chunk = options.prefill_chunk
+        self._row_exact = row_exact_default(manifest) if options.row_exact is None else options.row_exact
+        slot_options = options.replace(tree=tree, row_exact=self._row_exact, prefill_chunk=0)  # chunked here
         check_kv_fits(manifest, tree, slots, self._row_exact)
         self.backends, self.slots, self.tree = backends, slots, tree
         self._cond = threading.Condition()
@@ -311,33 +314,32 @@ class BatchEngine:
                 eagle = _LoadTrees(eagle, self) if shrink_trees else eagle
             return wrap(b, make_drafter(drafter_kind, eagle, tree, planned, self.costs, self._row_exact))
 
-        self.runtimes = [EagleRuntime(folder, manifest, SlotBackend(self, "target", b), None, tokenizer, tree,
-                                      acceptance, threshold, drafter(b), observers(b), row_exact, drafter_kind,
-                                      planned, self.costs, prefill_chunk=0)  # chunked here (_run_chunk)
+        self.runtimes = [EagleRuntime(folder, manifest, SlotBackend(self, "target", b), None, tokenizer, slot_options,
+                                      drafter(b), observers(b), self.costs)  # prefills chunked here (_run_chunk)
                          for b in range(slots)]
 
     @classmethod
-    def load(cls, folder, slots: int, backend: str = "ort", tree: TreeConfig | None = None, threads: int | None = None,
-             verify: str = "fast",
-             acceptance: str = "lossless", threshold: float = 0.0,
+    def load(cls, folder, slots: int, options: EngineOptions | None = None, *,
              round_observers: Callable[[int], Sequence[RoundObserver]] | None = None,
-             row_exact: bool | None = None, drafters: Callable[[int, EagleDrafter], Drafter] | None = None,
-             shrink_trees: bool = True, drafter_kind: str = "eagle", planned: bool = False,
-             prefill_chunk: int = 0) -> "BatchEngine":
-        """Load `folder` once for `slots` sequences (keywords as for EagleRuntime.load and
-        __init__). Raises BatchError (check_batchable, check_kv_fits: before any graph is
-        opened), and what EagleRuntime.load raises."""
+             drafters: Callable[[int, EagleDrafter], Drafter] | None = None, shrink_trees: bool = True,
+             **changes) -> "BatchEngine":
+        """Load `folder` once for `slots` sequences, decoded as `options` say with `changes`
+        on top (as for EagleRuntime.load; the other arguments as for __init__). Raises
+        BatchError (check_batchable, check_kv_fits: before any graph is opened), and what
+        EagleRuntime.load raises."""
+        options = EngineOptions.of(options, **changes)
         folder = Path(folder)
         manifest = Manifest.load(folder)
-        verify_export(folder, manifest, verify)  # verify: as for EagleRuntime.load
-        check_batchable(manifest, slots, backend)
-        tree = (tree or manifest.tree).validate(manifest.draft.graph_top_k)
-        check_kv_fits(manifest, tree, slots, row_exact_default(manifest) if row_exact is None else row_exact)
-        backends = {which: load_backend(backend, folder, manifest, which, threads, tree=tree)
+        verify_export(folder, manifest, options.verify)  # as for EagleRuntime.load
+        check_batchable(manifest, slots, options.backend)
+        tree = (options.tree or manifest.tree).validate(manifest.draft.graph_top_k)
+        options = options.replace(tree=tree)
+        check_kv_fits(manifest, tree, slots, row_exact_default(manifest) if options.row_exact is None
+                      else options.row_exact)
+        backends = {which: load_backend(options.backend, folder, manifest, which, options.threads, tree=tree)
                     for which in ("target", "draft")}
-        return cls(folder, manifest, backends, load_tokenizer(folder, manifest), tree, slots, backend, acceptance,
-                   threshold, round_observers, row_exact, drafters, shrink_trees, drafter_kind, planned,
-                   prefill_chunk)
+        return cls(folder, manifest, backends, load_tokenizer(folder, manifest), slots, options, round_observers,
+                   drafters, shrink_trees)
 
     # -- KV ------------------------------------------------------------------------------------
 

@@ -10,14 +10,12 @@ from eagle_deploy.contract.cli_args import (
     HelpFormatter,
     add_engine_args,
     add_tree_args,
-    check_at_least,
     cli_error,
     interruptible,
     threshold_of,
     tree_from_args,
 )
 from eagle_deploy.contract.errors import max_length_hint
-from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,28 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(vanilla's measured before the draft graph is opened), GPU memory on device backends, and "
                         "the export folder's size by file")
     add_tree_args(p, "the export's manifest")
-    p.set_defaults(drafter=None)  # unset -> DEFAULT_DRAFTER in main, after _check_no_effect
+    p.set_defaults(drafter=None)  # unset -> EngineOptions' default, after _check_no_effect
     return p
 
 
-REQUEST_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
-                 "top_k": "--top-k", "seed (or None)": "--seed", "seed": "--seed", "stop strings": "--stop"}
+def _request(args, mode: str):
+    """The flags' Request (runtime.request: every check that needs no model; a SettingError
+    names the field, which `cli_error` words as the flag)."""
+    from .request import Request
 
-
-def _check_request_flags(args) -> None:
-    """api.check_request over the flags; its messages name the request's fields
-    ("top_p must be in (0, 1], got 2.0"), re-raised here with the flag typed ("--top-p ...")."""
-    from .api import check_request
-
-    try:
-        check_request(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop)
-    except ValueError as e:
-        message = str(e)
-        for field, flag in REQUEST_FLAGS.items():
-            if message.startswith(field + " "):
-                message = flag + message[len(field):]
-                break
-        raise ValueError(message) from None
+    return Request(args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed,
+                   tuple(args.stop), mode, False if args.raw else None)
 
 
 def _check_no_effect(args) -> None:
@@ -98,36 +85,31 @@ def main(argv=None) -> int:
     from eagle_deploy.contract.tree_config import TreeConfigError
 
     from .api import EagleRuntime
-    from .decode import check_acceptance
     from .hybrid import uses_draft_graph
     from .memory import export_sizes, rss_mb, snapshot
+    from .options import FLAGS as OPTION_FLAGS
+    from .options import EngineOptions
+    from .request import FLAGS as REQUEST_FLAGS
 
+    flags = {**OPTION_FLAGS, **REQUEST_FLAGS}
     try:
         # settings that need no model fail before anything is loaded or run
-        _check_request_flags(args)
-        check_at_least([("--threads", args.threads, 1)])
+        mode = "vanilla" if args.vanilla else "eagle"
+        request = _request(args, mode)
         _check_no_effect(args)
-        args.drafter = args.drafter or DEFAULT_DRAFTER
         if args.json and args.stream:
             raise ValueError("--stream and --json cannot be combined (--json prints one object at the end)")
-        if not args.prompt.strip():
-            raise ValueError("the prompt is empty")
-        args.threshold = threshold_of(args)
-        check_acceptance(args.acceptance, args.threshold)
+        threshold_of(args)  # --threshold without --acceptance threshold, worded with both flags
+        options = EngineOptions.from_args(args)
         manifest = Manifest.load(args.engines)
-        tree = tree_from_args(args, manifest.tree)
+        options = options.replace(tree=tree_from_args(args, manifest.tree))
         memory = {"rss_before_load_mb": rss_mb()}  # --json: resident memory by stage (runtime/memory.py)
         # the target graph first: vanilla decoding runs before the draft graph is opened, so the
         # process peak after it is vanilla's own (and --vanilla never opens the draft graph)
-        rt = EagleRuntime.load(args.engines, backend=args.backend, tree=tree, threads=args.threads,
-                               acceptance=args.acceptance, threshold=args.threshold, with_draft=False,
-                               verify=args.verify, drafter_kind=args.drafter, planned=not args.always_draft)
+        rt = EagleRuntime.load(args.engines, options, with_draft=False)
         memory["rss_target_loaded_mb"] = rss_mb()
-        kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, seed=args.seed, stop=args.stop, chat=False if args.raw else None)
-        mode = "vanilla" if args.vanilla else "eagle"
-        rt.prompt_ids(args.prompt, kw["chat"])  # an empty or too long prompt fails before any note or forward
-        draft_graph = mode == "eagle" and uses_draft_graph(args.drafter)  # --vanilla never opens it either
+        rt.prompt_ids(request)  # a too long prompt fails before any note or forward
+        draft_graph = mode == "eagle" and uses_draft_graph(options.drafter_kind)  # --vanilla never opens it either
         notes = manifest.notes_for(draft_graph)
         for note in (*notes, *filter(None, [rt.verification.note])):
             print(f"note: {note}", file=sys.stderr)
@@ -137,13 +119,13 @@ def main(argv=None) -> int:
         device = args.backend != "ort"
         vanilla = None
         if args.compare_vanilla:
-            rt.generate(args.prompt, **{**kw, "max_new_tokens": 4}, mode="vanilla")  # warm-up
-            vanilla = rt.generate(args.prompt, **kw, mode="vanilla")
+            rt.generate(request.replace(max_new_tokens=4, mode="vanilla"))  # warm-up
+            vanilla = rt.generate(request.replace(mode="vanilla"))
             memory["vanilla"] = snapshot(device)
         if draft_graph:
             rt.load_draft()
             memory["rss_draft_loaded_mb"] = rss_mb()
-        result = _run(rt, args, kw, mode)
+        result = _run(rt, args, request)
         memory[mode] = snapshot(device)
         comparison = {}  # --compare-vanilla: vanilla_tokens_per_s, speedup, identical_to_vanilla
         if vanilla is not None:
@@ -154,7 +136,7 @@ def main(argv=None) -> int:
                                                         / max(memory["vanilla"]["peak_rss_mb"], 1e-9), 3)
         memory["export"] = export_sizes(args.engines)
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
-        return cli_error("eagle-run", err)  # one line, no traceback
+        return cli_error("eagle-run", err, flags)  # one line, no traceback
     except (ImportError, RuntimeError) as err:  # a backend that cannot run here (no GPU, no TensorRT)
         print(f"eagle-run: error: backend {args.backend!r} unavailable: {err}", file=sys.stderr)
         return 3
@@ -169,10 +151,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def _run(rt, args, kw, mode):
+def _run(rt, args, request):
     if args.compare_vanilla or not args.stream:
-        rt.generate(args.prompt, **{**kw, "max_new_tokens": 4}, mode=mode)  # warm-up: first-call allocations
-    request = rt.stream(args.prompt, **kw, mode=mode)
+        rt.generate(request.replace(max_new_tokens=4))  # warm-up: first-call allocations
+    request = rt.stream(request)
     for delta in request:
         if args.stream and not args.json:
             print(delta, end="", flush=True)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eagle_deploy.contract.errors import SettingError
+
 _PARTIAL = 1024  # top-p: sort only this many best tokens when they already hold top_p mass
 
 
@@ -20,24 +22,26 @@ def _is_real(value) -> bool:
 
 def finite_number(value, name: str) -> float:
     """`value` as a float if it is a real, finite number (True, "0.5", nan and inf are not);
-    else ValueError naming `name`. Range checks come after, so their messages stay true."""
+    else SettingError (a ValueError) naming `name`. Range checks come after, so their
+    messages stay true."""
     if not _is_real(value) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise SettingError(name, f"must be a finite number, got {value!r}")
     return float(value)
 
 
 def whole_number(value, name: str, minimum: int) -> int:
     """`value` as an int if it is a whole number >= `minimum` (3 and 3.0 pass; True, 3.5,
-    inf and "3" do not); else ValueError naming `name`."""
+    inf and "3" do not); else SettingError (a ValueError) naming `name`."""
     if not _is_real(value) or not math.isfinite(value) or int(value) != value or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise SettingError(name, f"must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 = greedy (argmax, lowest token id on ties). top_k 0 = off; top_p 1 = off.
-    seed: None draws a fresh seed; an int makes sampled runs reproducible."""
+    seed: None draws a fresh seed; an int makes sampled runs reproducible. A bad value raises
+    SettingError naming the field."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -46,12 +50,12 @@ class SamplingParams:
 
     def __post_init__(self):
         if finite_number(self.temperature, "temperature") < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise SettingError("temperature", f"must be >= 0, got {self.temperature!r}")
         if not (0.0 < finite_number(self.top_p, "top_p") <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise SettingError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         object.__setattr__(self, "top_k", whole_number(self.top_k, "top_k", 0))
         if self.seed is not None:
-            object.__setattr__(self, "seed", whole_number(self.seed, "seed (or None)", 0))
+            object.__setattr__(self, "seed", whole_number(self.seed, "seed", 0))
 
     @property
     def greedy(self) -> bool:

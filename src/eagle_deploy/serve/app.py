@@ -33,8 +33,9 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from eagle_deploy.contract.errors import prompt_too_long
-from eagle_deploy.runtime.api import check_request, load_tokenizer
+from eagle_deploy.contract.errors import SettingError, prompt_too_long
+from eagle_deploy.runtime.api import load_tokenizer
+from eagle_deploy.runtime.request import Request as GenerationRequest
 from eagle_deploy.runtime.text import encode_chat, encode_user
 
 from .engine import Event, Job, QueueFull, Scheduler, Work, engine_info, fingerprint, stats_info
@@ -235,6 +236,16 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
                                    "(GET /v1/models)", "model_not_found")
         return req, frontend.prompt_ids(req)
 
+    def _runtime_request(req: CompletionRequest, ids: list[int], max_tokens: int, mode: str) -> GenerationRequest:
+        """The runtime's Request (its own checks, so nothing it would refuse reaches the
+        engine); a SettingError is answered as a 400 naming the HTTP field."""
+        try:
+            return GenerationRequest(tuple(ids), max_tokens, req.temperature, req.top_p, req.top_k, req.seed,
+                                     req.stop, mode)
+        except SettingError as err:
+            field = {"prompt": req.prompt_param, "max_new_tokens": "max_tokens"}.get(err.field, err.field)
+            raise invalid(field, err.named(field)) from None
+
     def _deadline(t0: float, req: CompletionRequest) -> tuple[float, float] | None:
         """(monotonic deadline, its length in s) of a request that arrived at t0, or None."""
         limits = [t for t in (request_timeout_s, req.request_timeout_s) if t is not None]
@@ -247,12 +258,7 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
             req, ids = await asyncio.get_running_loop().run_in_executor(frontend.executor, _prepare, raw, parse)
             mode = req.mode or default_mode
             max_tokens = req.max_tokens if req.max_tokens is not None else manifest.max_length
-            try:  # the runtime's own checks, so nothing it would refuse reaches the engine
-                check_request(max_tokens, req.temperature, req.top_p, req.top_k, req.seed, list(req.stop), mode)
-            except ValueError as err:
-                raise invalid(None, str(err)) from None
-            work = Work(tuple(ids), max_tokens, req.temperature, req.top_p, req.top_k, req.seed, req.stop, mode,
-                        req.user)
+            work = Work(_runtime_request(req, ids, max_tokens, mode), req.user)
             job = scheduler.submit(work, asyncio.get_running_loop())
         except ApiError as err:
             metrics.requests.labels(endpoint, "invalid").inc()

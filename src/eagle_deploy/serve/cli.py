@@ -127,8 +127,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from eagle_deploy.contract.manifest import Manifest, ManifestError
     from eagle_deploy.contract.tree_config import TreeConfigError
-    from eagle_deploy.runtime.decode import check_acceptance
     from eagle_deploy.runtime.hybrid import uses_draft_graph
+    from eagle_deploy.runtime.options import FLAGS, EngineOptions
 
     try:
         check_at_least((flag, value, 1) for flag, value in (
@@ -143,10 +143,13 @@ def main(argv=None) -> int:
         key = api_key(args)
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-        args.threshold = threshold_of(args)
-        check_acceptance(args.acceptance, args.threshold)
+        threshold_of(args)  # --threshold without --acceptance threshold, worded with both flags
+        options = EngineOptions.from_args(args)
         manifest = Manifest.load(args.engines)
-        tree = tree_from_args(args, manifest.tree)
+        # --prefill-chunk is the batched engine's (chunks interleaved with the other slots'
+        # forwards); one slot keeps the runtime's default
+        options = options.replace(tree=tree_from_args(args, manifest.tree),
+                                  **({"prefill_chunk": args.prefill_chunk} if args.slots > 1 else {}))
         if not manifest.tokenizer:
             raise ValueError(f"{args.engines} has no tokenizer; eagle-serve needs one")
         import uvicorn  # noqa: F401  (a missing serve extra fails here, before loading)
@@ -154,21 +157,17 @@ def main(argv=None) -> int:
         from .app import create_app
         from .engine import SlotScheduler
 
-        scheduler = SlotScheduler.load(args.engines, slots=args.slots, max_queue=args.max_queue,
-                                       shrink_trees=not args.fixed_tree, backend=args.backend, tree=tree,
-                                       verify=args.verify,
-                                       threads=args.threads, acceptance=args.acceptance, threshold=args.threshold,
-                                       drafter_kind=args.drafter, planned=not args.always_draft,
-                                       prefill_chunk=args.prefill_chunk)
+        scheduler = SlotScheduler.load(args.engines, options, slots=args.slots, max_queue=args.max_queue,
+                                       shrink_trees=not args.fixed_tree)
         app = create_app(scheduler, model_name=args.model_name, default_mode="vanilla" if args.vanilla else "eagle",
                          max_body_mb=args.max_body_mb, request_timeout_s=args.request_timeout_s, api_key=key,
                          protect_health_metrics=args.protect_health_metrics)
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
-        return cli_error("eagle-serve", err)  # one line, no traceback
+        return cli_error("eagle-serve", err, FLAGS)  # one line, no traceback
     except (ImportError, RuntimeError) as err:
         print(f"eagle-serve: error: backend {args.backend!r} unavailable: {err}", file=sys.stderr)
         return 3
-    draft_graph = uses_draft_graph(args.drafter)
+    draft_graph = uses_draft_graph(options.drafter_kind)
     for note in manifest.notes_for(draft_graph):
         print(f"note: {note}", file=sys.stderr)
     if args.acceptance != "lossless":

@@ -25,26 +25,24 @@ from typing import Callable, ContextManager, Protocol, Sequence
 
 from eagle_deploy.runtime.api import EagleRuntime, GenerationResult
 from eagle_deploy.runtime.batch import BatchEngine
+from eagle_deploy.runtime.options import EngineOptions
+from eagle_deploy.runtime.request import Request
 
 log = logging.getLogger("eagle_deploy.serve")
 
 
 @dataclass(frozen=True)
 class Work:
-    """One validated request for the engine. prompt_ids: token ids, fewer than the export's
-    max_length; max_tokens >= 1; sampling settings as `EagleRuntime.generate` takes them
-    (already checked); mode "eagle" | "vanilla"; user: the client's tag (OpenAI `user`), for
-    logs and test hooks."""
+    """One validated request for the engine: `request` (a runtime Request whose prompt is the
+    token ids, fewer than the export's max_length) and `user`, the client's tag (OpenAI
+    `user`), for logs and test hooks."""
 
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    mode: str = "eagle"
+    request: Request
     user: str | None = None
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.request.prompt
 
 
 @dataclass(frozen=True)
@@ -197,22 +195,25 @@ class SlotScheduler:
         self.submitted = self.completed = self.failed = self.cancelled = 0
 
     @classmethod
-    def load(cls, folder, slots: int = 1, max_queue: int = 64, round_hook: RoundHook | None = None,
-             shrink_trees: bool = True, prefill_chunk: int = 0, **runtime_kw) -> "SlotScheduler":
-        """Load `folder` for `slots` concurrent requests: one slot is `EagleRuntime.load(folder,
-        **runtime_kw)`; several share `BatchEngine.load(folder, slots, shrink_trees=...,
-        **runtime_kw)` (shrink_trees: see BatchEngine; one slot always drafts its configured
-        tree; prefill_chunk: see BatchEngine, unused with one slot). Each slot's runtime gets
-        its own round gate. round_hook: see RoundHook (tests).
-        Raises what those loaders raise (BatchError, before any graph is opened, for an export
-        or setting batched decoding cannot serve)."""
+    def load(cls, folder, options: EngineOptions | None = None, slots: int = 1, max_queue: int = 64,
+             round_hook: RoundHook | None = None, shrink_trees: bool = True, round_observers=(),
+             drafter=None, drafters=None, **changes) -> "SlotScheduler":
+        """Load `folder` for `slots` concurrent requests, decoded as `options` (with `changes`
+        on top, as for EagleRuntime.load) say: one slot is an `EagleRuntime`; several share a
+        `BatchEngine` (shrink_trees: see BatchEngine; one slot always drafts its configured
+        tree). Each slot's runtime gets its own round gate after `round_observers`. drafter
+        (one slot) / drafters (several): a custom drafter, as EagleRuntime.load / BatchEngine
+        take them (tests).
+        round_hook: see RoundHook (tests). Raises what those loaders raise (BatchError, before
+        any graph is opened, for an export or setting batched decoding cannot serve)."""
+        options = EngineOptions.of(options, **changes)
         gates = [RoundGate(round_hook) for _ in range(slots)]
-        extra = list(runtime_kw.pop("round_observers", ()))
+        extra = list(round_observers)
         if slots == 1:
-            runtime = EagleRuntime.load(folder, round_observers=[*extra, gates[0]], **runtime_kw)
+            runtime = EagleRuntime.load(folder, options, round_observers=[*extra, gates[0]], drafter=drafter)
             return cls([Slot(runtime, gates[0])], max_queue)
-        engine = BatchEngine.load(folder, slots, round_observers=lambda b: [*extra, gates[b]],
-                                  shrink_trees=shrink_trees, prefill_chunk=prefill_chunk, **runtime_kw)
+        engine = BatchEngine.load(folder, slots, options, round_observers=lambda b: [*extra, gates[b]],
+                                  drafters=drafters, shrink_trees=shrink_trees)
         return cls([Slot(rt, gates[b], partial(engine.busy, b)) for b, rt in enumerate(engine.runtimes)], max_queue,
                    engine)
 
@@ -313,12 +314,10 @@ class SlotScheduler:
                 slot.job, slot.gate.job = None, None
 
     def _run(self, slot: Slot, job: Job) -> None:
-        w = job.work
         job.state, job.t_start = "running", time.perf_counter()
         try:
             with slot.busy():
-                gen = slot.runtime.stream(list(w.prompt_ids), w.max_tokens, w.temperature, w.top_p, w.top_k, w.seed,
-                                          list(w.stop), w.mode, chat=False)
+                gen = slot.runtime.stream(job.work.request)
                 for delta in gen:
                     job.emit(Event("delta", text=delta))
                     if job.cancelled:

@@ -32,11 +32,12 @@ from typing import Annotated, Any, Literal, Optional, get_args
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from eagle_deploy.contract.errors import SettingError
+from eagle_deploy.runtime.request import MAX_STOP_CHARS, MAX_STOPS, MODES, check_stops
+
 CHAT, COMPLETION = "chat", "completion"
 ROLES = {"system", "developer", "user", "assistant"}
-MODES = ("eagle", "vanilla")
-MAX_STOPS = 16  # stop strings per request (OpenAI allows 4)
-MAX_STOP_CHARS = 256  # characters per stop string
+__all__ = ["MAX_STOPS", "MAX_STOP_CHARS", "MODES"]  # the runtime's limits, re-exported for the HTTP side
 
 
 class ApiError(Exception):
@@ -292,13 +293,11 @@ class _Tail(_Body):
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list) or any(not isinstance(s, str) or s == "" for s in stops):
             raise _api("stop must be a non-empty string or a list of non-empty strings", "invalid_type")
-        if len(stops) > MAX_STOPS:
-            raise _api(f"at most {MAX_STOPS} stop strings are allowed, got {len(stops)}")
-        for i, s in enumerate(stops):
-            if len(s) > MAX_STOP_CHARS:
-                raise _api(f"a stop string may have at most {MAX_STOP_CHARS} characters; stop[{i}] has {len(s)}")
-            _unicode(s)
-        return tuple(stops)
+        try:  # the runtime's limits (runtime.request.check_stops), named as this field
+            return check_stops(stops)
+        except SettingError as err:
+            at = err.field.removeprefix("stop")
+            raise _api(f"{{param}} {err.rule}", at=at) from None
 
     @field_validator("stream_options", mode="before")
     @classmethod

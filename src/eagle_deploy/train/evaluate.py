@@ -120,8 +120,8 @@ def main(argv=None) -> int:
                 check_prompts(name, prompts[: args.limit] if args.limit else prompts)
         manifest = Manifest.load(args.engines)
         tree = tree_from_args(args, manifest.tree)
-        rt = EagleRuntime.load(args.engines, tree=tree, threads=args.threads,
-                               row_exact={"auto": None, "on": True, "off": False}[args.row_exact])
+        rt = EagleRuntime.load(args.engines, tree=tree, threads=args.threads, drafter_kind="eagle", planned=False,
+                               row_exact={"auto": None, "on": True, "off": False}[args.row_exact])  # the head alone
     except (ManifestError, TreeConfigError, FileNotFoundError, ModuleNotFoundError, ValueError) as err:
         return cli_error("eagle-eval", err)
     result = {"engines": str(args.engines), "tree": tree.to_json(), "max_new_tokens": args.max_new_tokens,

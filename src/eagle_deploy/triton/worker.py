@@ -22,7 +22,7 @@ goes to stderr, which Triton logs):
                       {"id": 7, "error": "message", "invalid": true|false}
                       {"id": 7, "cancelled": true, "started": true, "characters": 12, "seconds": 0.3}
 
-Settings are checked (`runtime.api.check_request`) as soon as a request arrives, so a bad
+Settings are checked (a `runtime.request.Request` is made) as soon as a request arrives, so a bad
 request is answered at once even while another decodes. A cancel stops decoding within one
 verification round (a runtime round observer, `CancelCheck`) and is logged to stderr. EOF on stdin ends the worker.
 
@@ -45,6 +45,10 @@ from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER
 
 DEFAULTS = {"backend": "auto", "threads": 0, "tree": None, "acceptance": "lossless", "threshold": 0.3,
             "drafter": "", "name": "eagle", "drafter_kind": DEFAULT_DRAFTER, "planned": True}
+
+
+# a Request field -> the model's input that carries it (errors name the input)
+INPUTS = {"prompt": "text_input", "max_new_tokens": "max_tokens"}
 
 
 class Cancelled(Exception):
@@ -74,6 +78,7 @@ def load_runtime(config: dict, host=None, round_observers=()):
     from eagle_deploy.contract.manifest import Manifest
     from eagle_deploy.contract.tree_config import TreeConfig
     from eagle_deploy.runtime.api import EagleRuntime
+    from eagle_deploy.runtime.options import EngineOptions
 
     from .select import probe_host, select_backend
 
@@ -88,10 +93,11 @@ def load_runtime(config: dict, host=None, round_observers=()):
         module, _, attr = str(config["drafter"]).partition(":")
         factory = getattr(importlib.import_module(module), attr or "make_drafter")
         drafter = factory(folder, manifest, (tree or manifest.tree), threads)
-    rt = EagleRuntime.load(folder, backend=backend, tree=tree, threads=threads, acceptance=config["acceptance"],
-                           threshold=float(config["threshold"]), drafter=drafter, round_observers=round_observers,
-                           drafter_kind=str(config["drafter_kind"]), planned=bool(config["planned"]),
-                           verify=str(config.get("verify", "fast")))  # contract/verify.py: files vs manifest
+    threshold = float(config["threshold"]) if config["acceptance"] == "threshold" else None
+    options = EngineOptions(backend=backend, tree=tree, threads=threads, acceptance=config["acceptance"],
+                            threshold=threshold, drafter_kind=str(config["drafter_kind"]),
+                            planned=bool(config["planned"]), verify=str(config.get("verify", "fast")))
+    rt = EagleRuntime.load(folder, options, drafter=drafter, round_observers=round_observers)
     return rt, backend, reason
 
 
@@ -109,7 +115,8 @@ class Worker:
 
     def feed(self, line: str | None) -> None:
         """One line from the model (None = EOF). Malformed lines are logged and dropped."""
-        from eagle_deploy.runtime.api import check_request
+        from eagle_deploy.contract.errors import SettingError
+        from eagle_deploy.runtime.request import Request
 
         if line is None:
             self.queue.put(None)
@@ -128,13 +135,13 @@ class Worker:
             self.emit({"id": rid, "error": f"unknown op {op!r}", "invalid": True})
             return
         try:
-            if not isinstance(msg.get("text"), str) or not msg["text"].strip():
-                raise ValueError("text_input is empty")
-            check_request(msg.get("max_tokens"), msg.get("temperature", 0.0), msg.get("top_p", 1.0),
-                          msg.get("top_k", 0), msg.get("seed"), msg.get("stop") or ())
-        except (ValueError, TypeError) as err:  # named as the request names it (max_tokens, not max_new_tokens)
-            self.emit({"id": rid, "error": " ".join(str(err).split()).replace("max_new_tokens", "max_tokens"),
-                       "invalid": True})
+            msg["request"] = Request(msg.get("text") if isinstance(msg.get("text"), str) else "",
+                                     msg.get("max_tokens"), msg.get("temperature", 0.0), msg.get("top_p", 1.0),
+                                     msg.get("top_k", 0), msg.get("seed"), msg.get("stop") or ())
+        except SettingError as err:  # named as the model's inputs name it (max_tokens, not max_new_tokens)
+            field = INPUTS.get(err.field.partition("[")[0])
+            message = err.named(field + err.field[len(err.field.partition("[")[0]):]) if field else str(err)
+            self.emit({"id": rid, "error": " ".join(message.split()), "invalid": True})
             return
         self.queue.put(msg)
 
@@ -160,9 +167,7 @@ class Worker:
                 return
             t0 = time.perf_counter()
             self.current = rid
-            gen = self.rt.stream(msg["text"], max_new_tokens=int(msg["max_tokens"]),
-                                 temperature=msg.get("temperature", 0.0), top_p=msg.get("top_p", 1.0),
-                                 top_k=msg.get("top_k", 0), seed=msg.get("seed"), stop=msg.get("stop") or ())
+            gen = self.rt.stream(msg["request"])
             sent = 0
             try:
                 for delta in gen:

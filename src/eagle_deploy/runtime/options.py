@@ -1,0 +1,123 @@
+"""How an export is decoded: `EngineOptions`, the one set of engine defaults.
+
+`EagleRuntime.load`, `BatchEngine.load`, eagle-run, eagle-serve, the Triton model and
+eagle-bench all take one `EngineOptions` (the CLIs build it from their flags with
+`EngineOptions.from_args`), so a default lives here and nowhere else. The default decodes with
+the fastest lossless drafter measured (`hybrid`, planned: the head's tree plus context lookup,
+each round sized by its expected tokens per second; docs/drafting.md), the same for the Python
+API as for the commands.
+
+    rt = EagleRuntime.load("engines/smollm2-135m")                             # the defaults
+    rt = EagleRuntime.load(folder, EngineOptions(drafter_kind="eagle", planned=False))
+    rt = EagleRuntime.load(folder, threads=2)                      # one option changed
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from eagle_deploy.contract.cli_args import BACKEND_NAMES, DEFAULT_THRESHOLD, VERIFY_CHOICES
+from eagle_deploy.contract.errors import SettingError
+from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER, DRAFTER_KINDS, TreeConfig
+
+from .decode import PREFILL_CHUNK
+from .sampling import finite_number, whole_number
+
+# option -> the flag that sets it (eagle-run, eagle-serve): errors name the flag on the command line
+FLAGS = {"backend": "--backend", "tree": "--tree", "threads": "--threads", "drafter_kind": "--drafter",
+         "planned": "--always-draft", "acceptance": "--acceptance", "threshold": "--threshold",
+         "verify": "--verify", "prefill_chunk": "--prefill-chunk"}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Engine settings, checked when made (SettingError, a ValueError, naming the option).
+
+    backend: "ort" (onnxruntime CPU), "ort-cuda", "trt" (TensorRT engines of the export).
+    tree: the draft tree (None: the manifest's). threads: intra-op threads per onnxruntime
+    session (None: onnxruntime's choice), >= 1.
+    drafter_kind: where draft tokens come from: "hybrid" (the head's tree plus context-lookup
+    branches in one tree), "eagle" (the head alone), "lookup" (context lookup alone, no draft
+    graph); every kind is lossless. planned: size each round's draft by its expected tokens
+    per second on this machine (runtime/planner.py), down to a plain vanilla step; False: the
+    configured tree every round (then a seed gives the same tokens in every process without a
+    tuned export).
+    acceptance: "lossless" (the target's distribution exactly; greedy: token for token) or
+    "threshold" (NOT lossless: accept a draft token the target gives probability >= threshold).
+    threshold: None = DEFAULT_THRESHOLD under threshold acceptance; a value with lossless
+    acceptance is refused (it would change nothing).
+    verify: "fast" | "full" | "off", how the export's files are checked against the manifest
+    before a graph is opened (contract/verify.py). row_exact: decode every one-token forward as
+    two rows so that greedy EAGLE equals vanilla bit for bit (None: on for quantised targets).
+    prefill_chunk: rows per prefill forward of a long prompt (0: the whole prompt in one
+    forward; same bits either way)."""
+
+    backend: str = "ort"
+    tree: TreeConfig | None = None
+    threads: int | None = None
+    drafter_kind: str = DEFAULT_DRAFTER
+    planned: bool = True
+    acceptance: str = "lossless"
+    threshold: float | None = None
+    verify: str = "fast"
+    row_exact: bool | None = None
+    prefill_chunk: int = PREFILL_CHUNK
+
+    def __post_init__(self):
+        _one_of("backend", self.backend, BACKEND_NAMES)
+        _one_of("drafter_kind", self.drafter_kind, DRAFTER_KINDS)
+        _one_of("acceptance", self.acceptance, ("lossless", "threshold"))
+        _one_of("verify", self.verify, VERIFY_CHOICES)
+        if self.tree is not None and not isinstance(self.tree, TreeConfig):
+            raise SettingError("tree", f"must be a TreeConfig or None, got {self.tree!r}")
+        if self.threads is not None:
+            object.__setattr__(self, "threads", whole_number(self.threads, "threads", 1))
+        for name in ("planned",) + (() if self.row_exact is None else ("row_exact",)):
+            if not isinstance(getattr(self, name), bool):
+                raise SettingError(name, f"must be True or False, got {getattr(self, name)!r}")
+        object.__setattr__(self, "prefill_chunk", whole_number(self.prefill_chunk, "prefill_chunk", 0))
+        if self.acceptance == "lossless":
+            if self.threshold is not None:
+                raise SettingError("threshold", "has no effect with lossless acceptance (it takes no threshold)")
+        else:
+            threshold = DEFAULT_THRESHOLD if self.threshold is None else finite_number(self.threshold, "threshold")
+            if not 0.0 < threshold <= 1.0:
+                raise SettingError("threshold", f"must be in (0, 1], got {threshold}")
+            object.__setattr__(self, "threshold", threshold)
+
+    @property
+    def threshold_or_zero(self) -> float:
+        """The acceptance threshold the Decoder takes (0.0 under lossless acceptance)."""
+        return self.threshold if self.threshold is not None else 0.0
+
+    def replace(self, **changes) -> "EngineOptions":
+        """A copy with `changes` (option names); TypeError for a name that is no option."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"unknown engine option{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
+                            f"(EngineOptions has {', '.join(f.name for f in dataclasses.fields(self))})")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def of(cls, options: "EngineOptions | None" = None, **changes) -> "EngineOptions":
+        """`options` (default: EngineOptions()) with `changes`: what every loader does with its
+        `options` argument and its keyword overrides."""
+        if options is not None and not isinstance(options, EngineOptions):
+            raise TypeError(f"options must be an EngineOptions, got {type(options).__name__}")
+        return (options or cls()).replace(**changes) if changes else (options or cls())
+
+    @classmethod
+    def from_args(cls, args, tree: TreeConfig | None = None, **changes) -> "EngineOptions":
+        """The options of `contract.cli_args.add_engine_args`' flags (eagle-run, eagle-serve):
+        --backend, --threads, --drafter, --always-draft, --acceptance, --threshold, --verify;
+        `tree` (the tree flags resolved against the manifest) and `changes` on top. Raises
+        SettingError; `cli_message` words it with the flag."""
+        drafter = getattr(args, "drafter", None) or DEFAULT_DRAFTER
+        return cls(backend=args.backend, tree=tree, threads=args.threads, drafter_kind=drafter,
+                   planned=not args.always_draft, acceptance=args.acceptance, threshold=args.threshold,
+                   verify=args.verify, **changes)
+
+
+def _one_of(name: str, value, choices) -> None:
+    if value not in choices:
+        raise SettingError(name, f"must be one of {', '.join(choices)}, got {value!r}")
