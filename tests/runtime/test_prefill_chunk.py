@@ -45,7 +45,7 @@ def test_chunked_prefill_state_and_kv_are_one_forwards_bits(model, request):
     for chunk in (0, 4, 7):
         rt = m.runtime(prefill_chunk=chunk)
         params = SamplingParams()
-        state = rt.decoder.prefill(PROMPT, params, params.rng(), Stats())
+        state, _ = rt.decoder.prefill(PROMPT, params, params.rng(), Stats())
         states.append(state)
         kvs.append([a[..., :len(PROMPT), :].copy() if a.ndim == 4 else a.copy() for a in rt.decoder.kv.arrays])
     for state, kv in zip(states[1:], kvs[1:]):

@@ -35,18 +35,22 @@ from .hybrid import ALTERNATE_LEN, ALTERNATES, MAX_LOOKUP, head_of, make_drafter
 from .options import EngineOptions
 from .planner import CostModel, measure_costs
 from .request import Prompt, Request
+from .shaping import TokenLogprob
 from .text import TextStream, encode_chat
 
 
 @dataclass
 class GenerationResult:
     """text (stop string excluded), token_ids (generated only; an EOS id is kept),
-    finish_reason ("stop" | "length"), stats (a decode.Stats; `stats.to_json()` for JSON)."""
+    finish_reason ("stop" | "length"), stats (a decode.Stats; `stats.to_json()` for JSON),
+    logprobs (with Request.logprobs: one shaping.TokenLogprob per token of token_ids; else
+    None)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str
     stats: Stats = field(default_factory=Stats)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Generation:
@@ -358,6 +362,10 @@ class EagleRuntime:
             raise ValueError("this runtime was loaded without its draft graph (with_draft=False): call load_draft() "
                              "before EAGLE decoding")
         ids = self.prompt_ids(request)
+        vocab = self.manifest.dims.vocab
+        bad = next((t for t, _ in request.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise SettingError("logit_bias", f"keys must be token ids in [0, {vocab}), got {bad}")
         if self.tokenizer is None and request.stop:
             raise SettingError("stop", "needs a tokenizer (this export has none)")
         text = TextStream(self.tokenizer, self.eos_ids, request.stop) if self.tokenizer is not None else None
@@ -371,8 +379,9 @@ class EagleRuntime:
             vanilla = request.mode == "vanilla"
             stats = Stats(drafter=None if vanilla else self.drafter_kind)
             tokens: list[int] = []
+            logprobs = None if request.logprobs is None else []
             for chunk in self.decoder.decode(ids, request.max_new_tokens, request.sampling, stopper, vanilla=vanilla,
-                                             stats=stats):
+                                             stats=stats, logprobs=logprobs, top_logprobs=request.logprobs or 0):
                 tokens += chunk
                 if text is not None:
                     delta = text.take()
@@ -385,7 +394,8 @@ class EagleRuntime:
                 tail = text.take(final=True)
                 if tail:
                     yield tail
-            return GenerationResult(text.text if text is not None else "", tokens, stats.finish_reason, stats)
+            return GenerationResult(text.text if text is not None else "", tokens, stats.finish_reason, stats,
+                                    logprobs)
         finally:
             self._release(me)
 

@@ -18,6 +18,7 @@ from .acceptance import SpecCounts, tau
 from .backends.base import Backend, StepInputs
 from .drafter import Drafter, DraftRequest, causal_mask
 from .sampling import SamplingParams, finite_number, greedy_token, sample, target_probs
+from .shaping import LogitShaper, TokenLogprob, token_logprob
 from .tree import DraftTree
 from .verify import Verification, contiguous, verify_sampling, verify_threshold
 
@@ -220,16 +221,25 @@ class Decoder:
         self.round_observers = tuple(round_observers)
 
     def decode(self, prompt: Sequence[int], max_new_tokens: int, params: SamplingParams,
-               stopper: Stopper, vanilla: bool = False, stats: Stats | None = None) -> Iterator[list[int]]:
+               stopper: Stopper, vanilla: bool = False, stats: Stats | None = None,
+               logprobs: list[TokenLogprob] | None = None, top_logprobs: int = 0) -> Iterator[list[int]]:
         """Yield committed token chunks until a stop, `max_new_tokens`, or KV capacity;
-        `stats` (if given) is filled in as the request runs."""
+        `stats` (if given) is filled in as the request runs, and `logprobs` (if given) gets one
+        shaping.TokenLogprob per committed token, with its `top_logprobs` alternatives. A
+        request's logit_bias and penalties shape every tree node's row from its own path
+        (shaping.LogitShaper) before verification."""
         stats = stats if stats is not None else Stats()
         stats.mode = "vanilla" if vanilla else "eagle"
         stats.acceptance, stats.row_exact = self.acceptance, self.row_exact
         rng = params.rng()
+        shaper = LogitShaper.of(params, prompt)
         t0 = time.perf_counter()
-        state = self.prefill(prompt, params, rng, stats)
+        state, first_logits = self.prefill(prompt, params, rng, stats, shaper)
         first = self.commit_tokens(state, [state.committed.pop()], max_new_tokens, stopper)
+        if shaper is not None:
+            shaper.push(first)
+        if logprobs is not None:
+            logprobs.append(token_logprob(first_logits, first[0], top_logprobs))
         stats.t_prefill = time.perf_counter() - t0
         yield first
         drafter = None if vanilla else self.drafter
@@ -241,10 +251,17 @@ class Decoder:
             t2 = time.perf_counter()
             logits, features = self.verify_forward(tree, state)
             t3 = time.perf_counter()
-            verification = self.accept(tree, logits, params, rng)
+            verification = self.accept(tree, logits if shaper is None else shaper.rows(logits, tree), params, rng)
             for observe in self.round_observers:
                 observe(tree, logits, verification)
+            if logprobs is not None:  # before commit: the next forward reuses the backend's arrays
+                logprobs.extend(token_logprob(logits[i], t, top_logprobs)
+                                for i, t in zip(verification.path, verification.tokens))
             chunk = self.commit(state, verification, features, max_new_tokens, stopper)
+            if logprobs is not None:
+                del logprobs[len(logprobs) - len(verification.tokens) + len(chunk):]  # tokens after a stop
+            if shaper is not None:
+                shaper.push(chunk)
             t4 = time.perf_counter()
             stats.t_draft, stats.t_verify, stats.t_commit = (stats.t_draft + t2 - t1, stats.t_verify + t3 - t2,
                                                              stats.t_commit + t4 - t3)
@@ -257,7 +274,10 @@ class Decoder:
         stats.draft_forwards = drafter.forwards if drafter is not None else 0
         stats.t_total = time.perf_counter() - t0
 
-    def prefill(self, prompt: Sequence[int], params: SamplingParams, rng, stats: Stats) -> _State:
+    def prefill(self, prompt: Sequence[int], params: SamplingParams, rng, stats: Stats,
+                shaper: LogitShaper | None = None) -> tuple[_State, np.ndarray]:
+        """Run the prompt; -> (the state with its first token chosen, that token's [V] row of
+        target logits, a copy)."""
         n = len(prompt)
         if n == 0:
             raise ValueError("the prompt is empty")
@@ -273,9 +293,11 @@ class Decoder:
             features.append(out.draft_features[0].copy())  # the backend reuses its output arrays
             stats.prefill_forwards += 1
             a = b
-        logits = out.logits[0, 0]
-        token = greedy_token(logits) if params.greedy else sample(target_probs(logits, params), rng)
-        return _State(list(prompt) + [token], n, features[0] if len(features) == 1 else np.concatenate(features))
+        logits = out.logits[0, 0].copy()
+        shaped = logits if shaper is None else shaper.row(logits)
+        token = greedy_token(shaped) if params.greedy else sample(target_probs(shaped, params), rng)
+        state = _State(list(prompt) + [token], n, features[0] if len(features) == 1 else np.concatenate(features))
+        return state, logits
 
     def expand_tree(self, state: _State, drafter: Drafter | None, max_new_tokens: int) -> DraftTree:
         root = state.committed[-1]

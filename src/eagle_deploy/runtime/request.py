@@ -27,6 +27,7 @@ MODES = ("eagle", "vanilla")
 MAX_STOPS = 16  # stop strings per request (OpenAI allows 4)
 MAX_STOP_CHARS = 256  # characters per stop string
 DEFAULT_MAX_NEW_TOKENS = 128
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's bound)
 
 # field -> eagle-run's flag for it
 FLAGS = {"prompt": "--prompt", "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
@@ -45,7 +46,12 @@ class Request:
     truncate the target distribution; seed: an int makes sampled output reproducible. stop:
     a string or strings (at most MAX_STOPS, each 1 to MAX_STOP_CHARS characters); the text
     ends before the first one. mode: "eagle" (speculative) or "vanilla" (one token per target
-    forward on the same engine). `sampling` is the SamplingParams the decoder reads."""
+    forward on the same engine). min_p, logit_bias ({token id: bias}), presence_penalty,
+    frequency_penalty, repetition_penalty: see sampling.SamplingParams (each keeps EAGLE's
+    output equal to vanilla decoding's under the same settings: shaping.LogitShaper).
+    logprobs: None (off) or k in [0, MAX_TOP_LOGPROBS]: return each generated token's
+    log-probability under the target and its k most likely alternatives
+    (GenerationResult.logprobs). `sampling` is the SamplingParams the decoder reads."""
 
     prompt: Prompt
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -56,15 +62,28 @@ class Request:
     stop: tuple[str, ...] | str = ()
     mode: str = "eagle"
     chat: bool | None = None
+    min_p: float = 0.0
+    logit_bias: dict | tuple = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
     sampling: SamplingParams = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise SettingError("mode", f"must be 'eagle' or 'vanilla', got {self.mode!r}")
         object.__setattr__(self, "max_new_tokens", whole_number(self.max_new_tokens, "max_new_tokens", 1))
-        object.__setattr__(self, "sampling", SamplingParams(self.temperature, self.top_p, self.top_k, self.seed))
-        object.__setattr__(self, "top_k", self.sampling.top_k)
-        object.__setattr__(self, "seed", self.sampling.seed)
+        object.__setattr__(self, "sampling", SamplingParams(
+            self.temperature, self.top_p, self.top_k, self.seed, self.min_p, self.logit_bias, self.presence_penalty,
+            self.frequency_penalty, self.repetition_penalty))
+        for name in ("top_k", "seed", "logit_bias"):
+            object.__setattr__(self, name, getattr(self.sampling, name))
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", whole_number(self.logprobs, "logprobs", 0))
+            if self.logprobs > MAX_TOP_LOGPROBS:
+                raise SettingError("logprobs", f"must be at most {MAX_TOP_LOGPROBS} (alternatives per token), "
+                                               f"got {self.logprobs}")
         object.__setattr__(self, "stop", check_stops(self.stop))
         if self.chat is not None and not isinstance(self.chat, bool):
             raise SettingError("chat", f"must be True, False or None, got {self.chat!r}")

@@ -1,7 +1,9 @@
 """Sampling settings and the processed target distribution they define.
 
-Temperature, top-k and top-p apply to the *target* distribution (in that order, as
-transformers' logits warpers do); verification then samples exactly from it (see verify.py).
+Temperature, min-p, top-k and top-p apply to the *target* distribution (in that order, as
+vLLM's sampler applies them; min-p and top-k keep the same set in either order); verification
+then samples exactly from it (see verify.py). logit_bias and the penalties change the logits
+before that, node by node of a draft tree (shaping.LogitShaper).
 """
 from __future__ import annotations
 
@@ -39,14 +41,24 @@ def whole_number(value, name: str, minimum: int) -> int:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy (argmax, lowest token id on ties). top_k 0 = off; top_p 1 = off.
-    seed: None draws a fresh seed; an int makes sampled runs reproducible. A bad value raises
-    SettingError naming the field."""
+    """temperature 0 = greedy (argmax, lowest token id on ties). top_k 0 = off; top_p 1 = off;
+    min_p 0 = off (else tokens less likely than min_p times the most likely one are dropped).
+    seed: None draws a fresh seed; an int makes sampled runs reproducible.
+    logit_bias: ((token id, bias), ...) added to those logits, each bias in [-100, 100] (OpenAI's
+    range; -100 bans a token); repetition_penalty > 0 (1 = off; vLLM's extension) over the
+    prompt's and the generated tokens; frequency_penalty and presence_penalty in [-2, 2] (0 =
+    off) over the generated tokens (shaping.LogitShaper). A bad value raises SettingError
+    naming the field."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if finite_number(self.temperature, "temperature") < 0:
@@ -56,6 +68,20 @@ class SamplingParams:
         object.__setattr__(self, "top_k", whole_number(self.top_k, "top_k", 0))
         if self.seed is not None:
             object.__setattr__(self, "seed", whole_number(self.seed, "seed", 0))
+        if not 0.0 <= finite_number(self.min_p, "min_p") <= 1.0:
+            raise SettingError("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= finite_number(getattr(self, name), name) <= 2.0:
+                raise SettingError(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
+        if not finite_number(self.repetition_penalty, "repetition_penalty") > 0.0:
+            raise SettingError("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether logit_bias or a penalty changes the logits (shaping.LogitShaper)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
+            or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +89,30 @@ class SamplingParams:
 
     def rng(self) -> np.random.Generator:
         return np.random.default_rng(self.seed)
+
+
+def check_logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """A {token id: bias} mapping (ids as ints or, as JSON sends them, digit strings) or pairs ->
+    ((id, bias), ...) sorted by id; SettingError naming "logit_bias" (or "logit_bias[ID]") for
+    an id that is not a whole number >= 0 or a bias outside [-100, 100]. The id's bound is the
+    export's vocabulary (EagleRuntime checks it)."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        items = list(items or ())
+    except TypeError:
+        raise SettingError("logit_bias", f"must be a mapping of token ids to numbers, got {bias!r}") from None
+    out = {}
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise SettingError("logit_bias", f"must be a mapping of token ids to numbers, got {bias!r}")
+        key, value = item
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12 else key
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            raise SettingError("logit_bias", f"keys must be token ids (whole numbers >= 0), got {key!r}")
+        if not -100.0 <= finite_number(value, f"logit_bias[{key}]") <= 100.0:
+            raise SettingError(f"logit_bias[{key}]", f"must be in [-100, 100], got {value!r}")
+        out[int(token)] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def greedy_token(logits: np.ndarray) -> int:
@@ -82,6 +132,8 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     z = logits.astype(np.float64)
     with np.errstate(over="ignore"):  # <= 0 before dividing: a tiny T gives -inf (probability 0), never NaN
         z = (z - z.max()) / params.temperature
+    if params.min_p > 0.0:  # z's maximum is 0: keep p >= min_p * p_max
+        z = np.where(z >= np.log(params.min_p), z, -np.inf)
     if params.top_k and params.top_k < len(z):
         kth = np.partition(z, len(z) - params.top_k)[len(z) - params.top_k]
         z = np.where(z >= kth, z, -np.inf)
