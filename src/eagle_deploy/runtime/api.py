@@ -63,9 +63,12 @@ class Generation:
         s.result.stats.mean_accept_len
     """
 
-    def __init__(self, deltas: Generator[str, None, GenerationResult]):
+    def __init__(self, deltas: Generator[str, None, GenerationResult], logprobs: list[TokenLogprob] | None = None):
+        """logprobs: the list the request fills as tokens are committed (Request.logprobs), or
+        None; read it while streaming through `logprobs`."""
         self._deltas = deltas
         self._result: GenerationResult | None = None
+        self.logprobs = logprobs  # one TokenLogprob per token committed so far (a text delta may lag behind)
 
     def __iter__(self) -> "Generation":
         return self
@@ -307,10 +310,7 @@ class EagleRuntime:
             return list(self._tok().encode(prompt, add_special_tokens=True))
         if isinstance(prompt[0], dict):
             return self._chat_ids(prompt)
-        vocab = self.manifest.dims.vocab
-        bad = next((t for t in prompt if t >= vocab), None)
-        if bad is not None:
-            raise SettingError("prompt", f"token ids must be in [0, {vocab}), got {bad}")
+        Request(prompt).check_vocab(self.manifest.dims.vocab)
         return list(prompt)
 
     def prompt_ids(self, prompt: Prompt | Request, chat: bool | None = None) -> list[int]:
@@ -362,24 +362,21 @@ class EagleRuntime:
             raise ValueError("this runtime was loaded without its draft graph (with_draft=False): call load_draft() "
                              "before EAGLE decoding")
         ids = self.prompt_ids(request)
-        vocab = self.manifest.dims.vocab
-        bad = next((t for t, _ in request.logit_bias if t >= vocab), None)
-        if bad is not None:
-            raise SettingError("logit_bias", f"keys must be token ids in [0, {vocab}), got {bad}")
+        request.check_vocab(self.manifest.dims.vocab)
         if self.tokenizer is None and request.stop:
             raise SettingError("stop", "needs a tokenizer (this export has none)")
         text = TextStream(self.tokenizer, self.eos_ids, request.stop) if self.tokenizer is not None else None
-        return Generation(self._stream(ids, request, text))
+        logprobs = None if request.logprobs is None else []
+        return Generation(self._stream(ids, request, text, logprobs), logprobs)
 
-    def _stream(self, ids: list[int], request: Request, text: TextStream | None
-                ) -> Generator[str, None, GenerationResult]:
+    def _stream(self, ids: list[int], request: Request, text: TextStream | None,
+                logprobs: list[TokenLogprob] | None) -> Generator[str, None, GenerationResult]:
         me = self._claim()
         try:
             stopper = text or TokenStopper(self.eos_ids)
             vanilla = request.mode == "vanilla"
             stats = Stats(drafter=None if vanilla else self.drafter_kind)
             tokens: list[int] = []
-            logprobs = None if request.logprobs is None else []
             for chunk in self.decoder.decode(ids, request.max_new_tokens, request.sampling, stopper, vanilla=vanilla,
                                              stats=stats, logprobs=logprobs, top_logprobs=request.logprobs or 0):
                 tokens += chunk

@@ -89,6 +89,17 @@ class Request:
             raise SettingError("chat", f"must be True, False or None, got {self.chat!r}")
         object.__setattr__(self, "prompt", check_prompt(self.prompt))
 
+    def check_vocab(self, vocab: int) -> None:
+        """SettingError for a token id at or beyond the export's vocabulary: in the prompt
+        (token ids) or among logit_bias's keys."""
+        if self.prompt and isinstance(self.prompt, tuple) and isinstance(self.prompt[0], int):
+            bad = next((t for t in self.prompt if t >= vocab), None)
+            if bad is not None:
+                raise SettingError("prompt", f"token ids must be in [0, {vocab}), got {bad}")
+        bad = next((t for t, _ in self.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise SettingError("logit_bias", f"keys must be token ids in [0, {vocab}), got {bad}")
+
     def replace(self, **changes) -> "Request":
         """A copy with `changes`, checked again."""
         kept = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "sampling"}

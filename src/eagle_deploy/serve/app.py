@@ -48,6 +48,7 @@ from .protocol import (
     CompletionRequest,
     Envelope,
     invalid,
+    logprobs_body,
     parse_chat,
     parse_completion,
     parse_json,
@@ -240,11 +241,25 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
         """The runtime's Request (its own checks, so nothing it would refuse reaches the
         engine); a SettingError is answered as a 400 naming the HTTP field."""
         try:
-            return GenerationRequest(tuple(ids), max_tokens, req.temperature, req.top_p, req.top_k, req.seed,
-                                     req.stop, mode)
+            request = GenerationRequest(tuple(ids), max_tokens, req.temperature, req.top_p, req.top_k, req.seed,
+                                        req.stop, mode, min_p=req.min_p, logit_bias=req.logit_bias,
+                                        presence_penalty=req.presence_penalty,
+                                        frequency_penalty=req.frequency_penalty,
+                                        repetition_penalty=req.repetition_penalty, logprobs=req.logprobs)
+            request.check_vocab(manifest.dims.vocab)
+            return request
         except SettingError as err:
-            field = {"prompt": req.prompt_param, "max_new_tokens": "max_tokens"}.get(err.field, err.field)
+            names = {"prompt": req.prompt_param, "max_new_tokens": "max_tokens",
+                     "logprobs": "top_logprobs" if req.kind == CHAT else "logprobs"}
+            base = err.field.partition("[")[0]
+            field = names.get(base, base) + err.field[len(base):]
             raise invalid(field, err.named(field)) from None
+
+    def _logprobs(kind: str, entries, offset: int = 0) -> dict | None:
+        """The response's `logprobs` for these TokenLogprobs (None when the request asked for none)."""
+        if entries is None:
+            return None
+        return logprobs_body(kind, entries, lambda t: frontend.tokenizer.decode([t]), offset)
 
     def _deadline(t0: float, req: CompletionRequest) -> tuple[float, float] | None:
         """(monotonic deadline, its length in s) of a request that arrived at t0, or None."""
@@ -303,7 +318,7 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
         result = ev.result
         metrics.finished(endpoint, job, result)
         body = env.response(result.text, result.finish_reason, _usage(len(ids), result),
-                            {"eagle": {**info, **stats_info(result)}})
+                            {"eagle": {**info, **stats_info(result)}}, _logprobs(kind, result.logprobs))
         return JSONResponse(body)
 
     def _usage(prompt_tokens: int, result) -> dict:
@@ -331,6 +346,7 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
                       endpoint: str, deadline: tuple[float, float] | None):
         nulls = req.include_usage  # with include_usage every chunk carries "usage": null, then a usage chunk
         ended = False
+        sent_lp, sent_chars = 0, 0  # logprobs and characters streamed so far (completions' text_offset)
         last_check = time.monotonic()
         try:
             if env.kind == CHAT:
@@ -338,11 +354,15 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
             ev = first
             while True:
                 if ev.kind == "delta":
-                    yield sse(env.chunk(ev.text, usage_null=nulls))
+                    lp = _logprobs(env.kind, ev.logprobs, sent_chars) if req.logprobs is not None else None
+                    sent_lp, sent_chars = sent_lp + len(ev.logprobs), sent_chars + len(ev.text)
+                    yield sse(env.chunk(ev.text, usage_null=nulls, logprobs=lp))
                 elif ev.kind == "done":
                     result = ev.result
+                    rest = None if result.logprobs is None else result.logprobs[sent_lp:]  # after the last delta
                     yield sse(env.chunk(None, result.finish_reason, usage_null=nulls,
-                                        extra={"eagle": {**info, **stats_info(result)}}))
+                                        extra={"eagle": {**info, **stats_info(result)}},
+                                        logprobs=_logprobs(env.kind, rest, sent_chars) if rest else None))
                     if req.include_usage:
                         yield sse(env.usage_chunk(_usage(len(job.work.prompt_ids), result)))
                     yield DONE

@@ -47,13 +47,15 @@ class Work:
 
 @dataclass(frozen=True)
 class Event:
-    """What the engine reports about a job. kind: "delta" (text), "done" (result),
-    "error" (error: the exception that ended the job), "cancelled"."""
+    """What the engine reports about a job. kind: "delta" (text, and with Request.logprobs the
+    TokenLogprobs of the tokens committed since the previous delta), "done" (result), "error"
+    (error: the exception that ended the job), "cancelled"."""
 
     kind: str
     text: str = ""
     result: GenerationResult | None = None
     error: BaseException | None = None
+    logprobs: tuple = ()
 
 
 class Cancelled(Exception):
@@ -318,8 +320,11 @@ class SlotScheduler:
         try:
             with slot.busy():
                 gen = slot.runtime.stream(job.work.request)
+                sent = 0
                 for delta in gen:
-                    job.emit(Event("delta", text=delta))
+                    new = tuple(gen.logprobs[sent:]) if gen.logprobs is not None else ()
+                    sent += len(new)
+                    job.emit(Event("delta", text=delta, logprobs=new))
                     if job.cancelled:
                         raise Cancelled()
             self._end(job, "done", Event("done", result=gen.result))

@@ -11,11 +11,14 @@ naming the field (`n`, `max_tokens`, `temperature`, `messages[1].content`, ...).
 `model`, `messages` (chat) or `prompt` (completions: a string, a list of token ids, or a list
 of one of either), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`,
 `stop` (a string or a list of strings), `stream`, `stream_options.include_usage`, `n` (1
-only), `user` (kept as the request's tag); extensions: `top_k` (0 = off) and `mode`
-("eagle" | "vanilla", the decoding mode of this request; default: the server's). Fields that
-would change the output in ways this server does not implement (`logprobs`, `tools`,
-penalties, `logit_bias`, `echo`, `suffix`, `best_of` > 1, a non-text `response_format`) are
-rejected rather than ignored; other unknown fields are ignored. Text that reaches the tokenizer
+only), `user` (kept as the request's tag), `logprobs` (chat: true/false with `top_logprobs`
+0-20; completions: 0-20 alternatives), `logit_bias`, `presence_penalty`,
+`frequency_penalty`; extensions: `top_k` (0 = off), `min_p`, `repetition_penalty` (vLLM's)
+and `mode` ("eagle" | "vanilla", the decoding mode of this request; default: the server's).
+Their ranges are the runtime's (`runtime.request.Request`, each error naming the HTTP field).
+Fields that would change the output in ways this server does not implement (`tools`, `echo`,
+`suffix`, `best_of` > 1, a non-text `response_format`) are rejected rather than ignored; other
+unknown fields are ignored. Text that reaches the tokenizer
 (prompt, message contents, stop strings) must be valid Unicode (no lone surrogates such as
 `"\\ud800"`); at most MAX_STOPS stop strings of at most MAX_STOP_CHARS characters each.
 `request_timeout_s` (extension) shortens the server's per-request deadline for this request.
@@ -27,13 +30,14 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Optional, get_args
+from typing import Annotated, Any, Callable, Literal, Optional, Sequence, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from eagle_deploy.contract.errors import SettingError
 from eagle_deploy.runtime.request import MAX_STOP_CHARS, MAX_STOPS, MODES, check_stops
+from eagle_deploy.runtime.shaping import TokenLogprob
 
 CHAT, COMPLETION = "chat", "completion"
 ROLES = {"system", "developer", "user", "assistant"}
@@ -78,6 +82,12 @@ class CompletionRequest:
     mode: str | None = None
     user: str | None = None
     request_timeout_s: float | None = None
+    logprobs: int | None = None  # None: off; k: each token's logprob and its k best alternatives
+    logit_bias: Any = None
+    presence_penalty: Any = 0.0
+    frequency_penalty: Any = 0.0
+    repetition_penalty: Any = 1.0
+    min_p: Any = 0.0
     extras: dict = field(default_factory=dict)
 
     @property
@@ -103,20 +113,27 @@ def parse_json(raw: bytes) -> dict:
 def parse_chat(body: dict) -> CompletionRequest:
     """A /v1/chat/completions body -> CompletionRequest. Raises ApiError (400)."""
     r = _read(_ChatBody, body)
+    if r.top_logprobs is not None and not r.logprobs:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs set to true")
     return _request(r, CompletionRequest(CHAT, r.model, messages=[m.model_dump() for m in r.messages],
-                                         max_tokens=r.max_completion_tokens or r.max_tokens))
+                                         max_tokens=r.max_completion_tokens or r.max_tokens,
+                                         logprobs=(r.top_logprobs or 0) if r.logprobs else None))
 
 
 def parse_completion(body: dict) -> CompletionRequest:
     """A /v1/completions body -> CompletionRequest. Raises ApiError (400)."""
     r = _read(_CompletionBody, body)
-    return _request(r, CompletionRequest(COMPLETION, r.model, prompt=r.prompt, max_tokens=r.max_tokens))
+    return _request(r, CompletionRequest(COMPLETION, r.model, prompt=r.prompt, max_tokens=r.max_tokens,
+                                         logprobs=r.logprobs))
 
 
 def _request(r: _Tail, req: CompletionRequest) -> CompletionRequest:
     req.temperature, req.top_p, req.top_k, req.seed, req.stop = r.temperature, r.top_p, r.top_k, r.seed, r.stop or ()
     req.stream, req.mode, req.user, req.request_timeout_s = r.stream, r.mode, r.user, r.request_timeout_s
     req.include_usage = r.stream_options is not None and r.stream_options.include_usage
+    req.logit_bias, req.presence_penalty, req.frequency_penalty = r.logit_bias or {}, r.presence_penalty, \
+        r.frequency_penalty
+    req.repetition_penalty, req.min_p = r.repetition_penalty, r.min_p
     return req
 
 
@@ -196,6 +213,8 @@ class _ChatHead(_Body):
     messages: Annotated[list[_Message], Field(min_length=1)]
     max_completion_tokens: Optional[_int(1)] = None
     max_tokens: Optional[_int(1)] = None
+    logprobs: bool = False
+    top_logprobs: Optional[_int(0)] = None  # alternatives per token (the runtime caps them)
 
     @model_validator(mode="before")
     @classmethod
@@ -210,6 +229,7 @@ class _CompletionHead(_Body):
     model: Annotated[str, Field(min_length=1)]
     prompt: Any
     max_tokens: _int(1) = 16  # OpenAI's default for completions
+    logprobs: Optional[_int(0)] = None  # alternatives per token (the runtime caps them)
 
     @field_validator("prompt")
     @classmethod
@@ -229,14 +249,8 @@ class _CompletionHead(_Body):
 
 # field -> (is the value harmless?, why it is refused)
 _REFUSED = {
-    "logprobs": (lambda v: v in (None, False, 0), "logprobs are not returned by this server"),
-    "top_logprobs": (lambda v: v in (None, 0), "logprobs are not returned by this server"),
     "tools": (lambda v: not v, "tools are not supported"),
     "functions": (lambda v: not v, "functions are not supported"),
-    "presence_penalty": (lambda v: v in (None, 0), "penalties are not supported (the output would not follow "
-                                                   "the target distribution EAGLE verifies against)"),
-    "frequency_penalty": (lambda v: v in (None, 0), "penalties are not supported"),
-    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
     "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
                         "only the text response_format is supported"),
     "echo": (lambda v: v in (None, False), "echo is not supported"),
@@ -249,13 +263,8 @@ class _Tail(_Body):
     """The fields both endpoints take, checked after the prompt (a subclass lists this class
     first among its bases, so that its own fields come first)."""
 
-    logprobs: Any = None  # refused (see _REFUSED) unless harmless
-    top_logprobs: Any = None
-    tools: Any = None
+    tools: Any = None  # refused (see _REFUSED) unless harmless
     functions: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
     response_format: Any = None
     echo: Any = None
     suffix: Any = None
@@ -271,6 +280,12 @@ class _Tail(_Body):
     mode: Optional[Literal[MODES]] = None
     user: Optional[str] = None
     request_timeout_s: Optional[_number(0.0, open_min=True)] = None
+    # ranges checked by the runtime's Request (runtime/request.py), named as these fields
+    logit_bias: Optional[dict[str, Any]] = None
+    presence_penalty: Any = 0.0
+    frequency_penalty: Any = 0.0
+    repetition_penalty: Any = 1.0
+    min_p: Any = 0.0
 
     @field_validator(*_REFUSED)
     @classmethod
@@ -333,7 +348,8 @@ _REQUIRED = {"model": "you must provide a model parameter", "messages": "you mus
              "prompt": "you must provide a prompt"}
 _SHAPES = {"model": "model must be a non-empty string",
            "messages": "messages must be a non-empty list of {role, content} objects",
-           "stream_options": "stream_options must be an object", "user": "user must be a string"}
+           "stream_options": "stream_options must be an object", "user": "user must be a string",
+           "logit_bias": "logit_bias must be an object mapping token ids to numbers"}
 
 
 def _read(model: type[_Body], body: dict) -> _Body:
@@ -394,17 +410,18 @@ class Envelope:
                 "system_fingerprint": self.fingerprint}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-              usage_null: bool = False, extra: dict | None = None) -> dict:
+              usage_null: bool = False, extra: dict | None = None, logprobs: dict | None = None) -> dict:
         """One streamed chunk: chat `choices[0].delta` ({"role"} and/or {"content"}; {} in the
-        finishing chunk) or completions `choices[0].text`."""
+        finishing chunk) or completions `choices[0].text`; logprobs: the chunk's tokens'
+        (`logprobs_body`), or None."""
         if self.kind == CHAT:
             delta = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             out = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             out = self._head("text_completion")
         out["choices"] = [choice]
         if usage_null:
@@ -419,19 +436,38 @@ class Envelope:
         out["choices"], out["usage"] = [], usage
         return out
 
-    def response(self, text: str, finish_reason: str, usage: dict, extra: dict | None = None) -> dict:
-        """The non-streamed response body."""
+    def response(self, text: str, finish_reason: str, usage: dict, extra: dict | None = None,
+                 logprobs: dict | None = None) -> dict:
+        """The non-streamed response body; logprobs: `logprobs_body` of its tokens, or None."""
         if self.kind == CHAT:
             out = self._head("chat.completion")
             out["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                               "logprobs": None, "finish_reason": finish_reason}]
+                               "logprobs": logprobs, "finish_reason": finish_reason}]
         else:
             out = self._head("text_completion")
-            out["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+            out["choices"] = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
         out["usage"] = usage
         if extra:
             out.update(extra)
         return out
+
+
+def logprobs_body(kind: str, entries: Sequence[TokenLogprob], text_of: Callable[[int], str],
+                  offset: int = 0) -> dict:
+    """OpenAI's `logprobs` of a choice for `entries` (runtime TokenLogprobs), token texts by
+    `text_of(id)`: chat {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}],
+    "refusal": None}; completions {"tokens", "token_logprobs", "top_logprobs" ({text: logprob}
+    per token), "text_offset" (from `offset`, characters)}."""
+    texts = [text_of(e.token) for e in entries]
+    if kind == CHAT:
+        def entry(token: str, logprob: float) -> dict:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+        return {"content": [{**entry(t, e.logprob), "top_logprobs": [entry(text_of(i), lp) for i, lp in e.top]}
+                            for t, e in zip(texts, entries)], "refusal": None}
+    offsets = [offset + sum(len(t) for t in texts[:j]) for j in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text_of(i): lp for i, lp in e.top} for e in entries], "text_offset": offsets}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

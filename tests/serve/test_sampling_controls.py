@@ -1,0 +1,76 @@
+"""logprobs, logit_bias and the penalties over HTTP (one slot and four batched slots): the
+official openai client gets the runtime's answer, EAGLE's equals vanilla's, and bad values get
+one 400 naming the field."""
+from __future__ import annotations
+
+import httpx2
+import openai
+import pytest
+
+from tests.serve.conftest import ORACLE_PROMPTS
+
+MODEL = "tiny"
+SHAPING = dict(presence_penalty=0.5, frequency_penalty=0.8, logit_bias={"101": 3.0, "32": -100})
+EXTRA = dict(repetition_penalty=1.2, min_p=0.0)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_completions_with_penalties_and_bias_equal_the_runtimes_answer(client, reference, mode):
+    prompt = ORACLE_PROMPTS[1]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=3,
+                                  extra_body={"mode": mode, **EXTRA}, **SHAPING)
+    want = reference.generate(prompt, 24, chat=False, mode="vanilla", logprobs=3, **SHAPING, **EXTRA)
+    assert r.choices[0].text == want.text
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [reference.tokenizer.decode([t]) for t in want.token_ids]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-5)
+    tops = [{reference.tokenizer.decode([i]): v for i, v in e.top} for e in want.logprobs]  # OpenAI's {text: lp}
+    assert [sorted(t) for t in lp.top_logprobs] == [sorted(t) for t in tops]
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    plain = reference.generate(prompt, 24, chat=False, mode="vanilla")
+    assert plain.token_ids != want.token_ids  # the settings changed the answer
+
+
+def test_chat_logprobs_streamed_and_not_match(client, reference):
+    messages = [{"role": "user", "content": ORACLE_PROMPTS[2]}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                           logprobs=True, top_logprobs=2, **SHAPING)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
+    streamed = []
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                                logprobs=True, top_logprobs=2, stream=True, **SHAPING):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"logit_bias": {"5": 200}}, "logit_bias[5]"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": -0.1}, "min_p"),
+    ({"logprobs": 21}, "logprobs"),
+])
+def test_bad_controls_get_one_400_naming_the_field(server, body, param):
+    r = httpx2.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **body},
+                    timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(param), err
+
+
+def test_chat_top_logprobs_are_capped_and_need_logprobs(server):
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx2.post(server.url + "/v1/chat/completions", json={**base, "logprobs": True, "top_logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    r = httpx2.post(server.url + "/v1/chat/completions", json={**base, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
