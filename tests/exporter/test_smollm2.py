@@ -19,7 +19,7 @@ def test_smollm2_export_then_eagle_equals_vanilla(smollm2_export):
 
     from eagle_deploy.runtime.api import EagleRuntime
 
-    rt = EagleRuntime.load(folder, threads=2)
+    rt = EagleRuntime.load(folder, threads=2, drafter_kind="eagle", planned=False)  # the head's tau
     assert rt.manifest.dims.num_layers == 30 and rt.manifest.dims.vocab == 49152
     assert rt.manifest.max_length == 2048 and rt.manifest.chat_template
     # one copy of the embedding (49152 x 576 fp32), in shared.data; the draft graph keeps only the head's own
@@ -64,7 +64,7 @@ def test_smollm2_with_the_eagle3_head_taps_the_reference_layers_and_equals_vanil
     assert proc.returncode == 0, proc.stderr[-3000:]
     from eagle_deploy.runtime.api import EagleRuntime
 
-    rt = EagleRuntime.load(tmp_path / "e3", threads=2)
+    rt = EagleRuntime.load(tmp_path / "e3", threads=2, drafter_kind="eagle", planned=False)  # the head's tau
     m = rt.manifest
     assert m.target.feature_layers == (2, 15, 27) and m.draft.head_kind == "eagle3"
     assert m.draft.draft_vocab_size == 12288 and m.draft.draft_vocab_source == "head_d2t"

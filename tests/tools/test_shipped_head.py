@@ -33,7 +33,7 @@ def test_shipped_head_is_in_the_published_layout():
 def test_shipped_head_accepts_well_above_a_random_head(smollm2_export):
     from eagle_deploy.runtime.api import EagleRuntime
 
-    rt = EagleRuntime.load(smollm2_export, threads=2)
+    rt = EagleRuntime.load(smollm2_export, threads=2, drafter_kind="eagle", planned=False)  # the head's tau
     assert rt.manifest.draft.trained and rt.manifest.draft.draft_vocab_size < rt.manifest.dims.vocab
     taus = []
     for prompt in PROMPTS:

@@ -426,7 +426,7 @@ def test_eagle3_short_training_lowers_the_loss_and_the_head_decodes_losslessly(g
                     ExportOptions(max_length=128, name="e3"), progress=None)
     from eagle_deploy.runtime.api import EagleRuntime
 
-    rt = EagleRuntime.load(rt_dir, threads=1)
+    rt = EagleRuntime.load(rt_dir, threads=1, drafter_kind="eagle", planned=False)  # the head's tau
     prompt = data.sequence(int(train_idx[0]))[: int(data.prompt_lens[int(train_idx[0])])].tolist()
     result = rt.generate(prompt, max_new_tokens=24)
     assert result.token_ids == gqa.expected(prompt, 24)
