@@ -174,3 +174,55 @@ def test_sampling_under_penalties_follows_the_shaped_target(v16, v16_logits):
     p, tv = chi2_pvalue(counts, joint), total_variation(counts, joint)
     assert p > P_MIN and tv < tv_noise(joint, N_JOINT), f"chi-square p={p:.2e}, TV={tv:.4f}"
     assert deep > 0.02 * N_JOINT  # both drafts accepted in some rounds: the tree was really used
+
+
+def test_a_batch_of_mixed_requests_each_equals_its_vanilla_answer(gqa):
+    """BatchEngine slots decoding at once with different controls (one plain, one penalised,
+    one biased with logprobs, one sampled): each greedy answer is its own vanilla answer."""
+    from eagle_deploy.runtime.batch import BatchEngine
+
+    eng = BatchEngine.load(gqa.export_dir, 4, threads=1)  # the default: planned hybrid drafter
+    settings = [{}, dict(PENALTIES), dict(logit_bias={5: 4.0}, logprobs=2), dict(temperature=0.8, seed=3,
+                                                                                 presence_penalty=1.0)]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[1]]
+    results = eng.generate_many(prompts, per_request=settings, max_new_tokens=30)
+    solo = gqa.runtime()
+    for prompt, kw, r in zip(prompts, settings, results):
+        if kw.get("temperature"):  # sampled: exact in distribution (other trees draw the rng differently)
+            assert r.finish_reason in ("stop", "length") and 0 < len(r.token_ids) <= 30
+            continue
+        vanilla = solo.generate(prompt, 30, mode="vanilla", **kw)
+        assert r.token_ids == vanilla.token_ids
+        if "logprobs" in kw:
+            assert [e.token for e in r.logprobs] == r.token_ids
+            assert [e.logprob for e in r.logprobs] == pytest.approx([e.logprob for e in vanilla.logprobs], abs=1e-4)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--presence-penalty", "3"], "--presence-penalty must be in [-2, 2], got 3.0"),
+    (["--logit-bias", "x=1"], "--logit-bias takes ID=BIAS (a token id and a number), got 'x=1'"),
+    (["--logit-bias", "5=200"], "--logit-bias[5] must be in [-100, 100], got 200.0"),
+    (["--logprobs", "21", "--json"], "--logprobs must be at most 20 (alternatives per token), got 21"),
+    (["--logprobs", "2"], "--logprobs needs --json (the log-probabilities are printed in its 'logprobs')"),
+    (["--min-p", "0.1"], "--min-p has no effect: --temperature 0 decodes greedily (the target's most likely token)"),
+])
+def test_eagle_run_names_the_flag_of_a_bad_control(capsys, flags, message):
+    from eagle_deploy.runtime import cli
+
+    assert cli.main(["--engines", "no-such-folder", "--prompt", "hi", *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"eagle-run: error: {message}"
+
+
+def test_eagle_run_prints_logprobs_and_applies_the_controls(mha, capsys):
+    import json
+
+    from eagle_deploy.runtime import cli
+
+    args = ["--engines", str(mha.export_dir), "--prompt", "hello", "--raw", "--threads", "1", "--json",
+            "--max-new-tokens", "12", "--repetition-penalty", "1.3", "--logit-bias", "101=2", "--logprobs", "1"]
+    assert cli.main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = mha.rt.generate("hello", 12, chat=False, mode="vanilla", repetition_penalty=1.3, logit_bias={101: 2.0},
+                           logprobs=1)
+    assert out["token_ids"] == want.token_ids and len(out["logprobs"]) == len(want.token_ids)
+    assert [e["token"] for e in out["logprobs"]] == want.token_ids and all(len(e["top"]) == 1 for e in out["logprobs"])

@@ -24,8 +24,8 @@ def cli_error(prog: str, message, flags: dict[str, str] | None = None) -> int:
     those fields is worded with the flag typed ("--top-p must be ...", not "top_p must be")."""
     if isinstance(message, SettingError) and flags:
         base = message.field.partition("[")[0].partition(".")[0]
-        if base in flags:
-            message = message.named(flags[base])
+        if base in flags:  # "stop[1]" -> "--stop[1]"
+            message = message.named(flags[base] + message.field[len(base):])
     print(f"{prog}: error: " + " ".join(str(message).split()), file=sys.stderr)
     return BAD_INPUT
 

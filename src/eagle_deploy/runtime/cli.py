@@ -33,6 +33,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[],
                    help="stop string (repeatable); the text ends before it. "
                         "Taken literally: in bash, $'\\n' is a newline")
+    g = p.add_argument_group("logits controls", "each keeps EAGLE's output equal to vanilla decoding's under the "
+                                                "same settings (applied per draft-tree node from its own path)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide positive / multiply negative logits of tokens in the prompt or output (1 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times each token's count in the output, in [-2, 2]")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from tokens already in the output, in [-2, 2]")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this times the most likely one, in [0, 1] (0 = off)")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit (repeatable; -100 bans a token)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each generated token's log-probability and its K best alternatives (0-20)")
     p.add_argument("--stream", action="store_true", help="print text as tokens are committed")
     which = p.add_mutually_exclusive_group()  # --vanilla --compare-vanilla would compare vanilla with itself
     which.add_argument("--vanilla", action="store_true", help="plain one-token-per-forward decoding on the same engine")
@@ -51,18 +65,30 @@ def build_parser() -> argparse.ArgumentParser:
 def _request(args, mode: str):
     """The flags' Request (runtime.request: every check that needs no model; a SettingError
     names the field, which `cli_error` words as the flag)."""
+    from eagle_deploy.contract.errors import SettingError
+
     from .request import Request
 
+    bias = []
+    for item in args.logit_bias:
+        token, sep, value = item.partition("=")
+        try:
+            bias.append((int(token), float(value)))
+        except ValueError:
+            raise SettingError("logit_bias", f"takes ID=BIAS (a token id and a number), got {item!r}") from None
     return Request(args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed,
-                   tuple(args.stop), mode, False if args.raw else None)
+                   tuple(args.stop), mode, False if args.raw else None, min_p=args.min_p, logit_bias=bias,
+                   presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                   repetition_penalty=args.repetition_penalty, logprobs=args.logprobs)
 
 
 def _check_no_effect(args) -> None:
     """Raise ValueError for flags that would change nothing: draft flags with --vanilla, the
     head's tree flags with --drafter lookup (context lookup drafts chains, no head tree), and
-    --top-p / --top-k at --temperature 0 (greedy decoding takes the argmax; --seed is left
+    --top-p / --top-k / --min-p at --temperature 0 (greedy decoding takes the argmax; --seed is left
     alone: scripts pass it with every temperature)."""
-    sampling = [flag for flag, changed in (("--top-p", args.top_p != 1.0), ("--top-k", args.top_k != 0)) if changed]
+    sampling = [flag for flag, changed in (("--top-p", args.top_p != 1.0), ("--top-k", args.top_k != 0),
+                                           ("--min-p", args.min_p != 0.0)) if changed]
     if args.temperature == 0 and sampling:
         raise ValueError(f"{', '.join(sampling)} {'has' if len(sampling) == 1 else 'have'} no effect: "
                          "--temperature 0 decodes greedily (the target's most likely token)")
@@ -99,6 +125,8 @@ def main(argv=None) -> int:
         _check_no_effect(args)
         if args.json and args.stream:
             raise ValueError("--stream and --json cannot be combined (--json prints one object at the end)")
+        if args.logprobs is not None and not args.json:
+            raise ValueError("--logprobs needs --json (the log-probabilities are printed in its 'logprobs')")
         threshold_of(args)  # --threshold without --acceptance threshold, worded with both flags
         options = EngineOptions.from_args(args)
         manifest = Manifest.load(args.engines)
@@ -141,9 +169,12 @@ def main(argv=None) -> int:
         print(f"eagle-run: error: backend {args.backend!r} unavailable: {err}", file=sys.stderr)
         return 3
     if args.json:
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-                          "stats": {**result.stats.to_json(), **comparison}, "memory": memory,
-                          "notes": notes}))
+        out = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+               "stats": {**result.stats.to_json(), **comparison}, "memory": memory, "notes": notes}
+        if result.logprobs is not None:
+            out["logprobs"] = [{"token": e.token, "logprob": e.logprob, "top": [list(t) for t in e.top]}
+                               for e in result.logprobs]
+        print(json.dumps(out))
     else:
         if not args.stream:
             print(result.text)

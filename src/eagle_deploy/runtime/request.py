@@ -31,7 +31,10 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's bound)
 
 # field -> eagle-run's flag for it
 FLAGS = {"prompt": "--prompt", "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
-         "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed", "stop": "--stop", "chat": "--raw"}
+         "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed", "stop": "--stop", "chat": "--raw",
+         "min_p": "--min-p", "logit_bias": "--logit-bias", "presence_penalty": "--presence-penalty",
+         "frequency_penalty": "--frequency-penalty", "repetition_penalty": "--repetition-penalty",
+         "logprobs": "--logprobs"}
 
 
 @dataclass(frozen=True)
