@@ -100,7 +100,8 @@ class FakeRequest:
 def request(text=None, sender=None, **kw) -> FakeRequest:
     """A FakeRequest with Triton-typed inputs (text_input BYTES [1], max_tokens INT32 [1], ...)."""
     types_ = {"max_tokens": np.int32, "top_k": np.int32, "seed": np.uint64, "temperature": np.float32,
-              "top_p": np.float32, "stream": np.bool_, "exclude_input_in_output": np.bool_}
+              "top_p": np.float32, "stream": np.bool_, "exclude_input_in_output": np.bool_, "min_p": np.float32,
+              "presence_penalty": np.float32, "frequency_penalty": np.float32, "repetition_penalty": np.float32}
     inputs = {}
     if text is not None:
         inputs["text_input"] = np.array([text.encode() if isinstance(text, str) else text], dtype=object)

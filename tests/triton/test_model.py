@@ -79,6 +79,14 @@ def test_stop_strings_and_sampling_settings_reach_the_runtime(served, reference)
     assert sender.sent[0][0].text() == sampled.text
 
 
+def test_penalties_reach_the_runtime_and_keep_greedy_equal_to_vanilla(served, reference):
+    kw = dict(presence_penalty=0.5, frequency_penalty=0.75, repetition_penalty=1.25)
+    want = reference.generate(PROMPTS[1], max_new_tokens=32, mode="vanilla", **kw)
+    sender = run(served, request(PROMPTS[1], max_tokens=32, exclude_input_in_output=True, **kw))
+    assert sender.sent[0][0].text() == want.text
+    assert want.text != reference.generate(PROMPTS[1], max_new_tokens=32, mode="vanilla").text  # it changed the answer
+
+
 @pytest.mark.parametrize("kw, message", [
     ({}, "text_input is missing"),
     ({"text": "   "}, "text_input is missing or empty"),
@@ -89,6 +97,8 @@ def test_stop_strings_and_sampling_settings_reach_the_runtime(served, reference)
     ({"text": "hi", "top_p": 1.5}, "top_p"),
     ({"text": "hi", "top_k": -1}, "top_k"),
     ({"text": "hi", "stop": [b"\xc3"]}, "stop is not valid UTF-8"),
+    ({"text": "hi", "presence_penalty": 3.0}, "presence_penalty must be in [-2, 2]"),
+    ({"text": "hi", "repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
 ])
 def test_bad_request_gets_one_error_response_and_the_instance_keeps_serving(served, kw, message):
     sender = run(served, request(**kw))

@@ -17,8 +17,8 @@ from eagle_deploy.triton import env as triton_env
 from eagle_deploy.triton import repo as triton_repo
 from tests.triton.conftest import model_args, request
 
-INPUT_NAMES = ["text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "stop",
-               "exclude_input_in_output"]
+INPUT_NAMES = ["text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "min_p",
+               "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "exclude_input_in_output"]
 
 
 def params_of(config: str) -> dict:

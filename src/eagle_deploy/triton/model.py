@@ -13,7 +13,9 @@ Inputs (names as in the TensorRT-LLM / vLLM backends' generate endpoints; all [1
   text_input (STRING, required: the user message; the export's chat template is applied),
   max_tokens (INT32 >= 1, default: parameter default_max_tokens), stream (BOOL, default false),
   temperature (FP32 >= 0, 0 = greedy), top_p (FP32 in (0, 1]), top_k (INT32 >= 0, 0 = off),
-  seed (UINT64), stop (STRING [-1]: stop strings; the text ends before the first; empty strings
+  seed (UINT64), min_p, presence_penalty, frequency_penalty, repetition_penalty (FP32: the
+  runtime Request's ranges; each keeps EAGLE's output equal to vanilla's under the same
+  settings), stop (STRING [-1]: stop strings; the text ends before the first; empty strings
   are ignored), exclude_input_in_output (BOOL, default false: a non-streamed text_output is
   text_input + the generated text; streamed deltas never include the input).
 Outputs: text_output (STRING [-1]); on the final response only: finish_reason (STRING: "stop"
@@ -113,7 +115,8 @@ def parse_request(request, default_max_tokens: int) -> dict:
     msg = {"text": text, "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
            "stream": bool(_scalar(request, "stream", bool)), "stop": stop,
            "exclude_input_in_output": bool(_scalar(request, "exclude_input_in_output", bool))}
-    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int)):
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int), ("min_p", float),
+                       ("presence_penalty", float), ("frequency_penalty", float), ("repetition_penalty", float)):
         value = _scalar(request, name, kind)
         if value is not None:
             msg[name] = value

@@ -62,6 +62,10 @@ INPUTS = [  # name, Triton type, dims, optional
     ("top_p", "TYPE_FP32", [1], True),
     ("top_k", "TYPE_INT32", [1], True),
     ("seed", "TYPE_UINT64", [1], True),
+    ("min_p", "TYPE_FP32", [1], True),
+    ("presence_penalty", "TYPE_FP32", [1], True),
+    ("frequency_penalty", "TYPE_FP32", [1], True),
+    ("repetition_penalty", "TYPE_FP32", [1], True),
     ("stop", "TYPE_STRING", [-1], True),
     ("exclude_input_in_output", "TYPE_BOOL", [1], True),
 ]
