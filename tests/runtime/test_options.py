@@ -137,3 +137,29 @@ def test_requests_from_several_threads_on_one_runtime_are_served_one_after_anoth
     assert len(got) == sum((i + t) % 2 == 0 for t in range(3) for _ in range(2) for i in range(len(jobs)))
     assert all(got[key] == solo[key[1] % 100] for key in got), {k: v for k, v in got.items()
                                                                 if v != solo[k[1] % 100]}
+
+
+def test_cancel_stops_a_generation_before_its_next_round_and_keeps_what_was_committed(mha):
+    """The one cancellation path (eagle-serve and the Triton worker use it): from the consumer
+    or another thread, the stream ends with finish_reason "cancelled" and no further forward."""
+    rt = mha.runtime()
+    full = rt.generate(PROMPTS[0], 60).token_ids
+    s = rt.stream(PROMPTS[0], 60)
+    next(s)
+    rounds_before = None
+
+    def observe(tree, logits, v):
+        nonlocal rounds_before
+        rounds_before = (rounds_before or 0) + 1
+
+    rt.decoder.round_observers = (observe,)
+    s.cancel()
+    rest = list(s)
+    r = s.result
+    assert r.finish_reason == "cancelled" and r.stats.finish_reason == "cancelled"
+    assert r.token_ids == full[:len(r.token_ids)] and len(r.token_ids) < 60 and len(rest) <= 1
+    assert (rounds_before or 0) <= 1  # at most the round already under way
+    early = rt.stream(PROMPTS[1], 10)
+    early.cancel()  # before the first next(): nothing runs
+    assert list(early) == [] and early.result.token_ids == [] and early.result.finish_reason == "cancelled"
+    assert rt.generate(PROMPTS[0], 60).token_ids == full  # the runtime is unharmed

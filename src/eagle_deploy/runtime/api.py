@@ -42,9 +42,9 @@ from .text import TextStream, encode_chat
 @dataclass
 class GenerationResult:
     """text (stop string excluded), token_ids (generated only; an EOS id is kept),
-    finish_reason ("stop" | "length"), stats (a decode.Stats; `stats.to_json()` for JSON),
-    logprobs (with Request.logprobs: one shaping.TokenLogprob per token of token_ids; else
-    None)."""
+    finish_reason ("stop" | "length" | "cancelled": Generation.cancel), stats (a
+    decode.Stats; `stats.to_json()` for JSON), logprobs (with Request.logprobs: one
+    shaping.TokenLogprob per token of token_ids; else None)."""
 
     text: str
     token_ids: list[int]
@@ -63,12 +63,25 @@ class Generation:
         s.result.stats.mean_accept_len
     """
 
-    def __init__(self, deltas: Generator[str, None, GenerationResult], logprobs: list[TokenLogprob] | None = None):
+    def __init__(self, deltas: Generator[str, None, GenerationResult], logprobs: list[TokenLogprob] | None = None,
+                 stop: threading.Event | None = None):
         """logprobs: the list the request fills as tokens are committed (Request.logprobs), or
-        None; read it while streaming through `logprobs`."""
+        None; read it while streaming through `logprobs`. stop: set by `cancel`."""
         self._deltas = deltas
         self._result: GenerationResult | None = None
         self.logprobs = logprobs  # one TokenLogprob per token committed so far (a text delta may lag behind)
+        self._stop = stop or threading.Event()
+
+    def cancel(self) -> None:
+        """Stop the request before its next verification round: the iteration then ends and
+        `result.finish_reason` is "cancelled" (the tokens committed so far are kept).
+        Thread-safe, from any thread; a no-op once the request has finished. The one way to
+        stop a request: eagle-serve (a client gone, a deadline) and the Triton worker use it."""
+        self._stop.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._stop.is_set()
 
     def __iter__(self) -> "Generation":
         return self
@@ -367,18 +380,23 @@ class EagleRuntime:
             raise SettingError("stop", "needs a tokenizer (this export has none)")
         text = TextStream(self.tokenizer, self.eos_ids, request.stop) if self.tokenizer is not None else None
         logprobs = None if request.logprobs is None else []
-        return Generation(self._stream(ids, request, text, logprobs), logprobs)
+        stop = threading.Event()
+        return Generation(self._stream(ids, request, text, logprobs, stop), logprobs, stop)
 
     def _stream(self, ids: list[int], request: Request, text: TextStream | None,
-                logprobs: list[TokenLogprob] | None) -> Generator[str, None, GenerationResult]:
+                logprobs: list[TokenLogprob] | None, stop: threading.Event) -> Generator[str, None, GenerationResult]:
+        vanilla = request.mode == "vanilla"
+        stats = Stats(drafter=None if vanilla else self.drafter_kind)
+        if stop.is_set():  # cancelled before it started: no forward, the buffers untouched
+            stats.finish_reason = "cancelled"
+            return GenerationResult("", [], "cancelled", stats, logprobs)
         me = self._claim()
+        chunks = self.decoder.decode(ids, request.max_new_tokens, request.sampling, text or TokenStopper(self.eos_ids),
+                                     vanilla=vanilla, stats=stats, logprobs=logprobs,
+                                     top_logprobs=request.logprobs or 0)
         try:
-            stopper = text or TokenStopper(self.eos_ids)
-            vanilla = request.mode == "vanilla"
-            stats = Stats(drafter=None if vanilla else self.drafter_kind)
             tokens: list[int] = []
-            for chunk in self.decoder.decode(ids, request.max_new_tokens, request.sampling, stopper, vanilla=vanilla,
-                                             stats=stats, logprobs=logprobs, top_logprobs=request.logprobs or 0):
+            for chunk in chunks:
                 tokens += chunk
                 if text is not None:
                     delta = text.take()
@@ -387,6 +405,9 @@ class EagleRuntime:
                 if self._requests != me:
                     raise RuntimeError("another request started on this EagleRuntime while this stream was paused; "
                                        "streams on one instance cannot be interleaved (load a second instance)")
+                if stop.is_set() and stats.finish_reason is None:  # Generation.cancel: no further round
+                    stats.finish_reason, stats.new_tokens = "cancelled", len(tokens)
+                    break
             if text is not None:
                 tail = text.take(final=True)
                 if tail:
@@ -394,6 +415,7 @@ class EagleRuntime:
             return GenerationResult(text.text if text is not None else "", tokens, stats.finish_reason, stats,
                                     logprobs)
         finally:
+            chunks.close()
             self._release(me)
 
     def _claim(self) -> int:

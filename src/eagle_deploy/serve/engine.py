@@ -7,9 +7,9 @@ time; with `--slots N`, N workers each drive one slot of a `runtime.batch.BatchE
 runs the slots' forwards as batched forwards (continuous batching: a finished request frees
 its slot at once and the next queued one takes it).
 
-Cancellation: a worker checks its job's cancel flag after every committed chunk and, through a
-round observer installed in its slot's runtime, after every verification round, so a cancelled
-request stops within one round and frees its slot.
+Cancellation: `Job.cancel()` cancels the job's runtime `Generation` (the runtime's one
+cancellation path, checked before every verification round), so a cancelled request stops
+within one round and frees its slot.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable, ContextManager, Protocol, Sequence
 
-from eagle_deploy.runtime.api import EagleRuntime, GenerationResult
+from eagle_deploy.runtime.api import EagleRuntime, Generation, GenerationResult
 from eagle_deploy.runtime.batch import BatchEngine
 from eagle_deploy.runtime.options import EngineOptions
 from eagle_deploy.runtime.request import Request
@@ -58,10 +58,6 @@ class Event:
     logprobs: tuple = ()
 
 
-class Cancelled(Exception):
-    """Raised inside the decode loop (by the round gate) to stop a cancelled job."""
-
-
 class QueueFull(Exception):
     """The scheduler's queue holds `max_queue` jobs already."""
 
@@ -86,11 +82,16 @@ class Job:
         self.t_first: float | None = None
         self.t_done: float | None = None
         self._dequeue: Callable[["Job"], None] | None = None  # set by the scheduler that queues it
+        self.generation: Generation | None = None  # the runtime's stream, once a worker runs it
 
     def cancel(self) -> None:
-        """Ask the worker to drop this job (a no-op once it has finished); a job still queued
-        leaves the queue at once (its scheduler's dequeue callback). Thread-safe."""
+        """Ask the worker to drop this job (a no-op once it has finished): a running job's
+        Generation is cancelled (it stops before its next round); a job still queued leaves
+        the queue at once (its scheduler's dequeue callback). Thread-safe."""
         self._cancel.set()
+        generation = self.generation
+        if generation is not None:
+            generation.cancel()
         if self._dequeue is not None:
             self._dequeue(self)
 
@@ -142,9 +143,8 @@ class Scheduler(Protocol):
 
 class RoundGate:
     """The round observer a scheduler installs in each slot's runtime: after every verification
-    round of the slot's current job it calls the test hook, then stops a cancelled job by
-    raising `Cancelled` out of the decode loop (the runtime starts every request with a fresh
-    prefill, so an abandoned round leaves nothing behind)."""
+    round of the slot's current job it counts the round and calls the test hook (whose
+    exception fails that job alone). Cancellation is the runtime's (`Job.cancel`)."""
 
     def __init__(self, hook: RoundHook | None = None):
         self.hook = hook
@@ -157,8 +157,6 @@ class RoundGate:
         job.rounds += 1
         if self.hook is not None:
             self.hook(job)
-        if job.cancelled:
-            raise Cancelled()
 
 
 @dataclass
@@ -319,17 +317,18 @@ class SlotScheduler:
         job.state, job.t_start = "running", time.perf_counter()
         try:
             with slot.busy():
-                gen = slot.runtime.stream(job.work.request)
+                gen = job.generation = slot.runtime.stream(job.work.request)
+                if job.cancelled:  # cancelled while the stream was being made
+                    gen.cancel()
                 sent = 0
                 for delta in gen:
                     new = tuple(gen.logprobs[sent:]) if gen.logprobs is not None else ()
                     sent += len(new)
                     job.emit(Event("delta", text=delta, logprobs=new))
-                    if job.cancelled:
-                        raise Cancelled()
-            self._end(job, "done", Event("done", result=gen.result))
-        except Cancelled:
-            self._end(job, "cancelled", Event("cancelled"))
+            if gen.result.finish_reason == "cancelled":
+                self._end(job, "cancelled", Event("cancelled"))
+            else:
+                self._end(job, "done", Event("done", result=gen.result))
         except Exception as err:  # one request fails alone; the worker keeps serving
             log.exception("request %s failed in the engine", job.seq)
             self._end(job, "error", Event("error", error=err))

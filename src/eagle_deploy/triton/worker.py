@@ -26,7 +26,7 @@ goes to stderr, which Triton logs):
 
 Settings are checked (a `runtime.request.Request` is made) as soon as a request arrives, so a bad
 request is answered at once even while another decodes. A cancel stops decoding within one
-verification round (a runtime round observer, `CancelCheck`) and is logged to stderr. EOF on stdin ends the worker.
+verification round (the runtime's `Generation.cancel`) and is logged to stderr. EOF on stdin ends the worker.
 
     python -m eagle_deploy.triton.worker --config '{"engines": "/abs/export", "backend": "auto"}'
 """
@@ -53,29 +53,12 @@ DEFAULTS = {"backend": "auto", "threads": 0, "tree": None, "acceptance": "lossle
 INPUTS = {"prompt": "text_input", "max_new_tokens": "max_tokens"}
 
 
-class Cancelled(Exception):
-    """Raised by CancelCheck inside a decode round to stop a cancelled request."""
-
-
-class CancelCheck:
-    """A runtime round observer that raises Cancelled when the worker's current request was
-    cancelled: decoding stops within one verification round, text or not."""
-
-    def __init__(self):
-        self.worker: "Worker | None" = None
-
-    def __call__(self, tree, logits, verification) -> None:
-        worker = self.worker
-        if worker is not None and worker.current is not None and worker.is_cancelled(worker.current):
-            raise Cancelled(worker.current)
-
-
 def load_runtime(config: dict, host=None, round_observers=()):
     """-> (EagleRuntime, backend, reason) for a worker config (keys as DEFAULTS plus
     "engines", an export folder). threads 0 = onnxruntime's default. drafter_kind / planned: as
     EagleRuntime.load's (default: the commands' hybrid, planned). drafter "module:callable"
     replaces the EAGLE head: callable(folder, manifest, tree, threads) -> a runtime Drafter.
-    round_observers: passed to the runtime (e.g. a CancelCheck).
+    round_observers: passed to the runtime (tests).
     Raises ValueError (bad setting, backend unavailable), ManifestError, FileNotFoundError."""
     from eagle_deploy.contract.manifest import Manifest
     from eagle_deploy.contract.tree_config import TreeConfig
@@ -113,6 +96,7 @@ class Worker:
         self.queue: queue.Queue = queue.Queue()
         self.cancelled: set = set()
         self.current = None  # the id being decoded
+        self.generation = None  # its runtime Generation (cancel() stops it)
         self._lock = threading.Lock()
 
     def feed(self, line: str | None) -> None:
@@ -132,6 +116,8 @@ class Worker:
         if op == "cancel":
             with self._lock:
                 self.cancelled.add(rid)
+                if self.current == rid and self.generation is not None:
+                    self.generation.cancel()  # the runtime stops before its next round
             return
         if op != "generate":
             self.emit({"id": rid, "error": f"unknown op {op!r}", "invalid": True})
@@ -171,22 +157,22 @@ class Worker:
                 self.emit({"id": rid, "cancelled": True, "started": False, "characters": 0, "seconds": 0.0})
                 return
             t0 = time.perf_counter()
-            self.current = rid
             gen = self.rt.stream(msg["request"])
+            with self._lock:
+                self.current, self.generation = rid, gen
+                if rid in self.cancelled:
+                    gen.cancel()
             sent = 0
-            try:
-                for delta in gen:
-                    if self.is_cancelled(rid):
-                        raise Cancelled(rid)
-                    sent += len(delta)
-                    if msg.get("stream"):
-                        self.emit({"id": rid, "delta": delta})
-            except Cancelled:
+            for delta in gen:
+                sent += len(delta)
+                if msg.get("stream") and not gen.cancelled:
+                    self.emit({"id": rid, "delta": delta})
+            result = gen.result
+            if result.finish_reason == "cancelled":
                 seconds = round(time.perf_counter() - t0, 4)
                 self.log(f"request {rid} cancelled after {sent} characters ({seconds:.3f} s); decoding stopped")
                 self.emit({"id": rid, "cancelled": True, "started": True, "characters": sent, "seconds": seconds})
                 return
-            result = gen.result
             self.emit({"id": rid, "done": {"text": result.text, "finish_reason": result.finish_reason,
                                            "stats": result.stats.to_json()}})
         except ValueError as err:  # a prompt the export cannot take (too long, ...)
@@ -195,8 +181,8 @@ class Worker:
             self.log(f"request {rid} failed: {type(err).__name__}: {err}")
             self.emit({"id": rid, "error": f"internal error: {type(err).__name__}: {err}", "invalid": False})
         finally:
-            self.current = None
             with self._lock:
+                self.current = self.generation = None
                 self.cancelled.discard(rid)
 
 
@@ -221,15 +207,13 @@ def main(argv=None) -> int:
     def log(line: str) -> None:
         print(f"eagle-triton-worker {name}: {line}", file=sys.stderr, flush=True)
 
-    check = CancelCheck()
     try:
-        rt, backend, reason = load_runtime(config, round_observers=[check])
+        rt, backend, reason = load_runtime(config)
     except Exception as err:  # noqa: BLE001 - reported to the model, which fails its load with it
         emit({"fatal": f"{type(err).__name__}: {' '.join(str(err).split())}"})
         return 1
     log(f"loaded {config['engines']} on backend {backend} ({reason})")
     worker = Worker(rt, emit, log, name)
-    check.worker = worker
     emit({"ready": True, "backend": backend, "reason": reason, "pid": os.getpid()})
 
     def read() -> None:
