@@ -259,3 +259,28 @@ def test_an_unrecorded_file_in_the_tokenizer_folder_is_refused(export_dir, tmp_p
                                                "it or re-export"]
     assert v.rerecord_files(folder).files[f"{c.TOKENIZER_DIR}/chat_template.jinja"].size == extra.stat().st_size
     assert _run(folder, capsys)[0] == 0
+
+
+@pytest.mark.parametrize("name", [c.SHARED_WEIGHTS_FILE, c.TARGET_FILE, c.MANIFEST_FILE])
+def test_a_symlink_loop_is_named_as_one(export_dir, tmp_path, capsys, name):
+    """Issue 53: a symlink loop in place of shared.data was reported as "shared.data is missing"."""
+    folder = copy_export(export_dir, tmp_path / "x")
+    path = folder / name
+    path.unlink()
+    os.symlink(name, path)  # a link to itself
+    rc, out, lines = _run(folder, capsys)
+    assert rc == 2 and out == "" and len(lines) == 1, lines
+    assert lines[0].startswith(f"eagle-run: error: {path} is a symlink loop (a link that leads back to itself, "
+                               "not a file)")
+    assert "missing" not in lines[0] and lines[0].endswith("re-export")
+
+
+def test_a_dangling_symlink_names_its_target(export_dir, tmp_path, capsys):
+    folder = copy_export(export_dir, tmp_path / "x")
+    path = folder / c.SHARED_WEIGHTS_FILE
+    path.unlink()
+    os.symlink(tmp_path / "gone.data", path)
+    rc, out, lines = _run(folder, capsys)
+    assert rc == 2 and len(lines) == 1
+    assert lines[0].startswith(f"eagle-run: error: {path} is a symlink to {tmp_path / 'gone.data'}, which does not "
+                               "exist")
