@@ -275,7 +275,6 @@ INVALID = [
     ({"top_p": 0}, "top_p", "invalid_value"),
     ({"top_k": -1}, "top_k", "invalid_value"),
     ({"seed": -3}, "seed", "invalid_value"),
-    ({"model": "gpt-4o"}, "model", "model_not_found"),
     ({"stop": ["ok", ""]}, "stop", "invalid_type"),
     ({"stop": 5}, "stop", "invalid_type"),
     ({"stream": "yes"}, "stream", "invalid_type"),
@@ -302,6 +301,22 @@ def test_invalid_chat_requests_get_400_naming_the_field(server, patch, param, co
     assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code), err
     assert err["message"]
     assert sched.submitted == submitted  # never reached the engine
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                                        ("/v1/completions", {"prompt": "hi"})])
+def test_an_unknown_model_gets_404_model_not_found(server, path, body):
+    """Issue 53: OpenAI and vLLM answer an unknown model 404 model_not_found (it was a 400)."""
+    submitted = scheduler(server).submitted
+    r = httpx2.post(server.url + path, json={"model": "gpt-4o", **body}, timeout=30)
+    err = r.json()["error"]
+    assert (r.status_code, err["type"], err["code"], err["param"]) == \
+        (404, "invalid_request_error", "model_not_found", "model"), r.text
+    assert "'gpt-4o' does not exist" in err["message"] and f"serves '{MODEL}'" in err["message"]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    assert scheduler(server).submitted == submitted
 
 
 @pytest.mark.parametrize("body, param", [

@@ -230,9 +230,9 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
     def _prepare(raw: bytes, parse) -> tuple[CompletionRequest, list[int]]:
         """Body -> (request, prompt ids), on the frontend's thread. Raises ApiError."""
         req = parse(parse_json(raw))
-        if req.model != model_name:
-            raise invalid("model", f"the model {req.model!r} does not exist; this server serves {model_name!r} "
-                                   "(GET /v1/models)", "model_not_found")
+        if req.model != model_name:  # 404 model_not_found, as OpenAI and vLLM answer it
+            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r} "
+                                "(GET /v1/models)", "model", "model_not_found")
         return req, frontend.prompt_ids(req)
 
     def _deadline(t0: float, req: CompletionRequest) -> tuple[float, float] | None:
