@@ -157,6 +157,16 @@ def test_limits_and_access_reach_uvicorn_and_the_app(monkeypatch):
     assert api_key(build_parser().parse_args(["--engines", "x", "--api-key", "flag"])) == "flag"
 
 
+def test_the_api_key_is_read_without_surrounding_whitespace(monkeypatch):
+    """Issue 53: EAGLE_SERVE_API_KEY=$'k\\n' (a key written with echo) locked out every client."""
+    from eagle_deploy.serve.cli import api_key, build_parser
+
+    args = build_parser().parse_args(["--engines", "x"])
+    monkeypatch.setenv("EAGLE_SERVE_API_KEY", "sk-local\n")
+    assert api_key(args) == "sk-local"
+    assert api_key(build_parser().parse_args(["--engines", "x", "--api-key", " sk-flag\r\n"])) == "sk-flag"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--max-body-mb", "0"], "--max-body-mb must be > 0, got 0.0"),
     (["--request-timeout-s", "-1"], "--request-timeout-s must be > 0, got -1.0"),
@@ -164,6 +174,7 @@ def test_limits_and_access_reach_uvicorn_and_the_app(monkeypatch):
     (["--keep-alive-s", "0"], "--keep-alive-s must be >= 1, got 0"),
     (["--max-connections", "0"], "--max-connections must be >= 1, got 0"),
     (["--api-key", " "], "the API key (--api-key / EAGLE_SERVE_API_KEY) is empty"),
+    (["--api-key", "\n"], "the API key (--api-key / EAGLE_SERVE_API_KEY) is empty"),
 ])
 def test_bad_limits_exit_2(serve_export, argv, message, capsys):
     assert cli.main(["--engines", str(serve_export), *argv]) == 2

@@ -190,7 +190,7 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
     app = FastAPI(title="eagle-serve", version=version, lifespan=lifespan)
     app.state.scheduler, app.state.metrics, app.state.frontend = scheduler, metrics, frontend
     if api_key is not None:
-        app.add_middleware(BearerAuth, key=api_key, open_paths=() if protect_health_metrics else OPEN_PATHS)
+        app.add_middleware(BearerAuth, key=api_key.strip(), open_paths=() if protect_health_metrics else OPEN_PATHS)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

@@ -116,8 +116,14 @@ def uvicorn_config(args, app):
 
 
 def api_key(args) -> str | None:
+    """The API key of --api-key, else of EAGLE_SERVE_API_KEY, without surrounding whitespace
+    (a key written with `echo` into a secret ends in a newline); None: no key. Raises
+    ValueError for a key that is empty once stripped."""
     key = args.api_key if args.api_key is not None else os.environ.get("EAGLE_SERVE_API_KEY")
-    if key is not None and not key.strip():
+    if key is None:
+        return None
+    key = key.strip()
+    if not key:
         raise ValueError("the API key (--api-key / EAGLE_SERVE_API_KEY) is empty")
     return key
 
