@@ -167,6 +167,15 @@ def test_the_api_key_is_read_without_surrounding_whitespace(monkeypatch):
     assert api_key(build_parser().parse_args(["--engines", "x", "--api-key", " sk-flag\r\n"])) == "sk-flag"
 
 
+def test_eagle_serve_verifies_every_file_by_default():
+    """Issue 53: a served export is hashed whole (--verify full); eagle-run keeps "fast"."""
+    from eagle_deploy.runtime import cli as run_cli
+
+    assert cli.build_parser().parse_args(["--engines", "x"]).verify == cli.SERVE_VERIFY == "full"
+    assert "(default: full)" in " ".join(cli.build_parser().format_help().split())
+    assert run_cli.build_parser().parse_args(["--engines", "x", "--prompt", "p"]).verify == "fast"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--max-body-mb", "0"], "--max-body-mb must be > 0, got 0.0"),
     (["--request-timeout-s", "-1"], "--request-timeout-s must be > 0, got -1.0"),

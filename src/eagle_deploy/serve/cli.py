@@ -10,7 +10,8 @@ With --slots N (default 1) up to N requests are decoded at once, their forwards 
 
 With --api-key KEY (or EAGLE_SERVE_API_KEY) every endpoint but /health and /metrics needs
 `Authorization: Bearer KEY`. SIGTERM / Ctrl-C drain the requests in flight for at most
---shutdown-timeout-s seconds; a second SIGTERM / Ctrl-C exits at once.
+--shutdown-timeout-s seconds; a second SIGTERM / Ctrl-C exits at once. The export's files are
+checked against the sha256 its manifest records before serving (--verify full, the default here).
 """
 from __future__ import annotations
 
@@ -40,11 +41,14 @@ class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
 # --prefill-chunk's default: tokens per prefill chunk with several slots (runtime/batch.py,
 # "Chunked prefill"; measured in docs/decisions.md, "chunked prefill")
 DEFAULT_PREFILL_CHUNK = 128
+# --verify's default here: a server loads once and then answers for every response it signs
+# "lossless", so it hashes every file (contract/verify.py; eagle-run keeps "fast")
+SERVE_VERIFY = "full"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle-serve", description=__doc__, formatter_class=_Formatter)
-    add_engine_args(p, "responses say so in system_fingerprint and their eagle field")
+    add_engine_args(p, "responses say so in system_fingerprint and their eagle field", verify_default=SERVE_VERIFY)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the export's name)")
