@@ -9,8 +9,9 @@ never stalls the event loop: other streams and /health go on), before it reaches
 an invalid one gets a 400 and never touches it. With `api_key` every route but /health and
 /metrics (those too with `protect_health_metrics`) needs `Authorization: Bearer <key>` (401).
 A request's deadline (`request_timeout_s`, shortened by the request's own field) is counted
-from its arrival: past it the job is cancelled and the client gets a 408 `request_timeout`
-(or, once streaming, an SSE error event with that code).
+from the arrival of its head: a body still uploading at the server's deadline gets a 408
+`request_timeout` with `Connection: close`; later the job is cancelled and the client gets a
+408 (or, once streaming, an SSE error event with that code).
 
 A streamed response starts once the engine has produced the first text (or finished): a
 request that fails before that gets a JSON 500; one that fails later gets an
@@ -38,7 +39,7 @@ from eagle_deploy.runtime.api import check_request, load_tokenizer
 from eagle_deploy.runtime.text import encode_chat, encode_user
 
 from .engine import Event, Job, QueueFull, Scheduler, Work, engine_info, fingerprint, stats_info
-from .guard import OPEN_PATHS, BearerAuth, read_body
+from .guard import OPEN_PATHS, BearerAuth, RequestLimit, read_body
 from .metrics import ServeMetrics
 from .protocol import (
     CHAT,
@@ -153,21 +154,27 @@ def timed_out(limit: float) -> ApiError:
                          "request_timeout_s) and was stopped", None, "request_timeout", "timeout_error")
 
 
-def timeout_response(limit: float) -> JSONResponse:
+def timeout_response(limit: float, close: bool = False) -> JSONResponse:
     """The 408, with `x-should-retry: false`: the openai clients retry a 408 by default, and
-    the same request would only run out the same deadline again."""
-    return JSONResponse(timed_out(limit).body(), status_code=408, headers={"x-should-retry": "false"})
+    the same request would only run out the same deadline again. close: also `Connection:
+    close` (the body has not all arrived, so the connection cannot carry another request)."""
+    headers = {"x-should-retry": "false", **({"connection": "close"} if close else {})}
+    return JSONResponse(timed_out(limit).body(), status_code=408, headers=headers)
 
 
 def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_mode: str = "eagle",
                frontend: Frontend | None = None, poll_s: float = POLL_S, max_body_mb: float = MAX_BODY_MB,
                request_timeout_s: float | None = None, api_key: str | None = None,
-               protect_health_metrics: bool = False) -> FastAPI:
+               protect_health_metrics: bool = False, max_requests: int | None = None) -> FastAPI:
     """The app over `scheduler` (started and closed by the app's lifespan). model_name: the id
     clients must send as `model` (default: the export's manifest name); default_mode: "eagle"
     or "vanilla" for requests that do not set the `mode` extension field; max_body_mb: the
-    request body limit; request_timeout_s: the deadline of every request (None: none; a
-    request may set a shorter one); api_key: required as a Bearer token (None: open)."""
+    request body limit; request_timeout_s: the deadline in seconds of every request, from the
+    arrival of its head, the upload of its body included (None: none; a request may set a
+    shorter one); api_key: required as a Bearer token (None: open; surrounding whitespace is
+    not part of it); max_requests: requests in progress at most, counted once their head has
+    arrived and their key passed (`guard.RequestLimit`; None: no limit). Raises ValueError
+    for an API key that is empty or only whitespace."""
     runtime = scheduler.runtime
     manifest = runtime.manifest
     model_name = model_name or manifest.name
@@ -189,6 +196,8 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
 
     app = FastAPI(title="eagle-serve", version=version, lifespan=lifespan)
     app.state.scheduler, app.state.metrics, app.state.frontend = scheduler, metrics, frontend
+    if max_requests is not None:  # added first: inside BearerAuth, so requests without the key never count
+        app.add_middleware(RequestLimit, limit=max_requests)
     if api_key is not None:
         app.add_middleware(BearerAuth, key=api_key.strip(), open_paths=() if protect_health_metrics else OPEN_PATHS)
 
@@ -243,7 +252,11 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
     async def _complete(request: Request, kind: str, parse, endpoint: str):
         t0 = time.monotonic()
         try:
-            raw = await read_body(request, max_body)
+            try:  # the server's deadline covers the upload of the body (the request's own is in the body)
+                raw = await asyncio.wait_for(read_body(request, max_body), request_timeout_s)
+            except TimeoutError:
+                metrics.requests.labels(endpoint, "timeout").inc()
+                return timeout_response(request_timeout_s, close=True)
             req, ids = await asyncio.get_running_loop().run_in_executor(frontend.executor, _prepare, raw, parse)
             mode = req.mode or default_mode
             max_tokens = req.max_tokens if req.max_tokens is not None else manifest.max_length

@@ -33,6 +33,8 @@ from eagle_deploy.contract.cli_args import (
     tree_from_args,
 )
 
+from .guard import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
+
 
 class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown as elsewhere; the description's example lines kept as written."""
@@ -71,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("limits and access")
     g.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit; larger bodies get 413")
     g.add_argument("--request-timeout-s", type=float, default=None,
-                   help="deadline of every request from its arrival (queue wait included); past it the request is "
-                        "stopped and answered 408 request_timeout; a request may set a shorter request_timeout_s "
-                        "(default: none)")
+                   help="deadline of every request from the arrival of its head (body upload and queue wait "
+                        "included); past it the request is stopped and answered 408 request_timeout; a request may "
+                        "set a shorter request_timeout_s (default: none)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (401 otherwise); default: the EAGLE_SERVE_API_KEY "
                         "environment variable, else no key")
@@ -84,19 +86,29 @@ def build_parser() -> argparse.ArgumentParser:
                         "signal exits at once")
     g.add_argument("--keep-alive-s", type=int, default=5,
                    help="close an idle keep-alive connection after this many seconds")
+    g.add_argument("--header-timeout-s", type=float, default=HEAD_TIMEOUT_S,
+                   help="a request's line and headers must arrive within this many seconds of the connection "
+                        "opening (of its first byte on a kept-alive connection), however slowly they trickle in; "
+                        "else HTTP 408 and the connection is closed")
+    g.add_argument("--body-timeout-s", type=float, default=BODY_TIMEOUT_S,
+                   help="a request's body must arrive within this many seconds of its head; else HTTP 408 and the "
+                        "connection is closed")
     g.add_argument("--max-connections", type=int, default=None,
-                   help="open connections at most; more get HTTP 503 (default: no limit)")
+                   help="requests in progress at most (streams included), counted once their head has arrived and "
+                        "their API key passed, so connections still sending a request never fill it; more get HTTP "
+                        "503 server_busy; /health and /metrics are not counted (default: no limit)")
     add_tree_args(p, "the export's manifest")
     return p
 
 
-def serve(config) -> None:
-    """Run uvicorn with `config` until a signal: the first SIGTERM / SIGINT starts the
-    graceful drain (bounded by config.timeout_graceful_shutdown); a second one of either kind
-    exits at once, status 128 + signal (uvicorn itself forces an exit only on a second SIGINT)."""
+def build_server(args, app):
+    """The uvicorn.Server serving `app` (create_app's) with the settings of `args`
+    (`uvicorn_config`) and eagle-serve's signal handling: the first SIGTERM / SIGINT starts
+    the graceful drain (bounded by --shutdown-timeout-s); a second one of either kind exits at
+    once, status 128 + signal (uvicorn itself forces an exit only on a second SIGINT)."""
     import uvicorn
 
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(args, app))
     drain = server.handle_exit
 
     def handle_exit(sig, frame):
@@ -106,16 +118,21 @@ def serve(config) -> None:
         drain(sig, frame)
 
     server.handle_exit = handle_exit  # uvicorn installs the instance's handler for both signals
-    server.run()
+    return server
 
 
 def uvicorn_config(args, app):
-    """The uvicorn.Config of `args` (host, port, log level, keep-alive, connection limit, drain
-    timeout)."""
+    """The uvicorn.Config of `args`: host, port, log level, keep-alive, the head and body
+    timeouts (`guard.guarded_protocol`), and the drain timeout. No limit_concurrency:
+    --max-connections is the app's `guard.RequestLimit`, since uvicorn's counts connections
+    that have not sent a request yet."""
     import uvicorn
 
+    from .guard import guarded_protocol
+
     return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                          timeout_keep_alive=args.keep_alive_s, limit_concurrency=args.max_connections,
+                          timeout_keep_alive=args.keep_alive_s,
+                          http=guarded_protocol(args.header_timeout_s, args.body_timeout_s),
                           timeout_graceful_shutdown=args.shutdown_timeout_s)
 
 
@@ -147,7 +164,8 @@ def main(argv=None) -> int:
         if args.prefill_chunk < 0:
             raise ValueError(f"--prefill-chunk must be >= 0 (0: off), got {args.prefill_chunk}")
         for flag, value in (("--max-body-mb", args.max_body_mb), ("--request-timeout-s", args.request_timeout_s),
-                            ("--shutdown-timeout-s", args.shutdown_timeout_s)):
+                            ("--shutdown-timeout-s", args.shutdown_timeout_s),
+                            ("--header-timeout-s", args.header_timeout_s), ("--body-timeout-s", args.body_timeout_s)):
             if value is not None and not value > 0:
                 raise ValueError(f"{flag} must be > 0, got {value}")
         key = api_key(args)
@@ -172,7 +190,7 @@ def main(argv=None) -> int:
                                        prefill_chunk=args.prefill_chunk)
         app = create_app(scheduler, model_name=args.model_name, default_mode="vanilla" if args.vanilla else "eagle",
                          max_body_mb=args.max_body_mb, request_timeout_s=args.request_timeout_s, api_key=key,
-                         protect_health_metrics=args.protect_health_metrics)
+                         protect_health_metrics=args.protect_health_metrics, max_requests=args.max_connections)
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
         return cli_error("eagle-serve", err)  # one line, no traceback
     except (ImportError, RuntimeError) as err:
@@ -192,7 +210,7 @@ def main(argv=None) -> int:
           f"http://{args.host}:{args.port}/v1 ({args.slots} request{'s' if args.slots > 1 else ''} at a time; "
           f"--max-queue {args.max_queue}{'; API key required' if key else ''})",
           file=sys.stderr, flush=True)
-    serve(uvicorn_config(args, app))
+    build_server(args, app).run()
     return 0
 
 
