@@ -141,7 +141,7 @@ def test_second_signal_exits_at_once(serve_export, sig):
 
 
 def test_limits_and_access_reach_uvicorn_and_the_app(monkeypatch):
-    from eagle_deploy.serve.cli import api_key, build_parser, uvicorn_config
+    from eagle_deploy.serve.cli import SHUTDOWN_GRACE_S, api_key, build_parser, uvicorn_config
     from eagle_deploy.serve.guard import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
 
     args = build_parser().parse_args(["--engines", "x", "--keep-alive-s", "7", "--max-connections", "40",
@@ -150,11 +150,11 @@ def test_limits_and_access_reach_uvicorn_and_the_app(monkeypatch):
     config = uvicorn_config(args, app=None)
     # --max-connections is the app's RequestLimit: uvicorn's limit_concurrency counts half-sent requests
     assert (config.timeout_keep_alive, config.limit_concurrency, config.timeout_graceful_shutdown) == \
-        (7, None, 12.5)
+        (7, None, 12.5 + SHUTDOWN_GRACE_S)
     assert (config.http.head_timeout, config.http.body_timeout) == (3.0, 20.0)
     defaults = uvicorn_config(build_parser().parse_args(["--engines", "x"]), app=None)
     assert (defaults.timeout_keep_alive, defaults.limit_concurrency, defaults.timeout_graceful_shutdown) == \
-        (5, None, 30.0)
+        (5, None, 30.0 + SHUTDOWN_GRACE_S)
     assert (defaults.http.head_timeout, defaults.http.body_timeout) == (HEAD_TIMEOUT_S, BODY_TIMEOUT_S) == (10, 60)
     monkeypatch.delenv("EAGLE_SERVE_API_KEY", raising=False)
     assert api_key(args) is None

@@ -1,14 +1,16 @@
 """eagle-serve against clients that send slowly or not at all (issue 53): the request head and
 body deadlines (`guard.guarded_protocol`), the request limit that half-requests cannot fill
-(`guard.RequestLimit`, --max-connections). Real sockets on 127.0.0.1, a handful of them; every
-wait is bounded and no assertion depends on how fast the machine is (a deadline is checked to
-have been applied, not timed)."""
+(`guard.RequestLimit`, --max-connections), and streams ended at the close of a shutdown's
+drain. Real sockets on 127.0.0.1, a handful of them; every wait is bounded and no assertion
+depends on how fast the machine is (a deadline is checked to have been applied, not timed)."""
 from __future__ import annotations
 
 import json
 import select
+import signal
 import socket
 import threading
+import time
 
 import httpx2
 import pytest
@@ -124,3 +126,44 @@ def test_the_limit_counts_requests_in_progress_and_refuses_with_503(guarded, lon
         t.join(60)
     assert held["r"].status_code == 200
     assert complete(guarded).status_code == 200
+
+
+def test_streams_cut_by_the_shutdown_timeout_end_with_an_error_event_and_done(serve_export, long_prompt):
+    """The first SIGTERM starts the drain; past --shutdown-timeout-s a running stream gets an
+    error event and [DONE] (before: uvicorn cancelled it, a broken transfer), a queued request
+    a 503 server_shutdown."""
+    srv = make_server(serve_export, Faults(), cli_flags=["--shutdown-timeout-s", "0.5"])
+    faults = srv.faults
+    try:
+        events, queued = [], {}
+
+        def stream():
+            body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 50, "temperature": 0, "stream": True,
+                    "user": "later-drain"}
+            with httpx2.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                events.extend(line for line in r.iter_lines() if line)
+
+        def waiting():
+            queued["r"] = httpx2.post(srv.url + "/v1/completions", timeout=60,
+                                      json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+
+        threads = [threading.Thread(target=stream)]
+        threads[0].start()
+        assert faults.held.acquire(timeout=30), "the stream did not start"
+        threads.append(threading.Thread(target=waiting))
+        threads[1].start()
+        deadline = time.monotonic() + 30
+        while srv.app.state.scheduler.queued < 1:
+            assert time.monotonic() < deadline, "the second request was not queued"
+            time.sleep(0.02)
+        srv.server.handle_exit(signal.SIGTERM, None)  # what the first SIGTERM calls
+        for t in threads:
+            t.join(60)
+        assert events[-1] == "data: [DONE]", events[-3:]
+        err = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert (err["code"], err["type"]) == ("server_shutdown", "server_error")
+        assert any('"text"' in e for e in events[:-2])  # the text sent before the cut stays
+        assert queued["r"].status_code == 503 and queued["r"].json()["error"]["code"] == "server_shutdown"
+    finally:
+        faults.release.set()
+        srv.stop()

@@ -11,7 +11,9 @@ an invalid one gets a 400 and never touches it. With `api_key` every route but /
 A request's deadline (`request_timeout_s`, shortened by the request's own field) is counted
 from the arrival of its head: a body still uploading at the server's deadline gets a 408
 `request_timeout` with `Connection: close`; later the job is cancelled and the client gets a
-408 (or, once streaming, an SSE error event with that code).
+408 (or, once streaming, an SSE error event with that code). At the end of a shutdown's drain
+(`Drain`) the requests still running get a 503 `server_shutdown` (a stream: an error event
+with that code, then `data: [DONE]`).
 
 A streamed response starts once the engine has produced the first text (or finished): a
 request that fails before that gets a JSON 500; one that fails later gets an
@@ -162,6 +164,29 @@ def timeout_response(limit: float, close: bool = False) -> JSONResponse:
     return JSONResponse(timed_out(limit).body(), status_code=408, headers=headers)
 
 
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down and stopped this request at the end of its drain "
+                         "(--shutdown-timeout-s); retry on another server", None, "server_shutdown", "server_error")
+
+
+class Drain:
+    """The end of a graceful shutdown, as the app sees it: `begin(timeout_s)` (called on the
+    first SIGTERM / Ctrl-C) sets the time at which the requests still running are stopped
+    (`due`): a stream ends with an error event `server_shutdown` and `data: [DONE]`, any
+    other request gets a 503 `server_shutdown`, before uvicorn would cancel them."""
+
+    def __init__(self):
+        self.deadline: float | None = None  # time.monotonic() seconds
+
+    def begin(self, timeout_s: float) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + timeout_s
+
+    @property
+    def due(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+
 def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_mode: str = "eagle",
                frontend: Frontend | None = None, poll_s: float = POLL_S, max_body_mb: float = MAX_BODY_MB,
                request_timeout_s: float | None = None, api_key: str | None = None,
@@ -173,8 +198,9 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
     arrival of its head, the upload of its body included (None: none; a request may set a
     shorter one); api_key: required as a Bearer token (None: open; surrounding whitespace is
     not part of it); max_requests: requests in progress at most, counted once their head has
-    arrived and their key passed (`guard.RequestLimit`; None: no limit). Raises ValueError
-    for an API key that is empty or only whitespace."""
+    arrived and their key passed (`guard.RequestLimit`; None: no limit). `app.state.drain`
+    (`Drain`) ends the requests still running at the end of a shutdown. Raises ValueError for an
+    API key that is empty or only whitespace."""
     runtime = scheduler.runtime
     manifest = runtime.manifest
     model_name = model_name or manifest.name
@@ -196,6 +222,7 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
 
     app = FastAPI(title="eagle-serve", version=version, lifespan=lifespan)
     app.state.scheduler, app.state.metrics, app.state.frontend = scheduler, metrics, frontend
+    app.state.drain = drain = Drain()
     if max_requests is not None:  # added first: inside BearerAuth, so requests without the key never count
         app.add_middleware(RequestLimit, limit=max_requests)
     if api_key is not None:
@@ -287,6 +314,9 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
         if first.kind == "timeout":
             metrics.requests.labels(endpoint, "timeout").inc()
             return timeout_response(deadline[1])
+        if first.kind == "shutdown":
+            metrics.requests.labels(endpoint, "cancelled").inc()
+            return error_response(shutting_down())
         if first.kind == "error":
             metrics.requests.labels(endpoint, "error").inc()
             return error_response(engine_error(first.error))
@@ -304,6 +334,9 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
         if ev.kind == "timeout":
             metrics.requests.labels(endpoint, "timeout").inc()
             return timeout_response(deadline[1])
+        if ev.kind == "shutdown":
+            metrics.requests.labels(endpoint, "cancelled").inc()
+            return error_response(shutting_down())
         if ev.kind == "error":
             metrics.requests.labels(endpoint, "error").inc()
             return error_response(engine_error(ev.error))
@@ -319,8 +352,12 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
 
     async def _next(job: Job, request: Request, deadline: tuple[float, float] | None) -> Event | None:
         """The job's next event; None (job cancelled) once the client has disconnected; an
-        Event "timeout" (job cancelled) once the deadline has passed."""
+        Event "timeout" (job cancelled) once the deadline has passed; an Event "shutdown" (job
+        cancelled) once the drain of a shutdown is over (`Drain.due`)."""
         while True:
+            if drain.due:
+                job.cancel()
+                return Event("shutdown")
             wait = poll_s if deadline is None else min(poll_s, deadline[0] - time.monotonic())
             try:
                 if wait <= 0:
@@ -365,6 +402,10 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
                     metrics.requests.labels(endpoint, "timeout").inc()
                     ended = True
                     yield sse(timed_out(deadline[1]).body())
+                    return
+                elif ev.kind == "shutdown":  # the client learns why, and the stream is complete
+                    yield sse(shutting_down().body())
+                    yield DONE
                     return
                 else:
                     return

@@ -10,8 +10,9 @@ With --slots N (default 1) up to N requests are decoded at once, their forwards 
 
 With --api-key KEY (or EAGLE_SERVE_API_KEY) every endpoint but /health and /metrics needs
 `Authorization: Bearer KEY`. SIGTERM / Ctrl-C drain the requests in flight for at most
---shutdown-timeout-s seconds; a second SIGTERM / Ctrl-C exits at once. The export's files are
-checked against the sha256 its manifest records before serving (--verify full, the default here).
+--shutdown-timeout-s seconds (then a stream ends with an error event and [DONE]); a second
+SIGTERM / Ctrl-C exits at once. The export's files are checked against the sha256 its manifest
+records before serving (--verify full, the default here).
 """
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ DEFAULT_PREFILL_CHUNK = 128
 # --verify's default here: a server loads once and then answers for every response it signs
 # "lossless", so it hashes every file (contract/verify.py; eagle-run keeps "fast")
 SERVE_VERIFY = "full"
+# seconds uvicorn waits past --shutdown-timeout-s before it cancels what is left (a request still
+# uploading its body); the app itself ends the running requests at --shutdown-timeout-s
+SHUTDOWN_GRACE_S = 2.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,8 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
 def build_server(args, app):
     """The uvicorn.Server serving `app` (create_app's) with the settings of `args`
     (`uvicorn_config`) and eagle-serve's signal handling: the first SIGTERM / SIGINT starts
-    the graceful drain (bounded by --shutdown-timeout-s); a second one of either kind exits at
-    once, status 128 + signal (uvicorn itself forces an exit only on a second SIGINT)."""
+    the graceful drain, in which the app ends the requests still running after
+    --shutdown-timeout-s seconds (`app.state.drain`) and uvicorn cancels what is left
+    SHUTDOWN_GRACE_S later; a second one of either kind exits at once, status 128 + signal
+    (uvicorn itself forces an exit only on a second SIGINT)."""
     import uvicorn
 
     server = uvicorn.Server(uvicorn_config(args, app))
@@ -115,6 +121,7 @@ def build_server(args, app):
         if server.should_exit:
             print(f"eagle-serve: second {signal.Signals(sig).name}: exiting now", file=sys.stderr, flush=True)
             os._exit(128 + sig)
+        app.state.drain.begin(args.shutdown_timeout_s)
         drain(sig, frame)
 
     server.handle_exit = handle_exit  # uvicorn installs the instance's handler for both signals
@@ -123,9 +130,10 @@ def build_server(args, app):
 
 def uvicorn_config(args, app):
     """The uvicorn.Config of `args`: host, port, log level, keep-alive, the head and body
-    timeouts (`guard.guarded_protocol`), and the drain timeout. No limit_concurrency:
-    --max-connections is the app's `guard.RequestLimit`, since uvicorn's counts connections
-    that have not sent a request yet."""
+    timeouts (`guard.guarded_protocol`), and the drain timeout (--shutdown-timeout-s +
+    SHUTDOWN_GRACE_S: the app ends its requests at --shutdown-timeout-s). No
+    limit_concurrency: --max-connections is the app's `guard.RequestLimit`, since uvicorn's
+    counts connections that have not sent a request yet."""
     import uvicorn
 
     from .guard import guarded_protocol
@@ -133,7 +141,7 @@ def uvicorn_config(args, app):
     return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                           timeout_keep_alive=args.keep_alive_s,
                           http=guarded_protocol(args.header_timeout_s, args.body_timeout_s),
-                          timeout_graceful_shutdown=args.shutdown_timeout_s)
+                          timeout_graceful_shutdown=args.shutdown_timeout_s + SHUTDOWN_GRACE_S)
 
 
 def api_key(args) -> str | None:
