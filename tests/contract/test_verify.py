@@ -259,3 +259,77 @@ def test_an_unrecorded_file_in_the_tokenizer_folder_is_refused(export_dir, tmp_p
                                                "it or re-export"]
     assert v.rerecord_files(folder).files[f"{c.TOKENIZER_DIR}/chat_template.jinja"].size == extra.stat().st_size
     assert _run(folder, capsys)[0] == 0
+
+
+def _outside_sampled_blocks(path, at: int) -> int:
+    """`at` moved forward until it lies in no block that sampled_digest reads."""
+    size = path.stat().st_size
+    step = max(size - v.SAMPLE_BLOCK, 0) / (v.SAMPLE_BLOCKS - 1)
+    blocks = [int(i * step) for i in range(v.SAMPLE_BLOCKS)]
+    while any(b <= at < b + v.SAMPLE_BLOCK for b in blocks):
+        at += v.SAMPLE_BLOCK
+    return at
+
+
+def test_a_corrupted_copy_the_fast_check_cannot_see_is_refused_by_every_server(int4_dir, tmp_path, capsys,
+                                                                                monkeypatch):
+    """Issue 53 scenario: a copy of an int4 export with one huge value written into shared.data
+    and one flipped byte in target.onnx passed the fast check, and eagle-serve answered with the
+    lossless fingerprint. eagle-serve and the Triton worker verify "full" by default."""
+    import struct
+
+    import onnx
+
+    pytest.importorskip("fastapi")
+    from eagle_deploy.serve import cli as serve_cli
+    from eagle_deploy.triton.worker import load_runtime
+
+    monkeypatch.setattr(v, "SMALL_FILE", 1000)  # the tiny graphs stand for large ones: sampled at level "fast"
+    monkeypatch.setattr(v, "SAMPLE_BLOCKS", 4)
+    monkeypatch.setattr(v, "SAMPLE_BLOCK", 16)
+    folder = copy_export(int4_dir, tmp_path / "x")
+    v.rerecord_files(folder)
+    shared, target = folder / c.SHARED_WEIGHTS_FILE, folder / c.TARGET_FILE
+    with open(shared, "r+b") as f:
+        f.seek(_outside_sampled_blocks(shared, shared.stat().st_size // 6 & ~3))
+        f.write(struct.pack("<f", 3.0e38))
+    graph = onnx.load(str(target), load_external_data=False)
+    weight = max((t.raw_data for t in graph.graph.initializer), key=len)
+    data = bytearray(target.read_bytes())
+    at = _outside_sampled_blocks(target, data.find(weight) + len(weight) // 2)
+    data[at] ^= 0x40
+    target.write_bytes(bytes(data))
+    v.verify_export(folder, Manifest.load(folder))  # the fast level does not see it: the case of the issue
+
+    monkeypatch.setattr(serve_cli, "uvicorn_config", lambda *a: pytest.fail("eagle-serve went on to serve"))
+    assert serve_cli.main(["--engines", str(folder), "--port", "0", "--threads", str(THREADS)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("eagle-serve: error: ") and "does not match" in lines[0]
+    assert f"{shared} " in lines[0] or f"{target} " in lines[0]
+    with pytest.raises(ManifestError, match=r"(shared\.data|target\.onnx) does not match .*\(sha256 "):
+        load_runtime({"engines": str(folder), "backend": "ort", "threads": THREADS})
+
+
+@pytest.mark.parametrize("name", [c.SHARED_WEIGHTS_FILE, c.TARGET_FILE, c.MANIFEST_FILE])
+def test_a_symlink_loop_is_named_as_one(export_dir, tmp_path, capsys, name):
+    """Issue 53: a symlink loop in place of shared.data was reported as "shared.data is missing"."""
+    folder = copy_export(export_dir, tmp_path / "x")
+    path = folder / name
+    path.unlink()
+    os.symlink(name, path)  # a link to itself
+    rc, out, lines = _run(folder, capsys)
+    assert rc == 2 and out == "" and len(lines) == 1, lines
+    assert lines[0].startswith(f"eagle-run: error: {path} is a symlink loop (a link that leads back to itself, "
+                               "not a file)")
+    assert "missing" not in lines[0] and lines[0].endswith("re-export")
+
+
+def test_a_dangling_symlink_names_its_target(export_dir, tmp_path, capsys):
+    folder = copy_export(export_dir, tmp_path / "x")
+    path = folder / c.SHARED_WEIGHTS_FILE
+    path.unlink()
+    os.symlink(tmp_path / "gone.data", path)
+    rc, out, lines = _run(folder, capsys)
+    assert rc == 2 and len(lines) == 1
+    assert lines[0].startswith(f"eagle-run: error: {path} is a symlink to {tmp_path / 'gone.data'}, which does not "
+                               "exist")

@@ -95,15 +95,23 @@ class Faults:
 
 
 class ServerThread:
-    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread."""
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread; with `cli_flags`,
+    the uvicorn.Server eagle-serve builds (serve.cli.build_server: its protocol, timeouts,
+    request limit and drain) for those eagle-serve flags, else uvicorn's defaults."""
 
-    def __init__(self, app):
+    def __init__(self, app, cli_flags: list[str] | None = None):
         import uvicorn
+
+        from eagle_deploy.serve.cli import build_parser, build_server
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        if cli_flags is None:
+            self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        else:
+            args = build_parser().parse_args(["--engines", "-", "--log-level", "warning", *cli_flags])
+            self.server = build_server(args, app)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.app = app
 
@@ -171,10 +179,10 @@ def faults(server) -> Faults:
 
 
 def make_server(folder: Path, faults=None, oracle_refs=None, reference=None, slots: int = 1, app_kw=None,
-                **runtime_kw):
+                cli_flags: list[str] | None = None, **runtime_kw):
     """A started ServerThread over `folder` (SlotScheduler with `slots` slots + create_app with
-    `app_kw`); with `oracle_refs`, every slot drafts with an OracleDrafter around its EAGLE
-    drafter."""
+    `app_kw`; cli_flags: see ServerThread); with `oracle_refs`, every slot drafts with an
+    OracleDrafter around its EAGLE drafter."""
     from eagle_deploy.contract.manifest import Manifest
     from eagle_deploy.runtime.backends import load_backend
     from eagle_deploy.runtime.drafter import EagleDrafter
@@ -196,7 +204,7 @@ def make_server(folder: Path, faults=None, oracle_refs=None, reference=None, slo
         else:
             kw["drafters"] = lambda slot, inner: oracle(inner)
     scheduler = SlotScheduler.load(folder, slots=slots, max_queue=32, round_hook=faults, **kw)
-    srv = ServerThread(create_app(scheduler, poll_s=0.02, **(app_kw or {}))).start()
+    srv = ServerThread(create_app(scheduler, poll_s=0.02, **(app_kw or {})), cli_flags).start()
     srv.faults = faults
     return srv
 

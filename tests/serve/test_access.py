@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import httpx2
 import openai
@@ -84,3 +85,18 @@ def test_server_deadline_applies_and_a_request_cannot_lengthen_it(locked, long_p
     faults.release.set()
     metrics = httpx2.get(locked.url + "/metrics").text
     assert 'eagle_serve_requests_total{endpoint="completions",outcome="timeout"} 2.0' in metrics
+
+
+def test_the_deadline_covers_the_upload_of_the_body(locked):
+    """Issue 53: half a body stayed open past the deadline with no answer; now a 408 at the
+    deadline (0.4 s here), and the connection is closed (the rest of the body never came)."""
+    with socket.create_connection(("127.0.0.1", locked.port), timeout=30) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\": ".encode())
+        reply = b""
+        while chunk := s.recv(65536):  # to EOF: the server closes the connection
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower()
+    err = json.loads(body)["error"]
+    assert err["code"] == "request_timeout" and "0.4 s" in err["message"]

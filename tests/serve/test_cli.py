@@ -141,20 +141,45 @@ def test_second_signal_exits_at_once(serve_export, sig):
 
 
 def test_limits_and_access_reach_uvicorn_and_the_app(monkeypatch):
-    from eagle_deploy.serve.cli import api_key, build_parser, uvicorn_config
+    from eagle_deploy.serve.cli import SHUTDOWN_GRACE_S, api_key, build_parser, uvicorn_config
+    from eagle_deploy.serve.guard import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
 
     args = build_parser().parse_args(["--engines", "x", "--keep-alive-s", "7", "--max-connections", "40",
-                                      "--shutdown-timeout-s", "12.5", "--max-body-mb", "2"])
+                                      "--shutdown-timeout-s", "12.5", "--max-body-mb", "2",
+                                      "--header-timeout-s", "3", "--body-timeout-s", "20"])
     config = uvicorn_config(args, app=None)
-    assert (config.timeout_keep_alive, config.limit_concurrency, config.timeout_graceful_shutdown) == (7, 40, 12.5)
+    # --max-connections is the app's RequestLimit: uvicorn's limit_concurrency counts half-sent requests
+    assert (config.timeout_keep_alive, config.limit_concurrency, config.timeout_graceful_shutdown) == \
+        (7, None, 12.5 + SHUTDOWN_GRACE_S)
+    assert (config.http.head_timeout, config.http.body_timeout) == (3.0, 20.0)
     defaults = uvicorn_config(build_parser().parse_args(["--engines", "x"]), app=None)
     assert (defaults.timeout_keep_alive, defaults.limit_concurrency, defaults.timeout_graceful_shutdown) == \
-        (5, None, 30.0)
+        (5, None, 30.0 + SHUTDOWN_GRACE_S)
+    assert (defaults.http.head_timeout, defaults.http.body_timeout) == (HEAD_TIMEOUT_S, BODY_TIMEOUT_S) == (10, 60)
     monkeypatch.delenv("EAGLE_SERVE_API_KEY", raising=False)
     assert api_key(args) is None
     monkeypatch.setenv("EAGLE_SERVE_API_KEY", "from-env")
     assert api_key(args) == "from-env"
     assert api_key(build_parser().parse_args(["--engines", "x", "--api-key", "flag"])) == "flag"
+
+
+def test_the_api_key_is_read_without_surrounding_whitespace(monkeypatch):
+    """Issue 53: EAGLE_SERVE_API_KEY=$'k\\n' (a key written with echo) locked out every client."""
+    from eagle_deploy.serve.cli import api_key, build_parser
+
+    args = build_parser().parse_args(["--engines", "x"])
+    monkeypatch.setenv("EAGLE_SERVE_API_KEY", "sk-local\n")
+    assert api_key(args) == "sk-local"
+    assert api_key(build_parser().parse_args(["--engines", "x", "--api-key", " sk-flag\r\n"])) == "sk-flag"
+
+
+def test_eagle_serve_verifies_every_file_by_default():
+    """Issue 53: a served export is hashed whole (--verify full); eagle-run keeps "fast"."""
+    from eagle_deploy.runtime import cli as run_cli
+
+    assert cli.build_parser().parse_args(["--engines", "x"]).verify == cli.SERVE_VERIFY == "full"
+    assert "(default: full)" in " ".join(cli.build_parser().format_help().split())
+    assert run_cli.build_parser().parse_args(["--engines", "x", "--prompt", "p"]).verify == "fast"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -164,6 +189,9 @@ def test_limits_and_access_reach_uvicorn_and_the_app(monkeypatch):
     (["--keep-alive-s", "0"], "--keep-alive-s must be >= 1, got 0"),
     (["--max-connections", "0"], "--max-connections must be >= 1, got 0"),
     (["--api-key", " "], "the API key (--api-key / EAGLE_SERVE_API_KEY) is empty"),
+    (["--api-key", "\n"], "the API key (--api-key / EAGLE_SERVE_API_KEY) is empty"),
+    (["--header-timeout-s", "0"], "--header-timeout-s must be > 0, got 0.0"),
+    (["--body-timeout-s", "-2"], "--body-timeout-s must be > 0, got -2.0"),
 ])
 def test_bad_limits_exit_2(serve_export, argv, message, capsys):
     assert cli.main(["--engines", str(serve_export), *argv]) == 2

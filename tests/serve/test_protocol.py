@@ -91,6 +91,20 @@ def test_parse_json():
         assert info.value.code == "invalid_json"
 
 
+@pytest.mark.parametrize("raw, param, digits", [
+    (b'{"model": "m", "max_tokens": ' + b"9" * 5000 + b"}", "max_tokens", 5000),
+    (b'{"model": "m", "prompt": [1, 2, -' + b"7" * 5000 + b"]}", "prompt[2]", 5000),
+    (b'{"model": "m", "extra": {"deep": [' + b"1" * (p.MAX_DIGITS + 1) + b"]}}", "extra.deep[0]", p.MAX_DIGITS + 1),
+])
+def test_a_number_with_too_many_digits_is_a_400_naming_the_field(raw, param, digits):
+    """Issue 53: a 5,000-digit number gave a 400 quoting Python's sys.set_int_max_str_digits()."""
+    with pytest.raises(p.ApiError) as info:
+        p.parse_json(raw)
+    assert (info.value.status, info.value.param) == (400, param)
+    assert info.value.message == f"{param} is a number with too many digits ({digits}; at most {p.MAX_DIGITS})"
+    assert p.parse_json(b'{"a": ' + b"1" * p.MAX_DIGITS + b"}")["a"] == int("1" * p.MAX_DIGITS)
+
+
 def test_envelope_shapes_and_sse():
     env = p.Envelope(p.CHAT, "m", "fp")
     assert env.id.startswith("chatcmpl-") and env.created > 0

@@ -520,3 +520,24 @@ def test_usage_names_both_modes():
     usage = cli.build_parser().format_usage()
     assert usage.startswith("usage: eagle-bench --engines DIR [options]\n")
     assert "eagle-bench serve --url URL [options]" in usage  # the load mode, dispatched before this parser
+
+
+@pytest.mark.parametrize("missing, flags", [("matplotlib", []), ("psutil", []), ("matplotlib", ["--no-memory"])])
+def test_a_missing_bench_extra_stops_before_any_work(export_dir, tmp_path, capsys, monkeypatch, missing, flags):
+    """Issue 53: after `pip install eagle-deploy` (no bench extra) eagle-bench ran the whole
+    benchmark and then died at the plot on `No module named 'matplotlib'`."""
+    from eagle_deploy.bench import run
+
+    monkeypatch.setitem(sys.modules, missing, None)  # as if not installed: find_spec says None
+    monkeypatch.setattr(run, "run_bench", lambda *a, **kw: pytest.fail("the benchmark ran"))
+    rc = cli.main(["--engines", str(export_dir), "--out", str(tmp_path / "r.json"), "-q", *flags])
+    assert rc == 2
+    assert capsys.readouterr().err.strip() == (f"eagle-bench: error: eagle-bench needs {missing} (the bench extra): "
+                                               "pip install 'eagle-deploy[bench]'")
+
+
+def test_without_the_memory_probe_psutil_is_not_needed(export_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "psutil", None)
+    cli.check_bench_extra(memory=False)  # no error
+    with pytest.raises(ModuleNotFoundError, match="needs psutil"):
+        cli.check_bench_extra(memory=True)

@@ -27,12 +27,15 @@ On a 2-core CPU with SmolLM2-135M at 128 new tokens, EAGLE + vanilla take about 
 prompt, hf and hf-lookup about 5 s each more, llamacpp about 1 s and llamacpp-lookup 2 s
 (after a one-off ~6 min build of llama-cpp-python); by default 10 prompts of each set are
 run, so the default run takes about 2 minutes.
-Writes a JSON file and a PNG plot beside it.
+Writes a JSON file and a PNG plot beside it. Needs the `bench` extra (matplotlib for the plot,
+psutil for the memory probe): without it eagle-bench stops before any work, with one line
+naming `pip install 'eagle-deploy[bench]'`.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib.util
 import json
 import os
 import sys
@@ -147,6 +150,17 @@ def _default_out(engines: Path) -> Path:
     return Path("bench_results") / f"{engines.resolve().name}-{stamp}.json"
 
 
+def check_bench_extra(memory: bool = True) -> None:
+    """Raise ModuleNotFoundError (one line naming the pip command) when a package of the
+    `bench` extra that a benchmark run needs is missing: matplotlib (the plot), and psutil with
+    the memory probe (`memory`). Checked before any work, so no run ends without its plot."""
+    needed = ["matplotlib", *(["psutil"] if memory else [])]
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModuleNotFoundError(f"eagle-bench needs {' and '.join(missing)} (the bench extra): "
+                                  "pip install 'eagle-deploy[bench]'")
+
+
 def _bench(args, tree, say) -> int:
     from . import report
     from .run import BenchConfig, run_bench
@@ -161,9 +175,9 @@ def _bench(args, tree, say) -> int:
                       drafters=[] if args.no_drafters else args.drafters, specbench=args.specbench)
     result = run_bench(cfg, log=(lambda m: None) if args.quiet else say)
     out = args.out or _default_out(args.engines)
-    report.write_json(result, out)
-    png = report.plot(result, out.with_suffix(".png"))
+    report.write_json(result, out)  # the measurements first, whatever happens to the plot
     summary = report.format_summary(result)
+    png = report.plot(result, out.with_suffix(".png"))
     if args.json:
         print(summary, file=sys.stderr)
         print(json.dumps({"aggregate": result["aggregate"], "greedy_identity": result["greedy_identity"],
@@ -218,6 +232,8 @@ def main(argv=None) -> int:
     try:
         check_at_least([("--max-new-tokens", args.max_new_tokens, 1), ("--limit", args.limit, 0),
                         ("--threads", args.threads, 1)])
+        if not args.tune:
+            check_bench_extra(memory=not args.no_memory)
         manifest = Manifest.load(args.engines)
         tree = None  # the manifest's own tree unless a tree flag is given
         if any(v is not None for v in (args.tree, args.total_tokens, args.depth, args.tree_top_k)):

@@ -153,14 +153,16 @@ BACKEND_NAMES = ("ort", "ort-cuda", "trt")  # engine backends, as `runtime.backe
 VERIFY_CHOICES = ("fast", "full", "off")  # contract.verify.VERIFY_LEVELS (not imported: it needs the manifest)
 
 
-def add_verify_arg(parser: argparse.ArgumentParser) -> None:
+def add_verify_arg(parser: argparse.ArgumentParser, default: str = "fast") -> None:
     """--verify, for every command that reads an export folder (eagle-run, eagle-serve,
     eagle-validate): how its files are checked against the manifest before use
-    (contract/verify.py)."""
-    parser.add_argument("--verify", default="fast", choices=VERIFY_CHOICES,
+    (contract/verify.py). default: "fast" for the commands that load and exit; eagle-serve,
+    which loads once and then answers for every response, passes "full"."""
+    parser.add_argument("--verify", default=default, choices=VERIFY_CHOICES,
                         help="check the export's files against its manifest before loading: 'fast' = graph "
                              "inputs/outputs, file sizes, sha256 of files up to 16 MiB and sampled blocks of larger "
-                             "ones (milliseconds); 'full' = the sha256 of every file (about 1 s per GB); 'off'")
+                             "ones (milliseconds; a few changed bytes in a large file go unseen); 'full' = the sha256 "
+                             "of every file (about 1 s per GB); 'off'")
 
 
 def add_drafter_args(parser: argparse.ArgumentParser) -> None:
@@ -177,13 +179,13 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
                              "and across processes after eagle-bench --tune)")
 
 
-def add_engine_args(parser: argparse.ArgumentParser, threshold_effect: str) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, threshold_effect: str, verify_default: str = "fast") -> None:
     """The flags of every command that decodes over an export (eagle-run, eagle-serve): --engines,
-    --drafter, --always-draft, --verify, --backend, --threads, --acceptance, --threshold. `threshold_effect` ends the
-    --acceptance help (what the command says about lossy output)."""
+    --drafter, --always-draft, --verify (default `verify_default`), --backend, --threads, --acceptance, --threshold.
+    `threshold_effect` ends the --acceptance help (what the command says about lossy output)."""
     parser.add_argument("--engines", type=Path, required=True, help="an export folder written by eagle-export")
     add_drafter_args(parser)
-    add_verify_arg(parser)
+    add_verify_arg(parser, verify_default)
     parser.add_argument("--backend", default="ort", choices=BACKEND_NAMES,
                         help="ort = onnxruntime CPU; ort-cuda and trt need a CUDA GPU "
                              "(trt: engines from eagle-export --backend trt)")

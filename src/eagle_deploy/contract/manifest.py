@@ -20,7 +20,10 @@ quantisation record live under each graph's `"extra"` object; `engines` holds `"
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -224,6 +227,26 @@ class SharedTensor:
                 "dtype": self.dtype, "shape": list(self.shape), "offset": self.offset, "length": self.length}
 
 
+def unreadable(path: Path) -> str | None:
+    """Why `path` cannot be read as a file, in words that follow its name ("is missing", "is a
+    symlink loop ...", "is a symlink to X, which does not exist", "is a folder, not a file",
+    "cannot be read (...)"), or None for a file (symlinks followed). Path.exists and
+    Path.is_file say False for all of these alike, so a loop read as "missing"."""
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "is a symlink loop (a link that leads back to itself, not a file)"
+        if os.path.islink(path):
+            return f"is a symlink to {os.readlink(path)}, which does not exist"
+        if isinstance(err, FileNotFoundError):
+            return "is missing"
+        return f"cannot be read ({err.strerror or err})"
+    if stat.S_ISDIR(st.st_mode):
+        return "is a folder, not a file"
+    return None
+
+
 @dataclass(frozen=True)
 class SharedWeights:
     """The weights the draft graph takes from the target (JSON: `shared_weights`): one
@@ -248,8 +271,9 @@ class SharedWeights:
         roles = " and ".join(sorted({words.get(t.role, t.role) for t in self.tensors}, reverse=True)) or "weights"
         what = (f"the {which} graph needs the {roles} ({len(self.tensors)} tensor(s)) kept there once for the target "
                 "and draft graphs")
-        if not path.is_file():
-            raise ManifestError(f"{path} is missing: {what}; copy the whole export folder or re-export")
+        problem = unreadable(path)
+        if problem is not None:
+            raise ManifestError(f"{path} {problem}: {what}; copy the whole export folder or re-export")
         need = max((t.offset + t.length for t in self.tensors), default=0)
         found = path.stat().st_size
         if found < max(need, self.size):
@@ -433,7 +457,10 @@ class Manifest:
         the field, the expected and the found value) on anything missing or malformed."""
         folder = Path(folder)
         path = folder / MANIFEST_FILE
-        if not path.exists():
+        problem = unreadable(path)
+        if problem not in (None, "is missing"):  # a loop or a dangling link is not "no manifest"
+            raise ManifestError(f"{path} {problem}; copy the whole export folder or re-export")
+        if problem is not None:
             if not folder.exists():
                 raise ManifestError(f"{folder} does not exist: pass an export folder (eagle-export prints the one it "
                                     "writes), or run eagle-export first")

@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .manifest import GRAPHS, FileRecord, Manifest, ManifestError, check_graph_io
+from .manifest import GRAPHS, FileRecord, Manifest, ManifestError, check_graph_io, unreadable
 from .onnx_io import MANIFEST_FILE, TensorSpec
 
 VERIFY_LEVELS = ("fast", "full", "off")
@@ -214,10 +214,14 @@ def graph_io(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
                 if number in (11, 12):
                     f.seek(value[0])
                     (inputs if number == 11 else outputs).append(_value_info(f.read(value[1])))
-    except FileNotFoundError:
-        raise ManifestError(f"{path} is missing (the manifest names it); copy the whole export folder or "
-                            "re-export") from None
-    except (_Damaged, KeyError, OSError, UnicodeDecodeError) as err:
+    except OSError as err:
+        problem = unreadable(path)
+        if problem is not None or isinstance(err, FileNotFoundError):
+            raise ManifestError(f"{path} {problem or 'is missing'} (the manifest names it); copy the whole export "
+                                "folder or re-export") from None
+        raise ManifestError(f"{path} is not a readable ONNX graph ({err or type(err).__name__}: truncated or "
+                            "damaged); re-export") from None
+    except (_Damaged, KeyError, UnicodeDecodeError) as err:
         raise ManifestError(f"{path} is not a readable ONNX graph ({err or type(err).__name__}: truncated or "
                             "damaged); re-export") from None
     return inputs, outputs
@@ -276,11 +280,11 @@ def verify_export(folder: Path, manifest: Manifest, level: str = "fast", progres
     _no_unlisted_tokenizer_files(folder, manifest, source)
     for rel, record in expected.items():
         path = folder / rel
-        try:
-            sizes[rel] = path.stat().st_size
-        except FileNotFoundError:
-            raise ManifestError(f"{path} is missing ({source} lists it); copy the whole export folder or "
-                                "re-export") from None
+        problem = unreadable(path)
+        if problem is not None:
+            raise ManifestError(f"{path} {problem} ({source} lists it); copy the whole export folder or "
+                                "re-export")
+        sizes[rel] = path.stat().st_size
         want = record.size if isinstance(record, FileRecord) else record[0]
         if want is not None and sizes[rel] != want:
             raise ManifestError(f"{path} is {sizes[rel]:,} bytes but {source} records {want:,}: {DIFFERENT}; "

@@ -9,8 +9,11 @@ never stalls the event loop: other streams and /health go on), before it reaches
 an invalid one gets a 400 and never touches it. With `api_key` every route but /health and
 /metrics (those too with `protect_health_metrics`) needs `Authorization: Bearer <key>` (401).
 A request's deadline (`request_timeout_s`, shortened by the request's own field) is counted
-from its arrival: past it the job is cancelled and the client gets a 408 `request_timeout`
-(or, once streaming, an SSE error event with that code).
+from the arrival of its head: a body still uploading at the server's deadline gets a 408
+`request_timeout` with `Connection: close`; later the job is cancelled and the client gets a
+408 (or, once streaming, an SSE error event with that code). At the end of a shutdown's drain
+(`Drain`) the requests still running get a 503 `server_shutdown` (a stream: an error event
+with that code, then `data: [DONE]`).
 
 A streamed response starts once the engine has produced the first text (or finished): a
 request that fails before that gets a JSON 500; one that fails later gets an
@@ -39,7 +42,7 @@ from eagle_deploy.runtime.request import Request as GenerationRequest
 from eagle_deploy.runtime.text import encode_chat, encode_user
 
 from .engine import Event, Job, QueueFull, Scheduler, Work, engine_info, fingerprint, stats_info
-from .guard import OPEN_PATHS, BearerAuth, read_body
+from .guard import OPEN_PATHS, BearerAuth, RequestLimit, read_body
 from .metrics import ServeMetrics
 from .protocol import (
     CHAT,
@@ -155,21 +158,51 @@ def timed_out(limit: float) -> ApiError:
                          "request_timeout_s) and was stopped", None, "request_timeout", "timeout_error")
 
 
-def timeout_response(limit: float) -> JSONResponse:
+def timeout_response(limit: float, close: bool = False) -> JSONResponse:
     """The 408, with `x-should-retry: false`: the openai clients retry a 408 by default, and
-    the same request would only run out the same deadline again."""
-    return JSONResponse(timed_out(limit).body(), status_code=408, headers={"x-should-retry": "false"})
+    the same request would only run out the same deadline again. close: also `Connection:
+    close` (the body has not all arrived, so the connection cannot carry another request)."""
+    headers = {"x-should-retry": "false", **({"connection": "close"} if close else {})}
+    return JSONResponse(timed_out(limit).body(), status_code=408, headers=headers)
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down and stopped this request at the end of its drain "
+                         "(--shutdown-timeout-s); retry on another server", None, "server_shutdown", "server_error")
+
+
+class Drain:
+    """The end of a graceful shutdown, as the app sees it: `begin(timeout_s)` (called on the
+    first SIGTERM / Ctrl-C) sets the time at which the requests still running are stopped
+    (`due`): a stream ends with an error event `server_shutdown` and `data: [DONE]`, any
+    other request gets a 503 `server_shutdown`, before uvicorn would cancel them."""
+
+    def __init__(self):
+        self.deadline: float | None = None  # time.monotonic() seconds
+
+    def begin(self, timeout_s: float) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + timeout_s
+
+    @property
+    def due(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
 
 def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_mode: str = "eagle",
                frontend: Frontend | None = None, poll_s: float = POLL_S, max_body_mb: float = MAX_BODY_MB,
                request_timeout_s: float | None = None, api_key: str | None = None,
-               protect_health_metrics: bool = False) -> FastAPI:
+               protect_health_metrics: bool = False, max_requests: int | None = None) -> FastAPI:
     """The app over `scheduler` (started and closed by the app's lifespan). model_name: the id
     clients must send as `model` (default: the export's manifest name); default_mode: "eagle"
     or "vanilla" for requests that do not set the `mode` extension field; max_body_mb: the
-    request body limit; request_timeout_s: the deadline of every request (None: none; a
-    request may set a shorter one); api_key: required as a Bearer token (None: open)."""
+    request body limit; request_timeout_s: the deadline in seconds of every request, from the
+    arrival of its head, the upload of its body included (None: none; a request may set a
+    shorter one); api_key: required as a Bearer token (None: open; surrounding whitespace is
+    not part of it); max_requests: requests in progress at most, counted once their head has
+    arrived and their key passed (`guard.RequestLimit`; None: no limit). `app.state.drain`
+    (`Drain`) ends the requests still running at the end of a shutdown. Raises ValueError for an
+    API key that is empty or only whitespace."""
     runtime = scheduler.runtime
     manifest = runtime.manifest
     model_name = model_name or manifest.name
@@ -191,8 +224,11 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
 
     app = FastAPI(title="eagle-serve", version=version, lifespan=lifespan)
     app.state.scheduler, app.state.metrics, app.state.frontend = scheduler, metrics, frontend
+    app.state.drain = drain = Drain()
+    if max_requests is not None:  # added first: inside BearerAuth, so requests without the key never count
+        app.add_middleware(RequestLimit, limit=max_requests)
     if api_key is not None:
-        app.add_middleware(BearerAuth, key=api_key, open_paths=() if protect_health_metrics else OPEN_PATHS)
+        app.add_middleware(BearerAuth, key=api_key.strip(), open_paths=() if protect_health_metrics else OPEN_PATHS)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -232,9 +268,9 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
     def _prepare(raw: bytes, parse) -> tuple[CompletionRequest, list[int]]:
         """Body -> (request, prompt ids), on the frontend's thread. Raises ApiError."""
         req = parse(parse_json(raw))
-        if req.model != model_name:
-            raise invalid("model", f"the model {req.model!r} does not exist; this server serves {model_name!r} "
-                                   "(GET /v1/models)", "model_not_found")
+        if req.model != model_name:  # 404 model_not_found, as OpenAI and vLLM answer it
+            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r} "
+                                "(GET /v1/models)", "model", "model_not_found")
         return req, frontend.prompt_ids(req)
 
     def _runtime_request(req: CompletionRequest, ids: list[int], max_tokens: int, mode: str) -> GenerationRequest:
@@ -269,7 +305,11 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
     async def _complete(request: Request, kind: str, parse, endpoint: str):
         t0 = time.monotonic()
         try:
-            raw = await read_body(request, max_body)
+            try:  # the server's deadline covers the upload of the body (the request's own is in the body)
+                raw = await asyncio.wait_for(read_body(request, max_body), request_timeout_s)
+            except TimeoutError:
+                metrics.requests.labels(endpoint, "timeout").inc()
+                return timeout_response(request_timeout_s, close=True)
             req, ids = await asyncio.get_running_loop().run_in_executor(frontend.executor, _prepare, raw, parse)
             mode = req.mode or default_mode
             max_tokens = req.max_tokens if req.max_tokens is not None else manifest.max_length
@@ -295,6 +335,9 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
         if first.kind == "timeout":
             metrics.requests.labels(endpoint, "timeout").inc()
             return timeout_response(deadline[1])
+        if first.kind == "shutdown":
+            metrics.requests.labels(endpoint, "cancelled").inc()
+            return error_response(shutting_down())
         if first.kind == "error":
             metrics.requests.labels(endpoint, "error").inc()
             return error_response(engine_error(first.error))
@@ -312,6 +355,9 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
         if ev.kind == "timeout":
             metrics.requests.labels(endpoint, "timeout").inc()
             return timeout_response(deadline[1])
+        if ev.kind == "shutdown":
+            metrics.requests.labels(endpoint, "cancelled").inc()
+            return error_response(shutting_down())
         if ev.kind == "error":
             metrics.requests.labels(endpoint, "error").inc()
             return error_response(engine_error(ev.error))
@@ -327,8 +373,12 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
 
     async def _next(job: Job, request: Request, deadline: tuple[float, float] | None) -> Event | None:
         """The job's next event; None (job cancelled) once the client has disconnected; an
-        Event "timeout" (job cancelled) once the deadline has passed."""
+        Event "timeout" (job cancelled) once the deadline has passed; an Event "shutdown" (job
+        cancelled) once the drain of a shutdown is over (`Drain.due`)."""
         while True:
+            if drain.due:
+                job.cancel()
+                return Event("shutdown")
             wait = poll_s if deadline is None else min(poll_s, deadline[0] - time.monotonic())
             try:
                 if wait <= 0:
@@ -378,6 +428,10 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
                     metrics.requests.labels(endpoint, "timeout").inc()
                     ended = True
                     yield sse(timed_out(deadline[1]).body())
+                    return
+                elif ev.kind == "shutdown":  # the client learns why, and the stream is complete
+                    yield sse(shutting_down().body())
+                    yield DONE
                     return
                 else:
                     return

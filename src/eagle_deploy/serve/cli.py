@@ -10,7 +10,9 @@ With --slots N (default 1) up to N requests are decoded at once, their forwards 
 
 With --api-key KEY (or EAGLE_SERVE_API_KEY) every endpoint but /health and /metrics needs
 `Authorization: Bearer KEY`. SIGTERM / Ctrl-C drain the requests in flight for at most
---shutdown-timeout-s seconds; a second SIGTERM / Ctrl-C exits at once.
+--shutdown-timeout-s seconds (then a stream ends with an error event and [DONE]); a second
+SIGTERM / Ctrl-C exits at once. The export's files are checked against the sha256 its manifest
+records before serving (--verify full, the default here).
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from eagle_deploy.contract.cli_args import (
     tree_from_args,
 )
 
+from .guard import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
+
 
 class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown as elsewhere; the description's example lines kept as written."""
@@ -40,11 +44,17 @@ class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
 # --prefill-chunk's default: tokens per prefill chunk with several slots (runtime/batch.py,
 # "Chunked prefill"; measured in docs/decisions.md, "chunked prefill")
 DEFAULT_PREFILL_CHUNK = 128
+# --verify's default here: a server loads once and then answers for every response it signs
+# "lossless", so it hashes every file (contract/verify.py; eagle-run keeps "fast")
+SERVE_VERIFY = "full"
+# seconds uvicorn waits past --shutdown-timeout-s before it cancels what is left (a request still
+# uploading its body); the app itself ends the running requests at --shutdown-timeout-s
+SHUTDOWN_GRACE_S = 2.0
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle-serve", description=__doc__, formatter_class=_Formatter)
-    add_engine_args(p, "responses say so in system_fingerprint and their eagle field")
+    add_engine_args(p, "responses say so in system_fingerprint and their eagle field", verify_default=SERVE_VERIFY)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the export's name)")
@@ -67,9 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("limits and access")
     g.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit; larger bodies get 413")
     g.add_argument("--request-timeout-s", type=float, default=None,
-                   help="deadline of every request from its arrival (queue wait included); past it the request is "
-                        "stopped and answered 408 request_timeout; a request may set a shorter request_timeout_s "
-                        "(default: none)")
+                   help="deadline of every request from the arrival of its head (body upload and queue wait "
+                        "included); past it the request is stopped and answered 408 request_timeout; a request may "
+                        "set a shorter request_timeout_s (default: none)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (401 otherwise); default: the EAGLE_SERVE_API_KEY "
                         "environment variable, else no key")
@@ -80,44 +90,69 @@ def build_parser() -> argparse.ArgumentParser:
                         "signal exits at once")
     g.add_argument("--keep-alive-s", type=int, default=5,
                    help="close an idle keep-alive connection after this many seconds")
+    g.add_argument("--header-timeout-s", type=float, default=HEAD_TIMEOUT_S,
+                   help="a request's line and headers must arrive within this many seconds of the connection "
+                        "opening (of its first byte on a kept-alive connection), however slowly they trickle in; "
+                        "else HTTP 408 and the connection is closed")
+    g.add_argument("--body-timeout-s", type=float, default=BODY_TIMEOUT_S,
+                   help="a request's body must arrive within this many seconds of its head; else HTTP 408 and the "
+                        "connection is closed")
     g.add_argument("--max-connections", type=int, default=None,
-                   help="open connections at most; more get HTTP 503 (default: no limit)")
+                   help="requests in progress at most (streams included), counted once their head has arrived and "
+                        "their API key passed, so connections still sending a request never fill it; more get HTTP "
+                        "503 server_busy; /health and /metrics are not counted (default: no limit)")
     add_tree_args(p, "the export's manifest")
     return p
 
 
-def serve(config) -> None:
-    """Run uvicorn with `config` until a signal: the first SIGTERM / SIGINT starts the
-    graceful drain (bounded by config.timeout_graceful_shutdown); a second one of either kind
-    exits at once, status 128 + signal (uvicorn itself forces an exit only on a second SIGINT)."""
+def build_server(args, app):
+    """The uvicorn.Server serving `app` (create_app's) with the settings of `args`
+    (`uvicorn_config`) and eagle-serve's signal handling: the first SIGTERM / SIGINT starts
+    the graceful drain, in which the app ends the requests still running after
+    --shutdown-timeout-s seconds (`app.state.drain`) and uvicorn cancels what is left
+    SHUTDOWN_GRACE_S later; a second one of either kind exits at once, status 128 + signal
+    (uvicorn itself forces an exit only on a second SIGINT)."""
     import uvicorn
 
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(args, app))
     drain = server.handle_exit
 
     def handle_exit(sig, frame):
         if server.should_exit:
             print(f"eagle-serve: second {signal.Signals(sig).name}: exiting now", file=sys.stderr, flush=True)
             os._exit(128 + sig)
+        app.state.drain.begin(args.shutdown_timeout_s)
         drain(sig, frame)
 
     server.handle_exit = handle_exit  # uvicorn installs the instance's handler for both signals
-    server.run()
+    return server
 
 
 def uvicorn_config(args, app):
-    """The uvicorn.Config of `args` (host, port, log level, keep-alive, connection limit, drain
-    timeout)."""
+    """The uvicorn.Config of `args`: host, port, log level, keep-alive, the head and body
+    timeouts (`guard.guarded_protocol`), and the drain timeout (--shutdown-timeout-s +
+    SHUTDOWN_GRACE_S: the app ends its requests at --shutdown-timeout-s). No
+    limit_concurrency: --max-connections is the app's `guard.RequestLimit`, since uvicorn's
+    counts connections that have not sent a request yet."""
     import uvicorn
 
+    from .guard import guarded_protocol
+
     return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                          timeout_keep_alive=args.keep_alive_s, limit_concurrency=args.max_connections,
-                          timeout_graceful_shutdown=args.shutdown_timeout_s)
+                          timeout_keep_alive=args.keep_alive_s,
+                          http=guarded_protocol(args.header_timeout_s, args.body_timeout_s),
+                          timeout_graceful_shutdown=args.shutdown_timeout_s + SHUTDOWN_GRACE_S)
 
 
 def api_key(args) -> str | None:
+    """The API key of --api-key, else of EAGLE_SERVE_API_KEY, without surrounding whitespace
+    (a key written with `echo` into a secret ends in a newline); None: no key. Raises
+    ValueError for a key that is empty once stripped."""
     key = args.api_key if args.api_key is not None else os.environ.get("EAGLE_SERVE_API_KEY")
-    if key is not None and not key.strip():
+    if key is None:
+        return None
+    key = key.strip()
+    if not key:
         raise ValueError("the API key (--api-key / EAGLE_SERVE_API_KEY) is empty")
     return key
 
@@ -137,7 +172,8 @@ def main(argv=None) -> int:
         if args.prefill_chunk < 0:
             raise ValueError(f"--prefill-chunk must be >= 0 (0: off), got {args.prefill_chunk}")
         for flag, value in (("--max-body-mb", args.max_body_mb), ("--request-timeout-s", args.request_timeout_s),
-                            ("--shutdown-timeout-s", args.shutdown_timeout_s)):
+                            ("--shutdown-timeout-s", args.shutdown_timeout_s),
+                            ("--header-timeout-s", args.header_timeout_s), ("--body-timeout-s", args.body_timeout_s)):
             if value is not None and not value > 0:
                 raise ValueError(f"{flag} must be > 0, got {value}")
         key = api_key(args)
@@ -161,7 +197,7 @@ def main(argv=None) -> int:
                                        shrink_trees=not args.fixed_tree)
         app = create_app(scheduler, model_name=args.model_name, default_mode="vanilla" if args.vanilla else "eagle",
                          max_body_mb=args.max_body_mb, request_timeout_s=args.request_timeout_s, api_key=key,
-                         protect_health_metrics=args.protect_health_metrics)
+                         protect_health_metrics=args.protect_health_metrics, max_requests=args.max_connections)
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
         return cli_error("eagle-serve", err, FLAGS)  # one line, no traceback
     except (ImportError, RuntimeError) as err:
@@ -181,7 +217,7 @@ def main(argv=None) -> int:
           f"http://{args.host}:{args.port}/v1 ({args.slots} request{'s' if args.slots > 1 else ''} at a time; "
           f"--max-queue {args.max_queue}{'; API key required' if key else ''})",
           file=sys.stderr, flush=True)
-    serve(uvicorn_config(args, app))
+    build_server(args, app).run()
     return 0
 
 

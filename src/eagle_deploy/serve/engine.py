@@ -265,9 +265,13 @@ class SlotScheduler:
         self._threads = []
 
     def submit(self, work: Work, loop: asyncio.AbstractEventLoop) -> Job:
+        """Queue `work` and return its Job. Raises QueueFull when `max_queue` jobs already wait
+        that no idle worker is about to take (a job submitted while a worker is idle is not
+        counted as waiting, though it sits in the queue until that worker takes it)."""
         with self._lock:
-            if len(self._jobs) >= self.max_queue:
-                raise QueueFull(f"the queue holds {len(self._jobs)} requests (--max-queue {self.max_queue})")
+            waiting = len(self._jobs) - len(self._idle)
+            if waiting >= self.max_queue:
+                raise QueueFull(f"the queue holds {waiting} requests (--max-queue {self.max_queue})")
             self.submitted += 1
             job = Job(work, loop, self.submitted)
             job._dequeue = self._dequeue

@@ -96,15 +96,57 @@ class CompletionRequest:
         return "messages" if self.kind == CHAT else "prompt"
 
 
+MAX_DIGITS = 4300  # digits of a JSON integer at most (Python's default int_max_str_digits)
+
+
+class _Digits:
+    """Stands in for a JSON integer of more than MAX_DIGITS digits while the body is parsed."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+def _parse_int(text: str):
+    digits = len(text.lstrip("-"))
+    return int(text) if digits <= MAX_DIGITS else _Digits(digits)
+
+
+def _find_digits(body) -> tuple[str, int] | None:
+    """(field, digits) of the first _Digits in `body` ("max_tokens", "prompt[3]"), or None."""
+    todo = [("", body)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, _Digits):
+            return where or "the request body", value.digits
+        if isinstance(value, dict):
+            todo.extend((f"{where}.{k}" if where else str(k), v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            todo.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
 def parse_json(raw: bytes) -> dict:
-    """Request body -> dict. Raises ApiError (400) on a body that is not a JSON object."""
+    """Request body -> dict. Raises ApiError (400) on a body that is not a JSON object, and on
+    an integer of more than MAX_DIGITS digits (the error names the field holding it)."""
+    huge = []
+
+    def parse_int(text: str):
+        value = _parse_int(text)
+        if isinstance(value, _Digits):
+            huge.append(value)
+        return value
+
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_int=parse_int)
     except (ValueError, UnicodeDecodeError) as err:
         raise invalid(None, f"the request body is not valid JSON ({err})", "invalid_json") from None
     except RecursionError:
         raise invalid(None, "the request body is JSON nested too deeply to parse (about "
                             f"{sys.getrecursionlimit()} levels at most)", "invalid_json") from None
+    if huge:
+        where, digits = _find_digits(body)
+        raise invalid(None if where == "the request body" else where,
+                      f"{where} is a number with too many digits ({digits}; at most {MAX_DIGITS})")
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object", "invalid_json")
     return body

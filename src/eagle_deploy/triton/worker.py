@@ -45,8 +45,10 @@ from typing import IO, Callable
 
 from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER
 
+# verify "full": an instance loads once and then serves for its lifetime, so it checks the sha256 of
+# every file of the export (contract/verify.py), as eagle-serve does
 DEFAULTS = {"backend": "auto", "threads": 0, "tree": None, "acceptance": "lossless", "threshold": 0.3,
-            "drafter": "", "name": "eagle", "drafter_kind": DEFAULT_DRAFTER, "planned": True}
+            "drafter": "", "name": "eagle", "drafter_kind": DEFAULT_DRAFTER, "planned": True, "verify": "full"}
 
 
 # a Request field -> the model's input that carries it (errors name the input)
@@ -55,7 +57,8 @@ INPUTS = {"prompt": "text_input", "max_new_tokens": "max_tokens"}
 
 def load_runtime(config: dict, host=None, round_observers=()):
     """-> (EagleRuntime, backend, reason) for a worker config (keys as DEFAULTS plus
-    "engines", an export folder). threads 0 = onnxruntime's default. drafter_kind / planned: as
+    "engines", an export folder). threads 0 = onnxruntime's default. verify: "full" by
+    default (every file's sha256 against the manifest before the graphs open). drafter_kind / planned: as
     EagleRuntime.load's (default: the commands' hybrid, planned). drafter "module:callable"
     replaces the EAGLE head: callable(folder, manifest, tree, threads) -> a runtime Drafter.
     round_observers: passed to the runtime (tests).
@@ -81,7 +84,7 @@ def load_runtime(config: dict, host=None, round_observers=()):
     threshold = float(config["threshold"]) if config["acceptance"] == "threshold" else None
     options = EngineOptions(backend=backend, tree=tree, threads=threads, acceptance=config["acceptance"],
                             threshold=threshold, drafter_kind=str(config["drafter_kind"]),
-                            planned=bool(config["planned"]), verify=str(config.get("verify", "fast")))
+                            planned=bool(config["planned"]), verify=str(config["verify"]))  # files vs manifest
     rt = EagleRuntime.load(folder, options, drafter=drafter, round_observers=round_observers)
     return rt, backend, reason
 
