@@ -31,6 +31,7 @@ from eagle_deploy.contract.verify import VerifyReport, sha256_file, verify_expor
 from .backends import Backend, load_backend
 from .decode import Decoder, RoundObserver, Stats, TokenStopper
 from .drafter import Drafter, EagleDrafter
+from .grammar import Grammar, GrammarState, GrammarTokenizer
 from .hybrid import ALTERNATE_LEN, ALTERNATES, MAX_LOOKUP, head_of, make_drafter, uses_draft_graph
 from .options import EngineOptions
 from .planner import CostModel, measure_costs
@@ -232,6 +233,7 @@ class EagleRuntime:
         self._owner: int | None = None  # the thread whose request owns the KV buffers now
         self._free = threading.Condition()
         self._open_draft: Callable[[], Backend] | None = None  # set by load(with_draft=False)
+        self._grammar_tokenizer: GrammarTokenizer | None = None  # built on the first response_format
         self.verification: VerifyReport | None = None  # what load's verify_export checked
 
     @property
@@ -376,15 +378,27 @@ class EagleRuntime:
                              "before EAGLE decoding")
         ids = self.prompt_ids(request)
         request.check_vocab(self.manifest.dims.vocab)
+        grammar = self.grammar(request.response_format).state() if request.response_format else None
         if self.tokenizer is None and request.stop:
             raise SettingError("stop", "needs a tokenizer (this export has none)")
         text = TextStream(self.tokenizer, self.eos_ids, request.stop) if self.tokenizer is not None else None
         logprobs = None if request.logprobs is None else []
         stop = threading.Event()
-        return Generation(self._stream(ids, request, text, logprobs, stop), logprobs, stop)
+        return Generation(self._stream(ids, request, text, logprobs, stop, grammar), logprobs, stop)
 
-    def _stream(self, ids: list[int], request: Request, text: TextStream | None,
-                logprobs: list[TokenLogprob] | None, stop: threading.Event) -> Generator[str, None, GenerationResult]:
+    def grammar(self, response_format: dict) -> Grammar:
+        """A request's response_format (grammar.check_response_format's form) compiled for
+        this export's tokenizer. Raises SettingError naming the schema field when it cannot be
+        enforced, ValueError when the export has no tokenizer."""
+        if self._grammar_tokenizer is None:
+            eos = self.eos_ids[0] if self.eos_ids else None
+            if eos is None:
+                raise SettingError("response_format", "needs an export with an end-of-sequence token id")
+            self._grammar_tokenizer = GrammarTokenizer(self._tok(), self.manifest.dims.vocab, eos)
+        return Grammar.compile(self._grammar_tokenizer, response_format)
+
+    def _stream(self, ids: list[int], request: Request, text: TextStream | None, logprobs: list[TokenLogprob] | None,
+                stop: threading.Event, grammar: GrammarState | None) -> Generator[str, None, GenerationResult]:
         vanilla = request.mode == "vanilla"
         stats = Stats(drafter=None if vanilla else self.drafter_kind)
         if stop.is_set():  # cancelled before it started: no forward, the buffers untouched
@@ -393,7 +407,8 @@ class EagleRuntime:
         me = self._claim()
         chunks = self.decoder.decode(ids, request.max_new_tokens, request.sampling, text or TokenStopper(self.eos_ids),
                                      vanilla=vanilla, stats=stats, logprobs=logprobs,
-                                     top_logprobs=request.logprobs or 0)
+                                     top_logprobs=request.logprobs or 0, grammar=grammar,
+                                     draft_forced=self.options.draft_forced)
         try:
             tokens: list[int] = []
             for chunk in chunks:

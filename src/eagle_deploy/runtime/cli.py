@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from eagle_deploy.contract.cli_args import (
     LOSSY,
@@ -47,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add BIAS (in [-100, 100]) to token ID's logit (repeatable; -100 bans a token)")
     g.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="with --json: each generated token's log-probability and its K best alternatives (0-20)")
+    fmt = p.add_argument_group("structured output", "the output follows the grammar, exactly as vanilla decoding "
+                                                    "under it would; tokens it forces are drafted for free")
+    shape = fmt.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                       help="a JSON schema (strict: keys and punctuation in one layout, ', ' and ': ')")
+    shape.add_argument("--json-object", action="store_true", help="any JSON object")
     p.add_argument("--stream", action="store_true", help="print text as tokens are committed")
     which = p.add_mutually_exclusive_group()  # --vanilla --compare-vanilla would compare vanilla with itself
     which.add_argument("--vanilla", action="store_true", help="plain one-token-per-forward decoding on the same engine")
@@ -76,10 +83,21 @@ def _request(args, mode: str):
             bias.append((int(token), float(value)))
         except ValueError:
             raise SettingError("logit_bias", f"takes ID=BIAS (a token id and a number), got {item!r}") from None
+    response_format = {"type": "json_object"} if args.json_object else None
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(args.json_schema.read_text())
+        except (OSError, UnicodeDecodeError) as err:
+            raise SettingError("response_format", f"cannot read {args.json_schema}: {err.strerror or err}") from None
+        except ValueError as err:
+            raise SettingError("response_format", f"{args.json_schema} is not JSON ({err})") from None
+        response_format = {"type": "json_schema", "json_schema": {"name": args.json_schema.stem, "schema": schema,
+                                                                  "strict": True}}
     return Request(args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed,
                    tuple(args.stop), mode, False if args.raw else None, min_p=args.min_p, logit_bias=bias,
                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                   repetition_penalty=args.repetition_penalty, logprobs=args.logprobs)
+                   repetition_penalty=args.repetition_penalty, logprobs=args.logprobs,
+                   response_format=response_format)
 
 
 def _check_no_effect(args) -> None:
@@ -137,6 +155,8 @@ def main(argv=None) -> int:
         rt = EagleRuntime.load(args.engines, options, with_draft=False)
         memory["rss_target_loaded_mb"] = rss_mb()
         rt.prompt_ids(request)  # a too long prompt fails before any note or forward
+        if request.response_format is not None:  # and a schema the grammar engine refuses
+            rt.grammar(request.response_format)
         draft_graph = mode == "eagle" and uses_draft_graph(options.drafter_kind)  # --vanilla never opens it either
         notes = manifest.notes_for(draft_graph)
         for note in (*notes, *filter(None, [rt.verification.note])):

@@ -17,8 +17,9 @@ from eagle_deploy.contract.errors import prompt_too_long
 from .acceptance import SpecCounts, tau
 from .backends.base import Backend, StepInputs
 from .drafter import Drafter, DraftRequest, causal_mask
+from .grammar import GrammarRows, GrammarState, mask_first
 from .sampling import SamplingParams, finite_number, greedy_token, sample, target_probs
-from .shaping import LogitShaper, TokenLogprob, token_logprob
+from .shaping import LogitShaper, TokenLogprob, path_tokens, token_logprob
 from .tree import DraftTree
 from .verify import Verification, contiguous, verify_sampling, verify_threshold
 
@@ -64,6 +65,8 @@ class Stats:
     t_verify: float = 0.0
     t_commit: float = 0.0
     t_total: float = 0.0
+    t_grammar: float = 0.0  # seconds of grammar work (masks, pruning, forced tokens); 0 without a grammar
+    grammar_masks: int = 0  # full-vocabulary masks computed
 
     @property
     def mean_accept_len(self) -> float:
@@ -127,6 +130,7 @@ class Stats:
             "tree_size_per_round": self.tree_size_per_round, "draft_rounds": self.draft_rounds,
             "mode": self.mode, "drafter": self.drafter, "acceptance": self.acceptance, "lossless": self.lossless,
             "row_exact": self.row_exact,
+            "grammar_ms": round(self.t_grammar * 1e3, 2), "grammar_masks": self.grammar_masks,
             "speculative": SpecCounts.from_stats(self).usage(),
         }
 
@@ -222,22 +226,27 @@ class Decoder:
 
     def decode(self, prompt: Sequence[int], max_new_tokens: int, params: SamplingParams,
                stopper: Stopper, vanilla: bool = False, stats: Stats | None = None,
-               logprobs: list[TokenLogprob] | None = None, top_logprobs: int = 0) -> Iterator[list[int]]:
+               logprobs: list[TokenLogprob] | None = None, top_logprobs: int = 0,
+               grammar: GrammarState | None = None, draft_forced: bool = True) -> Iterator[list[int]]:
         """Yield committed token chunks until a stop, `max_new_tokens`, or KV capacity;
         `stats` (if given) is filled in as the request runs, and `logprobs` (if given) gets one
         shaping.TokenLogprob per committed token, with its `top_logprobs` alternatives. A
-        request's logit_bias and penalties shape every tree node's row from its own path
-        (shaping.LogitShaper) before verification."""
+        request's logit_bias and penalties shape, and its `grammar` masks, each tree node's
+        row from its own path (shaping.LogitShaper, grammar.GrammarRows) as verification walks
+        the tree; draft tokens the grammar forbids are pruned before the target runs, and with
+        `draft_forced` the tokens it forces are drafted as a chain (grammar module doc)."""
         stats = stats if stats is not None else Stats()
         stats.mode = "vanilla" if vanilla else "eagle"
         stats.acceptance, stats.row_exact = self.acceptance, self.row_exact
         rng = params.rng()
         shaper = LogitShaper.of(params, prompt)
         t0 = time.perf_counter()
-        state, first_logits = self.prefill(prompt, params, rng, stats, shaper)
+        state, first_logits = self.prefill(prompt, params, rng, stats, shaper, grammar)
         first = self.commit_tokens(state, [state.committed.pop()], max_new_tokens, stopper)
         if shaper is not None:
             shaper.push(first)
+        if grammar is not None:
+            grammar.consume(first[0])
         if logprobs is not None:
             logprobs.append(token_logprob(first_logits, first[0], top_logprobs))
         stats.t_prefill = time.perf_counter() - t0
@@ -247,11 +256,18 @@ class Decoder:
             drafter.reset()
         while state.finish_reason is None:
             t1 = time.perf_counter()
-            tree = self.expand_tree(state, drafter, max_new_tokens)
+            tree = self.expand_tree(state, drafter, max_new_tokens, grammar, draft_forced)
             t2 = time.perf_counter()
             logits, features = self.verify_forward(tree, state)
             t3 = time.perf_counter()
-            verification = self.accept(tree, logits if shaper is None else shaper.rows(logits, tree), params, rng)
+            row = None
+            if shaper is not None:
+                row = lambda i, tree=tree, logits=logits: shaper.row(logits[i], path_tokens(tree, i))  # noqa: E731
+            if grammar is not None:
+                row = GrammarRows(tree, grammar, row or (lambda i, logits=logits: logits[i]))
+            verification = self.accept(tree, logits, params, rng, row)
+            if grammar is not None:
+                row.done()
             for observe in self.round_observers:
                 observe(tree, logits, verification)
             if logprobs is not None:  # before commit: the next forward reuses the backend's arrays
@@ -262,6 +278,9 @@ class Decoder:
                 del logprobs[len(logprobs) - len(verification.tokens) + len(chunk):]  # tokens after a stop
             if shaper is not None:
                 shaper.push(chunk)
+            if grammar is not None:
+                for token in chunk:
+                    grammar.consume(token)
             t4 = time.perf_counter()
             stats.t_draft, stats.t_verify, stats.t_commit = (stats.t_draft + t2 - t1, stats.t_verify + t3 - t2,
                                                              stats.t_commit + t4 - t3)
@@ -273,9 +292,11 @@ class Decoder:
         stats.finish_reason, stats.limited_by = state.finish_reason, state.limited_by
         stats.draft_forwards = drafter.forwards if drafter is not None else 0
         stats.t_total = time.perf_counter() - t0
+        if grammar is not None:
+            stats.t_grammar, stats.grammar_masks = grammar.seconds, grammar.masks
 
     def prefill(self, prompt: Sequence[int], params: SamplingParams, rng, stats: Stats,
-                shaper: LogitShaper | None = None) -> tuple[_State, np.ndarray]:
+                shaper: LogitShaper | None = None, grammar: GrammarState | None = None) -> tuple[_State, np.ndarray]:
         """Run the prompt; -> (the state with its first token chosen, that token's [V] row of
         target logits, a copy)."""
         n = len(prompt)
@@ -295,18 +316,30 @@ class Decoder:
             a = b
         logits = out.logits[0, 0].copy()
         shaped = logits if shaper is None else shaper.row(logits)
+        if grammar is not None:
+            shaped = mask_first(grammar, shaped)
         token = greedy_token(shaped) if params.greedy else sample(target_probs(shaped, params), rng)
         state = _State(list(prompt) + [token], n, features[0] if len(features) == 1 else np.concatenate(features))
         return state, logits
 
-    def expand_tree(self, state: _State, drafter: Drafter | None, max_new_tokens: int) -> DraftTree:
+    def expand_tree(self, state: _State, drafter: Drafter | None, max_new_tokens: int,
+                    grammar: GrammarState | None = None, draft_forced: bool = True) -> DraftTree:
+        """This round's draft tree: the drafter's proposal (none for vanilla decoding), with a
+        grammar the nodes it forbids pruned, or, where it forces the next tokens, that chain."""
         root = state.committed[-1]
         room = self.max_length - state.target_len  # KV rows left for this round's tree
         left = max_new_tokens - state.generated  # a path of depth d commits d + 1 tokens
         if drafter is None or room <= 1 or left <= 1:
             return DraftTree.root_only(root)
         request = DraftRequest(state.committed, state.features, state.target_len, room, max_depth=min(left, room) - 1)
+        if grammar is not None and draft_forced:
+            forced = grammar.forced(min(left, room) - 1)
+            if forced:  # the only legal continuation: every other draft would be pruned
+                drafter.propose(replace(request, max_nodes=1, max_depth=0))  # keeps up with the context, drafts none
+                return DraftTree.from_paths(root, [forced])
         tree = drafter.propose(request)
+        if grammar is not None:
+            tree = grammar.prune(tree)
         return tree.depth_first() if self.row_exact else tree
 
     def verify_forward(self, tree: DraftTree, state: _State) -> tuple[np.ndarray, np.ndarray]:
@@ -329,11 +362,14 @@ class Decoder:
         tapped = None if out.tapped_features is None else out.tapped_features[:, :1]
         return replace(out, features=out.features[:, :1], tapped_features=tapped)
 
-    def accept(self, tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng) -> Verification:
+    def accept(self, tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng,
+               row: Callable[[int], np.ndarray] | None = None) -> Verification:
+        """Verify `tree` against its logits [n, V] (row(node): a node's shaped / masked row
+        instead, read along the walked path only)."""
         if self.acceptance == "threshold":
-            v = verify_threshold(tree, logits, params, rng, self.threshold)
+            v = verify_threshold(tree, logits, params, rng, self.threshold, row)
         else:
-            v = verify_sampling(tree, logits, params, rng)
+            v = verify_sampling(tree, logits, params, rng, row)
         return contiguous(v) if self.row_exact else v
 
     def commit(self, state: _State, verification: Verification, features: np.ndarray,

@@ -50,7 +50,9 @@ class EngineOptions:
     before a graph is opened (contract/verify.py). row_exact: decode every one-token forward as
     two rows so that greedy EAGLE equals vanilla bit for bit (None: on for quantised targets).
     prefill_chunk: rows per prefill forward of a long prompt (0: the whole prompt in one
-    forward; same bits either way)."""
+    forward; same bits either way). draft_forced: under a request's grammar
+    (response_format), draft the tokens it forces as a chain (False: only the drafter's
+    proposals, pruned to the grammar; for measuring what forced drafts add)."""
 
     backend: str = "ort"
     tree: TreeConfig | None = None
@@ -62,6 +64,7 @@ class EngineOptions:
     verify: str = "fast"
     row_exact: bool | None = None
     prefill_chunk: int = PREFILL_CHUNK
+    draft_forced: bool = True
 
     def __post_init__(self):
         _one_of("backend", self.backend, BACKEND_NAMES)
@@ -72,7 +75,7 @@ class EngineOptions:
             raise SettingError("tree", f"must be a TreeConfig or None, got {self.tree!r}")
         if self.threads is not None:
             object.__setattr__(self, "threads", whole_number(self.threads, "threads", 1))
-        for name in ("planned",) + (() if self.row_exact is None else ("row_exact",)):
+        for name in ("planned", "draft_forced") + (() if self.row_exact is None else ("row_exact",)):
             if not isinstance(getattr(self, name), bool):
                 raise SettingError(name, f"must be True or False, got {getattr(self, name)!r}")
         object.__setattr__(self, "prefill_chunk", whole_number(self.prefill_chunk, "prefill_chunk", 0))

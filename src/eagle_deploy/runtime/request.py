@@ -20,6 +20,7 @@ from typing import Sequence
 
 from eagle_deploy.contract.errors import SettingError
 
+from .grammar import check_response_format
 from .sampling import SamplingParams, whole_number
 
 Prompt = str | Sequence[dict] | Sequence[int]
@@ -34,7 +35,7 @@ FLAGS = {"prompt": "--prompt", "max_new_tokens": "--max-new-tokens", "temperatur
          "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed", "stop": "--stop", "chat": "--raw",
          "min_p": "--min-p", "logit_bias": "--logit-bias", "presence_penalty": "--presence-penalty",
          "frequency_penalty": "--frequency-penalty", "repetition_penalty": "--repetition-penalty",
-         "logprobs": "--logprobs"}
+         "logprobs": "--logprobs", "response_format": "--json-schema"}
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,11 @@ class Request:
     output equal to vanilla decoding's under the same settings: shaping.LogitShaper).
     logprobs: None (off) or k in [0, MAX_TOP_LOGPROBS]: return each generated token's
     log-probability under the target and its k most likely alternatives
-    (GenerationResult.logprobs). `sampling` is the SamplingParams the decoder reads."""
+    (GenerationResult.logprobs). response_format: OpenAI's (None or {"type": "text"}: plain
+    text; {"type": "json_object"}; {"type": "json_schema", "json_schema": {"name", "schema",
+    "strict"}}): the output follows that grammar, exactly as vanilla decoding under the same
+    grammar would produce it (runtime/grammar.py); kept normalised by
+    grammar.check_response_format. `sampling` is the SamplingParams the decoder reads."""
 
     prompt: Prompt
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -71,6 +76,7 @@ class Request:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    response_format: dict | None = None
     sampling: SamplingParams = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -90,6 +96,7 @@ class Request:
         object.__setattr__(self, "stop", check_stops(self.stop))
         if self.chat is not None and not isinstance(self.chat, bool):
             raise SettingError("chat", f"must be True, False or None, got {self.chat!r}")
+        object.__setattr__(self, "response_format", check_response_format(self.response_format))
         object.__setattr__(self, "prompt", check_prompt(self.prompt))
 
     def check_vocab(self, vocab: int) -> None:

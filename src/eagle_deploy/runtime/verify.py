@@ -15,11 +15,14 @@ This samples exactly from the target distribution; greedy is the temperature-0 c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from .sampling import SamplingParams, greedy_token, sample, target_probs
 from .tree import DraftTree
+
+Row = Callable[[int], np.ndarray]  # node index -> that node's [V] row of target logits
 
 
 @dataclass(frozen=True)
@@ -54,17 +57,24 @@ def _finish(tree: DraftTree, path: list[int], bonus: int) -> Verification:
     return Verification(path, [int(tree.tokens[i]) for i in path[1:]] + [int(bonus)])
 
 
+def _rows(logits: np.ndarray | None, row: Row | None) -> Row:
+    return row if row is not None else (lambda node: logits[node])
+
+
 def verify_greedy(tree: DraftTree, logits: np.ndarray | None = None, *,
-                  argmax: np.ndarray | None = None) -> Verification:
+                  argmax: np.ndarray | None = None, row: Row | None = None) -> Verification:
     """logits [n, V] float32 (row i: target logits after node i), or instead argmax [n] int
     (the target's greedy token after each node, e.g. recorded earlier) -> the longest path
     whose tokens equal the target's argmax, plus the argmax after it as the bonus token.
-    Raises ValueError unless exactly one of the two is given."""
+    row(node): node's [V] row instead of logits[node] (a request's shaping or grammar, read
+    only along the walked path: the root, then each accepted node, a child of the one before).
+    Raises ValueError unless exactly one of logits / argmax is given."""
     if (logits is None) == (argmax is None):
         raise ValueError("verify_greedy takes logits or argmax, not both or neither")
+    rows = _rows(logits, row)
     node, path = 0, [0]
     while True:
-        best = greedy_token(logits[node]) if argmax is None else int(argmax[node])
+        best = greedy_token(rows(node)) if argmax is None else int(argmax[node])
         match = next((int(c) for c in tree.children(node) if tree.tokens[c] == best), None)
         if match is None:
             return _finish(tree, path, best)
@@ -89,24 +99,27 @@ def _rejection_step(tree: DraftTree, node: int, p: np.ndarray,
 
 
 def verify_sampling(tree: DraftTree, logits: np.ndarray, params: SamplingParams,
-                    rng: np.random.Generator) -> Verification:
+                    rng: np.random.Generator, row: Row | None = None) -> Verification:
     """Recursive rejection sampling over each node's children (lossless; see module doc).
-    logits [n, V] float32; greedy params reduce to `verify_greedy`."""
+    logits [n, V] float32; row: as for verify_greedy; greedy params reduce to
+    `verify_greedy`."""
     if params.greedy:
-        return verify_greedy(tree, logits)
+        return verify_greedy(tree, logits, row=row)
+    rows = _rows(logits, row)
     node, path = 0, [0]
     while True:
-        child, p = _rejection_step(tree, node, target_probs(logits[node], params), rng)
+        target = rows(node)
+        child, p = _rejection_step(tree, node, target_probs(target, params), rng)
         if child is None:
             if p.sum() <= 0.0:
-                p = target_probs(logits[node], params)
+                p = target_probs(target, params)
             return _finish(tree, path, sample(p, rng))
         node = child
         path.append(node)
 
 
 def verify_threshold(tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
-                     threshold: float) -> Verification:
+                     threshold: float, row: Row | None = None) -> Verification:
     """NOT LOSSLESS. Accept a child whenever the target's probability of its token is at least
     `threshold` (a posterior-threshold rule, as in Medusa's typical acceptance, TensorRT-LLM's
     threshold mode and the "EAGLEY" proposal); otherwise apply the lossless rule at that node.
@@ -116,19 +129,21 @@ def verify_threshold(tree: DraftTree, logits: np.ndarray, params: SamplingParams
     if not 0.0 < threshold <= 1.0:
         raise ValueError(f"threshold must be in (0, 1], got {threshold}")
     test_params = params if not params.greedy else SamplingParams(temperature=1.0)
+    rows = _rows(logits, row)
     node, path = 0, [0]
     while True:
-        q = target_probs(logits[node], test_params)
+        target = rows(node)
+        q = target_probs(target, test_params)
         hit = next((int(c) for c in tree.children(node) if q[int(tree.tokens[c])] >= threshold), None)
         if hit is None:
             if params.greedy:
-                best = greedy_token(logits[node])
+                best = greedy_token(target)
                 hit = next((int(c) for c in tree.children(node) if tree.tokens[c] == best), None)
                 if hit is None:
                     return _finish(tree, path, best)
             else:
-                hit, p = _rejection_step(tree, node, target_probs(logits[node], params), rng)
+                hit, p = _rejection_step(tree, node, target_probs(target, params), rng)
                 if hit is None:
-                    return _finish(tree, path, sample(p if p.sum() > 0 else target_probs(logits[node], params), rng))
+                    return _finish(tree, path, sample(p if p.sum() > 0 else target_probs(target, params), rng))
         node = hit
         path.append(node)

@@ -281,8 +281,11 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
                                         req.stop, mode, min_p=req.min_p, logit_bias=req.logit_bias,
                                         presence_penalty=req.presence_penalty,
                                         frequency_penalty=req.frequency_penalty,
-                                        repetition_penalty=req.repetition_penalty, logprobs=req.logprobs)
+                                        repetition_penalty=req.repetition_penalty, logprobs=req.logprobs,
+                                        response_format=req.response_format)
             request.check_vocab(manifest.dims.vocab)
+            if request.response_format is not None:  # a schema the grammar engine refuses: a 400, here
+                scheduler.runtime.grammar(request.response_format)
             return request
         except SettingError as err:
             names = {"prompt": req.prompt_param, "max_new_tokens": "max_tokens",

@@ -16,8 +16,9 @@ only), `user` (kept as the request's tag), `logprobs` (chat: true/false with `to
 `frequency_penalty`; extensions: `top_k` (0 = off), `min_p`, `repetition_penalty` (vLLM's)
 and `mode` ("eagle" | "vanilla", the decoding mode of this request; default: the server's).
 Their ranges are the runtime's (`runtime.request.Request`, each error naming the HTTP field).
-Fields that would change the output in ways this server does not implement (`tools`, `echo`,
-`suffix`, `best_of` > 1, a non-text `response_format`) are rejected rather than ignored; other
+`response_format` (`text`, `json_object`, `json_schema`) makes the output follow that grammar
+(runtime/grammar.py). Fields that would change the output in ways this server does not
+implement (`tools`, `echo`, `suffix`, `best_of` > 1) are rejected rather than ignored; other
 unknown fields are ignored. Text that reaches the tokenizer
 (prompt, message contents, stop strings) must be valid Unicode (no lone surrogates such as
 `"\\ud800"`); at most MAX_STOPS stop strings of at most MAX_STOP_CHARS characters each.
@@ -88,6 +89,7 @@ class CompletionRequest:
     frequency_penalty: Any = 0.0
     repetition_penalty: Any = 1.0
     min_p: Any = 0.0
+    response_format: Any = None
     extras: dict = field(default_factory=dict)
 
     @property
@@ -176,6 +178,7 @@ def _request(r: _Tail, req: CompletionRequest) -> CompletionRequest:
     req.logit_bias, req.presence_penalty, req.frequency_penalty = r.logit_bias or {}, r.presence_penalty, \
         r.frequency_penalty
     req.repetition_penalty, req.min_p = r.repetition_penalty, r.min_p
+    req.response_format = r.response_format
     return req
 
 
@@ -293,8 +296,6 @@ class _CompletionHead(_Body):
 _REFUSED = {
     "tools": (lambda v: not v, "tools are not supported"),
     "functions": (lambda v: not v, "functions are not supported"),
-    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-                        "only the text response_format is supported"),
     "echo": (lambda v: v in (None, False), "echo is not supported"),
     "suffix": (lambda v: not v, "suffix is not supported"),
     "best_of": (lambda v: v in (None, 1), "best_of must be 1"),
@@ -307,7 +308,7 @@ class _Tail(_Body):
 
     tools: Any = None  # refused (see _REFUSED) unless harmless
     functions: Any = None
-    response_format: Any = None
+    response_format: Any = None  # checked by the runtime's Request (runtime/grammar.py)
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
