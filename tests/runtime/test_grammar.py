@@ -212,3 +212,23 @@ def test_sampling_under_a_path_dependent_grammar_follows_the_masked_target(v16, 
     p, tv = chi2_pvalue(counts, joint), total_variation(counts, joint)
     assert p > P_MIN and tv < tv_noise(joint, N_JOINT), f"chi-square p={p:.2e}, TV={tv:.4f}"
     assert deep > 0.02 * N_JOINT
+
+
+def test_eagle_run_json_schema_and_json_object(mha, tmp_path, capsys):
+    from eagle_deploy.runtime import cli
+
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(SCHEMA))
+    base = ["--engines", str(mha.export_dir), "--prompt", "hello", "--raw", "--threads", "1", "--json",
+            "--max-new-tokens", "80"]
+    assert cli.main([*base, "--json-schema", str(schema)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = mha.rt.generate("hello", 80, chat=False, mode="vanilla", response_format=RF)
+    assert out["token_ids"] == want.token_ids and out["text"].startswith('{"name": "')
+    assert cli.main([*base, "--json-object"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"].startswith("{")
+    schema.write_text("{not json")
+    assert cli.main([*base, "--json-schema", str(schema)]) == 2
+    assert capsys.readouterr().err.startswith(f"eagle-run: error: --json-schema {schema} is not JSON")
+    assert cli.main([*base, "--json-schema", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err

@@ -3,6 +3,8 @@ official openai client gets the runtime's answer, EAGLE's equals vanilla's, and 
 one 400 naming the field."""
 from __future__ import annotations
 
+import json
+
 import httpx2
 import openai
 import pytest
@@ -74,3 +76,52 @@ def test_chat_top_logprobs_are_capped_and_need_logprobs(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     r = httpx2.post(server.url + "/v1/chat/completions", json={**base, "top_logprobs": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["label", "score"],
+          "properties": {"label": {"type": "string", "enum": ["yes", "no"]},
+                         "score": {"type": "integer", "minimum": 0, "maximum": 9}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_output_is_the_runtimes_and_parses(client, reference, stream):
+    messages = [{"role": "user", "content": ORACLE_PROMPTS[0]}]
+    rf = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}}
+    want = reference.generate(messages, 64, mode="vanilla", response_format=rf)
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=64, temperature=0, response_format=rf, stream=True)
+            if c.choices)
+    else:
+        text = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                              response_format=rf).choices[0].message.content
+    assert text == want.text and want.finish_reason == "stop"
+    obj = json.loads(text)
+    assert obj["label"] in ("yes", "no") and 0 <= obj["score"] <= 9
+
+
+def test_the_openai_clients_parse_with_a_pydantic_model(client):
+    from typing import Annotated, Literal
+
+    from pydantic import BaseModel, Field
+
+    class Verdict(BaseModel):
+        label: Literal["yes", "no"]
+        score: Annotated[int, Field(ge=0, le=9)]
+
+    r = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": ORACLE_PROMPTS[1]}],
+                                      max_tokens=64, temperature=0, response_format=Verdict)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Verdict) and parsed.label in ("yes", "no")
+
+
+@pytest.mark.parametrize("rf, param", [
+    ({"type": "xml"}, "response_format.type"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}},
+     "response_format.json_schema.schema"),
+])
+def test_a_bad_response_format_gets_one_400_naming_it(server, rf, param):
+    r = httpx2.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": rf})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
