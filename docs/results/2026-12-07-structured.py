@@ -11,6 +11,7 @@ Run from the repository root, on a quiet machine:
     .venv/bin/python docs/results/2026-12-07-structured.py engines/smollm2-135m \\
         docs/results/2026-12-07-structured-set.json docs/results/2026-12-07-structured-fp32-nogrammar.json --no-grammar
 
+--limit N / --per-schema N: the first N prompts / the first N of each schema (quick checks).
 ENGINES_DIR is one export folder (it holds manifest.json) or a folder of exports (each
 subfolder with a manifest.json is run in turn, e.g. `engines/`).
 
@@ -200,6 +201,19 @@ def run_one(rt: EagleRuntime, messages, new: int, mode: str, rf: dict | None, sc
             "text": r.text, "token_ids": r.token_ids, "stats": st}
 
 
+def select(prompts: list[dict], limit: int | None, per_schema: int | None) -> list[dict]:
+    """The first `per_schema` prompts of each schema (all without it), then the first `limit`."""
+    if per_schema:
+        seen: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            seen[p["schema"]] = seen.get(p["schema"], 0) + 1
+            if seen[p["schema"]] <= per_schema:
+                kept.append(p)
+        prompts = kept
+    return prompts[:limit] if limit else prompts
+
+
 def load_runtimes(folder: Path, threads: int, eagle_drafter: bool) -> dict[str, EagleRuntime]:
     rts = {"default": EagleRuntime.load(folder, threads=threads)}
     if eagle_drafter:
@@ -220,7 +234,7 @@ def bench_export(folder: Path, data: dict, args) -> dict:
     rts = load_runtimes(folder, args.threads, args.eagle_drafter)
     default = rts["default"]
     schemas = data["schemas"]
-    prompts = data["prompts"][: args.limit] if args.limit else data["prompts"]
+    prompts = select(data["prompts"], args.limit, args.per_schema)
     compile_ms = {}
     if grammar:  # every schema compiled once up front: a refused schema stops the run here
         default.grammar({"type": "json_object"})  # builds the runtime's grammar tokenizer (once), untimed
@@ -285,7 +299,8 @@ def aggregate(records: list[dict], arms: list[str]) -> dict:
              "tau": round(sum(committed) / max(sum(rounds), 1), 3),
              "valid_pct": round(100 * sum(x["valid"] for x in runs) / len(runs), 1),
              "parses_pct": round(100 * sum(x["parses"] for x in runs) / len(runs), 1),
-             "finish": {f: sum(x["finish_reason"] == f for x in runs) for f in sorted({x["finish_reason"] for x in runs})},
+             "finish": {f: sum(x["finish_reason"] == f for x in runs)
+                        for f in sorted({x["finish_reason"] for x in runs})},
              "grammar_ms": round(sum(x["grammar"].get("grammar_ms", 0.0) for x in runs), 1),
              "grammar_share_pct": round(100 * sum(x["grammar"].get("grammar_ms", 0.0) for x in runs)
                                         / max(seconds * 1e3, 1e-9), 1),
@@ -334,6 +349,16 @@ def print_table(result: dict, cpu: str) -> None:
               + f"  [{cpu}]")
 
 
+def dumps(value) -> str:
+    """JSON with indent 1, lists of numbers kept on one line (token ids, rounds). Only lists
+    that json.dumps spread over lines are joined (a JSON string holds no raw newline, so
+    generated texts are never touched)."""
+    text = json.dumps(value, indent=1, ensure_ascii=False)
+    num = r"-?[0-9][0-9.eE+-]*"
+    return re.sub(rf"\[\n\s*({num}(?:,\n\s*{num})*)\n\s*\]",
+                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text) + "\n"
+
+
 def exports(root: Path) -> list[Path]:
     if (root / "manifest.json").is_file():
         return [root]
@@ -351,6 +376,7 @@ def main() -> None:
     ap.add_argument("out_json", type=Path)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--limit", type=int, default=None, help="the first N prompts only")
+    ap.add_argument("--per-schema", type=int, default=None, help="the first N prompts of each schema only")
     ap.add_argument("--no-grammar", action="store_true", help="no response_format (the baseline)")
     ap.add_argument("--eagle-drafter", action="store_true",
                     help="also EAGLE with a second runtime: drafter_kind='eagle', planned=False")
@@ -373,10 +399,11 @@ def main() -> None:
         print_table(r, env["cpu"])
     out = {"benchmark": "structured outputs (response_format json_schema), greedy vanilla vs EAGLE",
            "command": " ".join([Path(sys.executable).name, *sys.argv]), "set": str(args.set_json),
-           "max_new_tokens": args.max_new_tokens, "limit": args.limit, "grammar": not args.no_grammar,
+           "max_new_tokens": args.max_new_tokens, "limit": args.limit, "per_schema": args.per_schema,
+           "grammar": not args.no_grammar,
            "environment": env, "results": results}
     args.out_json.parent.mkdir(parents=True, exist_ok=True)
-    args.out_json.write_text(json.dumps(out, indent=1) + "\n")
+    args.out_json.write_text(dumps(out))
     print(f"\nwrote {args.out_json}")
 
 

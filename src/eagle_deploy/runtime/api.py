@@ -38,20 +38,23 @@ from .planner import CostModel, measure_costs
 from .request import Prompt, Request
 from .shaping import TokenLogprob
 from .text import TextStream, encode_chat
+from .tools import messages_for_template, parse_tool_calls, template_renders_tools, tool_grammar
 
 
 @dataclass
 class GenerationResult:
     """text (stop string excluded), token_ids (generated only; an EOS id is kept),
-    finish_reason ("stop" | "length" | "cancelled": Generation.cancel), stats (a
+    finish_reason ("stop" | "length" | "cancelled": Generation.cancel | "tool_calls"), stats (a
     decode.Stats; `stats.to_json()` for JSON), logprobs (with Request.logprobs: one
-    shaping.TokenLogprob per token of token_ids; else None)."""
+    shaping.TokenLogprob per token of token_ids; else None), tool_calls (with Request.tools: the
+    calls the output made, OpenAI's form, the text then being what is outside them; else None)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str
     stats: Stats = field(default_factory=Stats)
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[dict] | None = None
 
 
 class Generation:
@@ -315,16 +318,20 @@ class EagleRuntime:
         is used as is. Raises SettingError (a ValueError) on a prompt Request refuses or a
         token id outside the vocabulary, ValueError when the export has no tokenizer or its
         chat template refuses the messages."""
-        if not isinstance(prompt, Request):
-            prompt = Request(prompt, chat=chat)
-        prompt, chat = prompt.prompt, prompt.chat
+        request = prompt if isinstance(prompt, Request) else Request(prompt, chat=chat)
+        prompt, chat = request.prompt, request.chat
+        tools = request.tools if request.tool_choice != "none" else ()
         if isinstance(prompt, str):
             use_chat = self.manifest.chat_template if chat is None else chat
             if use_chat:
-                return self._chat_ids([{"role": "user", "content": prompt}])
+                return self._chat_ids([{"role": "user", "content": prompt}], tools)
+            if tools:
+                raise SettingError("tools", "need the chat template, which renders them (not chat=False)")
             return list(self._tok().encode(prompt, add_special_tokens=True))
         if isinstance(prompt[0], dict):
-            return self._chat_ids(prompt)
+            return self._chat_ids(prompt, tools)
+        # token ids are used as they are (eagle-serve renders the tools into them itself); the
+        # tools still constrain and are parsed from the output
         Request(prompt).check_vocab(self.manifest.dims.vocab)
         return list(prompt)
 
@@ -344,13 +351,16 @@ class EagleRuntime:
             raise ValueError("this export has no tokenizer; pass token ids")
         return self.tokenizer
 
-    def _chat_ids(self, messages) -> list[int]:
+    def _chat_ids(self, messages, tools=()) -> list[int]:
         tokenizer = self._tok()
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this export's tokenizer has no chat template: pass a string with chat=False, or "
                              "token ids")
+        if tools and not template_renders_tools(tokenizer):
+            raise SettingError("tools", f"are not supported by the model {self.manifest.name}: its chat template "
+                                        "does not render tools")
         try:
-            return encode_chat(tokenizer, messages)
+            return encode_chat(tokenizer, messages_for_template(messages), tools)
         except Exception as err:  # the template's own checks (e.g. role order, raise_exception)
             raise ValueError(f"the chat template refused these messages: {first_line(err)}") from None
 
@@ -378,7 +388,8 @@ class EagleRuntime:
                              "before EAGLE decoding")
         ids = self.prompt_ids(request)
         request.check_vocab(self.manifest.dims.vocab)
-        grammar = self.grammar(request.response_format).state() if request.response_format else None
+        grammar = self.grammar_for(request)
+        grammar = grammar.state() if grammar is not None else None
         if self.tokenizer is None and request.stop:
             raise SettingError("stop", "needs a tokenizer (this export has none)")
         text = TextStream(self.tokenizer, self.eos_ids, request.stop) if self.tokenizer is not None else None
@@ -386,16 +397,23 @@ class EagleRuntime:
         stop = threading.Event()
         return Generation(self._stream(ids, request, text, logprobs, stop, grammar), logprobs, stop)
 
-    def grammar(self, response_format: dict) -> Grammar:
-        """A request's response_format (grammar.check_response_format's form) compiled for
-        this export's tokenizer. Raises SettingError naming the schema field when it cannot be
-        enforced, ValueError when the export has no tokenizer."""
+    def grammar_for(self, request: Request) -> Grammar | None:
+        """The grammar a request's output follows, compiled for this export's tokenizer: its
+        tool_choice "required" / named function (tools.tool_grammar), else its response_format;
+        None for plain text. Raises SettingError naming the field when it cannot be enforced,
+        ValueError when the export has no tokenizer."""
+        lark = tool_grammar(request.tools, request.tool_choice)
+        if lark is None and request.response_format is None:
+            return None
         if self._grammar_tokenizer is None:
             eos = self.eos_ids[0] if self.eos_ids else None
             if eos is None:
-                raise SettingError("response_format", "needs an export with an end-of-sequence token id")
+                raise SettingError("response_format" if lark is None else "tool_choice",
+                                   "needs an export with an end-of-sequence token id")
             self._grammar_tokenizer = GrammarTokenizer(self._tok(), self.manifest.dims.vocab, eos)
-        return Grammar.compile(self._grammar_tokenizer, response_format)
+        if lark is not None:
+            return Grammar.from_lark(self._grammar_tokenizer, lark, "tools")
+        return Grammar.compile(self._grammar_tokenizer, request.response_format)
 
     def _stream(self, ids: list[int], request: Request, text: TextStream | None, logprobs: list[TokenLogprob] | None,
                 stop: threading.Event, grammar: GrammarState | None) -> Generator[str, None, GenerationResult]:
@@ -427,8 +445,12 @@ class EagleRuntime:
                 tail = text.take(final=True)
                 if tail:
                     yield tail
-            return GenerationResult(text.text if text is not None else "", tokens, stats.finish_reason, stats,
-                                    logprobs)
+            out, reason, calls = text.text if text is not None else "", stats.finish_reason, None
+            if request.tools and request.tool_choice != "none" and reason in ("stop", "length"):
+                content, calls = parse_tool_calls(out)  # the complete calls (a cut-off one stays text)
+                out, calls = content or "", calls or None
+                reason = "tool_calls" if calls and reason == "stop" else reason
+            return GenerationResult(out, tokens, reason, stats, logprobs, calls)
         finally:
             chunks.close()
             self._release(me)

@@ -155,8 +155,7 @@ def main(argv=None) -> int:
         rt = EagleRuntime.load(args.engines, options, with_draft=False)
         memory["rss_target_loaded_mb"] = rss_mb()
         rt.prompt_ids(request)  # a too long prompt fails before any note or forward
-        if request.response_format is not None:  # and a schema the grammar engine refuses
-            rt.grammar(request.response_format)
+        rt.grammar_for(request)  # and a schema the grammar engine refuses
         draft_graph = mode == "eagle" and uses_draft_graph(options.drafter_kind)  # --vanilla never opens it either
         notes = manifest.notes_for(draft_graph)
         for note in (*notes, *filter(None, [rt.verification.note])):

@@ -110,6 +110,23 @@ class Grammar:
             raise SettingError(field, f"is not a JSON schema this server can enforce: {err.detail}"[:500]) from None
         return grammar
 
+    @classmethod
+    def from_lark(cls, tokenizer: GrammarTokenizer, lark: str, field: str) -> "Grammar":
+        """A grammar in llguidance's lark dialect (runtime/tools.py's tool calls); SettingError
+        naming `field` when it cannot be enforced."""
+        import llguidance
+
+        try:
+            text = llguidance.LLMatcher.grammar_from_lark(lark)
+        except (ValueError, TypeError, RuntimeError) as err:
+            raise SettingError(field, f"cannot be enforced: {err}"[:500]) from None
+        grammar = cls(tokenizer, text)
+        try:
+            grammar.state()
+        except SettingError as err:
+            raise SettingError(field, f"cannot be enforced: {err.detail}"[:500]) from None
+        return grammar
+
     def state(self) -> "GrammarState":
         return GrammarState(self)
 

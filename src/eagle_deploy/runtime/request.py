@@ -22,6 +22,7 @@ from eagle_deploy.contract.errors import SettingError
 
 from .grammar import check_response_format
 from .sampling import SamplingParams, whole_number
+from .tools import check_tool_choice, check_tools, tool_grammar
 
 Prompt = str | Sequence[dict] | Sequence[int]
 MODES = ("eagle", "vanilla")
@@ -35,7 +36,8 @@ FLAGS = {"prompt": "--prompt", "max_new_tokens": "--max-new-tokens", "temperatur
          "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed", "stop": "--stop", "chat": "--raw",
          "min_p": "--min-p", "logit_bias": "--logit-bias", "presence_penalty": "--presence-penalty",
          "frequency_penalty": "--frequency-penalty", "repetition_penalty": "--repetition-penalty",
-         "logprobs": "--logprobs", "response_format": "--json-schema"}
+         "logprobs": "--logprobs", "response_format": "--json-schema", "tools": "--tools",
+         "tool_choice": "--tool-choice"}
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,12 @@ class Request:
     text; {"type": "json_object"}; {"type": "json_schema", "json_schema": {"name", "schema",
     "strict"}}): the output follows that grammar, exactly as vanilla decoding under the same
     grammar would produce it (runtime/grammar.py); kept normalised by
-    grammar.check_response_format. `sampling` is the SamplingParams the decoder reads."""
+    grammar.check_response_format. tools, tool_choice: OpenAI's (runtime/tools.py): the tools
+    are rendered by the export's chat template (which must read them), "required" or a named
+    function constrains the output to calls whose arguments follow the function's schema, and
+    the finished output is split into text and GenerationResult.tool_calls; tool_choice is kept
+    as "none" | "auto" | "required" | "function:<name>". `sampling` is the SamplingParams the
+    decoder reads."""
 
     prompt: Prompt
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -77,6 +84,8 @@ class Request:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     response_format: dict | None = None
+    tools: tuple = ()
+    tool_choice: str | dict | None = None
     sampling: SamplingParams = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -97,6 +106,11 @@ class Request:
         if self.chat is not None and not isinstance(self.chat, bool):
             raise SettingError("chat", f"must be True, False or None, got {self.chat!r}")
         object.__setattr__(self, "response_format", check_response_format(self.response_format))
+        object.__setattr__(self, "tools", check_tools(self.tools))
+        object.__setattr__(self, "tool_choice", check_tool_choice(self.tool_choice, self.tools))
+        if self.response_format is not None and tool_grammar(self.tools, self.tool_choice) is not None:
+            raise SettingError("response_format", f"cannot be combined with tool_choice {self.tool_choice!r} "
+                                                  "(the calls follow the functions' schemas)")
         object.__setattr__(self, "prompt", check_prompt(self.prompt))
 
     def check_vocab(self, vocab: int) -> None:
@@ -151,11 +165,17 @@ def check_prompt(prompt) -> str | tuple[dict, ...] | tuple[int, ...]:
         raise SettingError("prompt", "is empty")
     if all(isinstance(m, dict) for m in items):
         for i, m in enumerate(items):
+            calls = m.get("tool_calls")  # an assistant's tool calls may stand for its content
             for key in ("role", "content"):
+                if key == "content" and m.get(key) is None and m.get("role") == "assistant" and calls:
+                    continue
                 if not isinstance(m.get(key), str):
                     what = "is missing" if m.get(key) is None else f"must be a string, got {type(m[key]).__name__}"
                     raise SettingError(f"prompt[{i}].{key}", what)
-            check_unicode(m["content"], f"prompt[{i}].content")
+            if m.get("content") is not None:
+                check_unicode(m["content"], f"prompt[{i}].content")
+            if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+                raise SettingError(f"prompt[{i}].tool_calls", "must be a list of tool call objects")
         return tuple(dict(m) for m in items)
     if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in items):
         bad = next((t for t in items if t < 0), None)

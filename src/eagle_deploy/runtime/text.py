@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import Sequence
 
 
-def encode_chat(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Chat messages [{"role", "content"}] -> token ids through the tokenizer's chat template,
-    ending with the generation prompt (the assistant header). Raises what the tokenizer raises
-    (e.g. ValueError when it has no chat template)."""
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+def encode_chat(tokenizer, messages: Sequence[dict], tools: Sequence[dict] = ()) -> list[int]:
+    """Chat messages [{"role", "content"}] (and OpenAI `tools`, which the template renders) ->
+    token ids through the tokenizer's chat template, ending with the generation prompt (the
+    assistant header). Raises what the tokenizer raises (e.g. ValueError when it has no chat
+    template)."""
+    ids = tokenizer.apply_chat_template(list(messages), tools=list(tools) or None, add_generation_prompt=True,
+                                        tokenize=True)
     return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
 
 

@@ -40,6 +40,7 @@ from eagle_deploy.contract.errors import SettingError, prompt_too_long
 from eagle_deploy.runtime.api import load_tokenizer
 from eagle_deploy.runtime.request import Request as GenerationRequest
 from eagle_deploy.runtime.text import encode_chat, encode_user
+from eagle_deploy.runtime.tools import check_tool_choice, check_tools, messages_for_template, template_renders_tools
 
 from .engine import Event, Job, QueueFull, Scheduler, Work, engine_info, fingerprint, stats_info
 from .guard import OPEN_PATHS, BearerAuth, RequestLimit, read_body
@@ -81,11 +82,13 @@ class Frontend:
     prefixes of it (`_check_prefix`): once a prefix passes the capacity the request is refused
     without tokenising the rest."""
 
-    def __init__(self, tokenizer, max_length: int, vocab: int, length_limit: int | None = None):
+    def __init__(self, tokenizer, max_length: int, vocab: int, length_limit: int | None = None,
+                 model_name: str = "this model"):
         """length_limit: the largest max_length a re-export may have (Manifest.length_limit;
-        None: unknown), named in the too-long error."""
+        None: unknown), named in the too-long error; model_name: named in the error for tools a
+        template cannot render."""
         self.tokenizer, self.max_length, self.vocab = tokenizer, max_length, vocab
-        self.length_limit = length_limit
+        self.length_limit, self.model_name = length_limit, model_name
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="eagle-frontend")
 
     @classmethod
@@ -95,7 +98,7 @@ class Frontend:
         tokenizer = load_tokenizer(runtime.folder, m)
         if tokenizer is None:
             raise ValueError("this export has no tokenizer; eagle-serve needs one (re-export with the tokenizer)")
-        return cls(tokenizer, m.max_length, m.dims.vocab, m.length_limit)
+        return cls(tokenizer, m.max_length, m.dims.vocab, m.length_limit, m.name)
 
     @property
     def has_chat_template(self) -> bool:
@@ -121,11 +124,19 @@ class Frontend:
     def prompt_ids(self, req: CompletionRequest) -> list[int]:
         param = req.prompt_param
         if req.messages is not None:
-            self._check_prefix("\n".join(m["content"] for m in req.messages), param)
+            self._check_prefix("\n".join(m.get("content") or "" for m in req.messages), param)
             if not self.has_chat_template:
                 raise invalid("messages", "this model has no chat template: use /v1/completions", "unsupported_value")
             try:
-                ids = encode_chat(self.tokenizer, req.messages)
+                tools = check_tools(req.tools)
+                tools = tools if check_tool_choice(req.tool_choice, tools) != "none" else ()
+            except SettingError as err:
+                raise invalid(err.field, str(err)) from None
+            if tools and not template_renders_tools(self.tokenizer):
+                raise invalid("tools", f"tools are not supported by the model {self.model_name}: its chat template "
+                                       "does not render tools", "unsupported_value")
+            try:
+                ids = encode_chat(self.tokenizer, messages_for_template(req.messages), tools)
             except Exception as err:  # the template's own checks (e.g. role order)
                 raise invalid("messages", f"the chat template rejected these messages: {err}") from None
         elif isinstance(req.prompt, str):
@@ -282,10 +293,10 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
                                         presence_penalty=req.presence_penalty,
                                         frequency_penalty=req.frequency_penalty,
                                         repetition_penalty=req.repetition_penalty, logprobs=req.logprobs,
-                                        response_format=req.response_format)
+                                        response_format=req.response_format, tools=req.tools,
+                                        tool_choice=req.tool_choice)
             request.check_vocab(manifest.dims.vocab)
-            if request.response_format is not None:  # a schema the grammar engine refuses: a 400, here
-                scheduler.runtime.grammar(request.response_format)
+            scheduler.runtime.grammar_for(request)  # a schema the grammar engine refuses: a 400, here
             return request
         except SettingError as err:
             names = {"prompt": req.prompt_param, "max_new_tokens": "max_tokens",
@@ -367,7 +378,8 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
         result = ev.result
         metrics.finished(endpoint, job, result)
         body = env.response(result.text, result.finish_reason, _usage(len(ids), result),
-                            {"eagle": {**info, **stats_info(result)}}, _logprobs(kind, result.logprobs))
+                            {"eagle": {**info, **stats_info(result)}}, _logprobs(kind, result.logprobs),
+                            result.tool_calls)
         return JSONResponse(body)
 
     def _usage(prompt_tokens: int, result) -> dict:
@@ -400,18 +412,27 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
         nulls = req.include_usage  # with include_usage every chunk carries "usage": null, then a usage chunk
         ended = False
         sent_lp, sent_chars = 0, 0  # logprobs and characters streamed so far (completions' text_offset)
+        # with tools the answer's text is held until it ends: it may turn out to be a call
+        hold = env.kind == CHAT and bool(req.tools) and req.tool_choice != "none"
         last_check = time.monotonic()
         try:
             if env.kind == CHAT:
                 yield sse(env.chunk(role=True, usage_null=nulls))
             ev = first
             while True:
-                if ev.kind == "delta":
+                if ev.kind == "delta" and hold:
+                    pass
+                elif ev.kind == "delta":
                     lp = _logprobs(env.kind, ev.logprobs, sent_chars) if req.logprobs is not None else None
                     sent_lp, sent_chars = sent_lp + len(ev.logprobs), sent_chars + len(ev.text)
                     yield sse(env.chunk(ev.text, usage_null=nulls, logprobs=lp))
                 elif ev.kind == "done":
                     result = ev.result
+                    if hold:
+                        if result.text:
+                            yield sse(env.chunk(result.text, usage_null=nulls))
+                        if result.tool_calls:
+                            yield sse(env.chunk(usage_null=nulls, tool_calls=result.tool_calls))
                     rest = None if result.logprobs is None else result.logprobs[sent_lp:]  # after the last delta
                     yield sse(env.chunk(None, result.finish_reason, usage_null=nulls,
                                         extra={"eagle": {**info, **stats_info(result)}},

@@ -41,7 +41,7 @@ from eagle_deploy.runtime.request import MAX_STOP_CHARS, MAX_STOPS, MODES, check
 from eagle_deploy.runtime.shaping import TokenLogprob
 
 CHAT, COMPLETION = "chat", "completion"
-ROLES = {"system", "developer", "user", "assistant"}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
 __all__ = ["MAX_STOPS", "MAX_STOP_CHARS", "MODES"]  # the runtime's limits, re-exported for the HTTP side
 
 
@@ -90,6 +90,8 @@ class CompletionRequest:
     repetition_penalty: Any = 1.0
     min_p: Any = 0.0
     response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
     extras: dict = field(default_factory=dict)
 
     @property
@@ -159,9 +161,11 @@ def parse_chat(body: dict) -> CompletionRequest:
     r = _read(_ChatBody, body)
     if r.top_logprobs is not None and not r.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs set to true")
-    return _request(r, CompletionRequest(CHAT, r.model, messages=[m.model_dump() for m in r.messages],
-                                         max_tokens=r.max_completion_tokens or r.max_tokens,
-                                         logprobs=(r.top_logprobs or 0) if r.logprobs else None))
+    req = _request(r, CompletionRequest(CHAT, r.model, messages=[m.model_dump(exclude_none=True) for m in r.messages],
+                                        max_tokens=r.max_completion_tokens or r.max_tokens,
+                                        logprobs=(r.top_logprobs or 0) if r.logprobs else None))
+    req.tools, req.tool_choice = r.tools, r.tool_choice
+    return req
 
 
 def parse_completion(body: dict) -> CompletionRequest:
@@ -225,19 +229,25 @@ class _Body(BaseModel):
 
 class _Message(_Body):
     role: Any = Field(None, validate_default=True)
+    tool_calls: Optional[list[dict]] = None  # an assistant's calls (before content: content may then be absent)
     content: Any = Field(None, validate_default=True)
+    tool_call_id: Optional[str] = None  # a tool message's answer to that call
+    name: Optional[str] = None
 
     @field_validator("role")
     @classmethod
     def _role(cls, role):
         if not isinstance(role, str) or role not in ROLES:
-            raise _api(f"{{param}} must be one of {', '.join(sorted(ROLES))}, got {role!r} (tools are not supported)")
+            raise _api(f"{{param}} must be one of {', '.join(sorted(ROLES))}, got {role!r}")
         return "system" if role == "developer" else role
 
     @field_validator("content")
     @classmethod
-    def _content(cls, content) -> str:
-        """A string or a list of {"type": "text", "text": str} parts (joined)."""
+    def _content(cls, content, info) -> str | None:
+        """A string or a list of {"type": "text", "text": str} parts (joined); absent for an
+        assistant message with tool_calls."""
+        if content is None and info.data.get("role") == "assistant" and info.data.get("tool_calls"):
+            return None
         if isinstance(content, list) and content:
             for j, part in enumerate(content):
                 if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
@@ -260,6 +270,8 @@ class _ChatHead(_Body):
     max_tokens: Optional[_int(1)] = None
     logprobs: bool = False
     top_logprobs: Optional[_int(0)] = None  # alternatives per token (the runtime caps them)
+    tools: Any = None  # checked by the runtime's Request (runtime/tools.py)
+    tool_choice: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -294,8 +306,7 @@ class _CompletionHead(_Body):
 
 # field -> (is the value harmless?, why it is refused)
 _REFUSED = {
-    "tools": (lambda v: not v, "tools are not supported"),
-    "functions": (lambda v: not v, "functions are not supported"),
+    "functions": (lambda v: not v, "functions are not supported (the legacy field: use tools)"),
     "echo": (lambda v: v in (None, False), "echo is not supported"),
     "suffix": (lambda v: not v, "suffix is not supported"),
     "best_of": (lambda v: v in (None, 1), "best_of must be 1"),
@@ -306,8 +317,7 @@ class _Tail(_Body):
     """The fields both endpoints take, checked after the prompt (a subclass lists this class
     first among its bases, so that its own fields come first)."""
 
-    tools: Any = None  # refused (see _REFUSED) unless harmless
-    functions: Any = None
+    functions: Any = None  # refused (see _REFUSED) unless harmless
     response_format: Any = None  # checked by the runtime's Request (runtime/grammar.py)
     echo: Any = None
     suffix: Any = None
@@ -453,14 +463,17 @@ class Envelope:
                 "system_fingerprint": self.fingerprint}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-              usage_null: bool = False, extra: dict | None = None, logprobs: dict | None = None) -> dict:
-        """One streamed chunk: chat `choices[0].delta` ({"role"} and/or {"content"}; {} in the
-        finishing chunk) or completions `choices[0].text`; logprobs: the chunk's tokens'
-        (`logprobs_body`), or None."""
+              usage_null: bool = False, extra: dict | None = None, logprobs: dict | None = None,
+              tool_calls: list[dict] | None = None) -> dict:
+        """One streamed chunk: chat `choices[0].delta` ({"role"} and/or {"content"}, or the
+        answer's `tool_calls`, each with its "index"; {} in the finishing chunk) or completions
+        `choices[0].text`; logprobs: the chunk's tokens' (`logprobs_body`), or None."""
         if self.kind == CHAT:
             delta = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             out = self._head("chat.completion.chunk")
         else:
@@ -480,12 +493,15 @@ class Envelope:
         return out
 
     def response(self, text: str, finish_reason: str, usage: dict, extra: dict | None = None,
-                 logprobs: dict | None = None) -> dict:
-        """The non-streamed response body; logprobs: `logprobs_body` of its tokens, or None."""
+                 logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+        """The non-streamed response body; logprobs: `logprobs_body` of its tokens, or None;
+        tool_calls: the calls of a chat answer (its content then None when no text is left)."""
         if self.kind == CHAT:
             out = self._head("chat.completion")
-            out["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                               "logprobs": logprobs, "finish_reason": finish_reason}]
+            message = {"role": "assistant", "content": text if text or not tool_calls else None, "refusal": None}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            out["choices"] = [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}]
         else:
             out = self._head("text_completion")
             out["choices"] = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
