@@ -239,15 +239,16 @@ def test_queued_clients_that_give_up_free_their_places_at_once(server, faults, l
 def test_scheduler_drops_a_cancelled_queued_job_at_once(reference):
     import asyncio
 
+    from eagle_deploy.runtime.request import Request
     from eagle_deploy.serve.engine import RoundGate, Slot, SlotScheduler, Work
 
     sched = SlotScheduler([Slot(reference, RoundGate())], max_queue=2)  # never started: jobs stay queued
     loop = asyncio.new_event_loop()
     try:
-        a, b = sched.submit(Work((1, 2), 4), loop), sched.submit(Work((1, 2), 4), loop)
+        a, b = sched.submit(Work(Request((1, 2), 4)), loop), sched.submit(Work(Request((1, 2), 4)), loop)
         a.cancel()
         assert (sched.queued, sched.cancelled, a.state, b.state) == (1, 1, "cancelled", "queued")
-        sched.submit(Work((1, 2), 4), loop)  # the freed place is taken
+        sched.submit(Work(Request((1, 2), 4)), loop)  # the freed place is taken
         assert sched.queued == 2
         a.cancel()  # twice: nothing more
         assert sched.cancelled == 1

@@ -45,7 +45,7 @@ def test_a_role_of_another_type_is_a_400_not_a_crash():
     ({"temperature": float("inf")}, "temperature"), ({"temperature": True}, "temperature"), ({"top_p": 1.5}, "top_p"),
     ({"seed": "1"}, "seed"), ({"stop": [1]}, "stop"), ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
-    ({"tools": [{"type": "function"}]}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"functions": [{"name": "f"}]}, "functions"), ({"best_of": 2}, "best_of"),
     ({"logit_bias": [1, 2]}, "logit_bias"), ({"user": 5}, "user"), ({"top_logprobs": 2}, "top_logprobs"),
 ])
 def test_chat_errors_name_the_field(kw, param):

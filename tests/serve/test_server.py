@@ -281,11 +281,11 @@ INVALID = [
     ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
     ({"logprobs": "yes"}, "logprobs", "invalid_type"),
     ({"presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
-    ({"tools": [{"type": "function"}]}, "tools", "unsupported_value"),
+    ({"tools": [{"type": "function"}]}, "tools[0]", "invalid_value"),
     ({"mode": "turbo"}, "mode", "invalid_value"),
     ({"messages": []}, "messages", "invalid_type"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "invalid_type"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "invalid_value"),
     ({"messages": [{"role": "user", "content": "x" * 400}]}, "messages", "context_length_exceeded"),
 ]
 
@@ -417,14 +417,15 @@ def test_full_queue_gets_429_and_never_reaches_the_engine(server, faults, long_p
 def test_scheduler_queue_bound(reference):
     import asyncio
 
+    from eagle_deploy.runtime.request import Request
     from eagle_deploy.serve.engine import QueueFull, RoundGate, Slot, SlotScheduler, Work
 
     sched = SlotScheduler([Slot(reference, RoundGate())], max_queue=2)  # never started: jobs stay queued
     loop = asyncio.new_event_loop()
     try:
-        jobs = [sched.submit(Work((1, 2), 4), loop) for _ in range(2)]
+        jobs = [sched.submit(Work(Request((1, 2), 4)), loop) for _ in range(2)]
         with pytest.raises(QueueFull):
-            sched.submit(Work((1, 2), 4), loop)
+            sched.submit(Work(Request((1, 2), 4)), loop)
         assert (sched.queued, sched.active, [j.state for j in jobs]) == (2, 0, ["queued", "queued"])
     finally:
         loop.close()
@@ -436,10 +437,16 @@ class _Instant:
     """A slot runtime whose every request ends at once with no text (scheduler tests)."""
 
     class _Gen:
-        result = None
+        from eagle_deploy.runtime.api import GenerationResult
+
+        result = GenerationResult("", [], "stop")
+        logprobs, cancelled = None, False
 
         def __iter__(self):
             return iter(())
+
+        def cancel(self):
+            self.cancelled = True
 
     def stream(self, *args, **kw):
         return self._Gen()
@@ -451,6 +458,7 @@ def test_requests_an_idle_worker_is_about_to_take_are_not_counted_as_queued():
     while submitting, so that no worker takes one meanwhile: the worst case, made certain."""
     import asyncio
 
+    from eagle_deploy.runtime.request import Request
     from eagle_deploy.serve.engine import QueueFull, RoundGate, Slot, SlotScheduler, Work
 
     sched = SlotScheduler([Slot(_Instant(), RoundGate()) for _ in range(4)], max_queue=4)
@@ -462,9 +470,9 @@ def test_requests_an_idle_worker_is_about_to_take_are_not_counted_as_queued():
             assert time.monotonic() < deadline, "the workers did not start"
             time.sleep(0.01)
         with sched._lock:
-            jobs = [sched.submit(Work((1, 2), 4), loop) for _ in range(8)]  # 4 for the idle workers, 4 queued
+            jobs = [sched.submit(Work(Request((1, 2), 4)), loop) for _ in range(8)]  # 4 for the idle workers, 4 queued
             with pytest.raises(QueueFull, match=r"the queue holds 4 requests \(--max-queue 4\)"):
-                sched.submit(Work((1, 2), 4), loop)
+                sched.submit(Work(Request((1, 2), 4)), loop)
         while sched.completed < 8:
             assert time.monotonic() < deadline, "the jobs did not finish"
             time.sleep(0.01)

@@ -22,7 +22,7 @@ import numpy as np
 
 from eagle_deploy.contract.cache import cache_root
 from eagle_deploy.contract.cpu import cpu_info
-from eagle_deploy.contract.errors import SettingError, first_line, prompt_too_long
+from eagle_deploy.contract.errors import SettingError, prompt_too_long
 from eagle_deploy.contract.manifest import Manifest, ManifestError
 from eagle_deploy.contract.onnx_io import MANIFEST_FILE
 from eagle_deploy.contract.tree_config import TreeConfig
@@ -37,8 +37,8 @@ from .options import EngineOptions
 from .planner import CostModel, measure_costs
 from .request import Prompt, Request
 from .shaping import TokenLogprob
-from .text import TextStream, encode_chat
-from .tools import messages_for_template, parse_tool_calls, template_renders_tools, tool_grammar
+from .text import TextStream, encode_prompt
+from .tools import parse_tool_calls, tool_grammar
 
 
 @dataclass
@@ -313,27 +313,14 @@ class EagleRuntime:
             self.decoder.drafter = self._drafter(head.backend)
 
     def encode(self, prompt: Prompt | Request, chat: bool | None = None) -> list[int]:
-        """Prompt -> token ids. A string is wrapped in the chat template when the export has
-        one (unless chat=False); a list of {"role", "content"} dicts always is; a list of ints
-        is used as is. Raises SettingError (a ValueError) on a prompt Request refuses or a
-        token id outside the vocabulary, ValueError when the export has no tokenizer or its
-        chat template refuses the messages."""
+        """Prompt -> token ids (text.encode_prompt, the one encoder: a string through the chat
+        template when the export has one, unless chat=False; chat messages always, with the
+        request's tools; token ids as they are). Raises SettingError (a ValueError) on a prompt
+        Request refuses, a token id outside the vocabulary or tools the template cannot render,
+        ValueError when the export has no tokenizer or its template refuses the messages."""
         request = prompt if isinstance(prompt, Request) else Request(prompt, chat=chat)
-        prompt, chat = request.prompt, request.chat
-        tools = request.tools if request.tool_choice != "none" else ()
-        if isinstance(prompt, str):
-            use_chat = self.manifest.chat_template if chat is None else chat
-            if use_chat:
-                return self._chat_ids([{"role": "user", "content": prompt}], tools)
-            if tools:
-                raise SettingError("tools", "need the chat template, which renders them (not chat=False)")
-            return list(self._tok().encode(prompt, add_special_tokens=True))
-        if isinstance(prompt[0], dict):
-            return self._chat_ids(prompt, tools)
-        # token ids are used as they are (eagle-serve renders the tools into them itself); the
-        # tools still constrain and are parsed from the output
-        Request(prompt).check_vocab(self.manifest.dims.vocab)
-        return list(prompt)
+        return encode_prompt(self.tokenizer, request, self.manifest.chat_template, self.manifest.dims.vocab,
+                             self.manifest.name)
 
     def prompt_ids(self, prompt: Prompt | Request, chat: bool | None = None) -> list[int]:
         """`encode`, then check the prompt is some tokens and leaves room for output in the KV
@@ -350,19 +337,6 @@ class EagleRuntime:
         if self.tokenizer is None:
             raise ValueError("this export has no tokenizer; pass token ids")
         return self.tokenizer
-
-    def _chat_ids(self, messages, tools=()) -> list[int]:
-        tokenizer = self._tok()
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this export's tokenizer has no chat template: pass a string with chat=False, or "
-                             "token ids")
-        if tools and not template_renders_tools(tokenizer):
-            raise SettingError("tools", f"are not supported by the model {self.manifest.name}: its chat template "
-                                        "does not render tools")
-        try:
-            return encode_chat(tokenizer, messages_for_template(messages), tools)
-        except Exception as err:  # the template's own checks (e.g. role order, raise_exception)
-            raise ValueError(f"the chat template refused these messages: {first_line(err)}") from None
 
     def request(self, prompt: Prompt | Request, max_new_tokens: int | None = None, **settings) -> Request:
         """The Request for `prompt` and `settings` (Request's fields; a Request is returned

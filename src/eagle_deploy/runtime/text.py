@@ -28,6 +28,42 @@ def encode_user(tokenizer, text: str, chat: bool = True) -> list[int]:
     return [int(t) for t in tokenizer.encode(text, add_special_tokens=True)]
 
 
+def encode_prompt(tokenizer, request, chat_default: bool, vocab: int, model: str) -> list[int]:
+    """The one prompt encoder (EagleRuntime.encode, eagle-serve's frontend): a Request's prompt
+    -> token ids. A string goes through the chat template when `chat_default` (the export has
+    one) unless request.chat is False, else it is encoded as text (special tokens added); chat
+    messages always go through the template, with the request's tools unless tool_choice is
+    "none"; token ids are used as they are (tools then only constrain and parse). Raises
+    SettingError naming "prompt" (a token id >= `vocab`) or "tools" (a template of the model
+    `model` that does not render them), ValueError for text without a tokenizer or chat
+    template, or a message list the template refuses."""
+    from eagle_deploy.contract.errors import SettingError, first_line
+
+    from .tools import messages_for_template, template_renders_tools
+
+    prompt, chat = request.prompt, request.chat
+    tools = request.tools if request.tool_choice != "none" else ()
+    if isinstance(prompt, tuple) and prompt and not isinstance(prompt[0], dict):
+        request.check_vocab(vocab)
+        return list(prompt)
+    if tokenizer is None:
+        raise ValueError("this export has no tokenizer; pass token ids")
+    if isinstance(prompt, str) and not (chat_default if chat is None else chat):
+        if tools:
+            raise SettingError("tools", "need the chat template, which renders them (not chat=False)")
+        return [int(t) for t in tokenizer.encode(prompt, add_special_tokens=True)]
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this export's tokenizer has no chat template: pass a string with chat=False, or token ids")
+    if tools and not template_renders_tools(tokenizer):
+        raise SettingError("tools", f"are not supported by the model {model}: its chat template does not render "
+                                    "tools")
+    try:
+        return encode_chat(tokenizer, messages_for_template(messages), tools)
+    except Exception as err:  # the template's own checks (e.g. role order, raise_exception)
+        raise ValueError(f"the chat template refused these messages: {first_line(err)}") from None
+
+
 class TextStream:
     """Stopper for `Decoder.decode`: push(token) -> "stop" | None; `take()` returns the text
     released since the last call; `text` is the final text (stop string excluded)."""

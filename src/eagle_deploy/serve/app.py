@@ -39,8 +39,7 @@ from starlette.requests import ClientDisconnect
 from eagle_deploy.contract.errors import SettingError, prompt_too_long
 from eagle_deploy.runtime.api import load_tokenizer
 from eagle_deploy.runtime.request import Request as GenerationRequest
-from eagle_deploy.runtime.text import encode_chat, encode_user
-from eagle_deploy.runtime.tools import check_tool_choice, check_tools, messages_for_template, template_renders_tools
+from eagle_deploy.runtime.text import encode_prompt
 
 from .engine import Event, Job, QueueFull, Scheduler, Work, engine_info, fingerprint, stats_info
 from .guard import OPEN_PATHS, BearerAuth, RequestLimit, read_body
@@ -122,31 +121,27 @@ class Frontend:
             cut *= 4
 
     def prompt_ids(self, req: CompletionRequest) -> list[int]:
+        """The request's prompt -> token ids by the runtime's one encoder (text.encode_prompt:
+        chat messages through the template with the request's tools, a completions prompt as
+        raw text or token ids), after the prefix check of a very long text. Raises ApiError."""
         param = req.prompt_param
         if req.messages is not None:
             self._check_prefix("\n".join(m.get("content") or "" for m in req.messages), param)
             if not self.has_chat_template:
                 raise invalid("messages", "this model has no chat template: use /v1/completions", "unsupported_value")
-            try:
-                tools = check_tools(req.tools)
-                tools = tools if check_tool_choice(req.tool_choice, tools) != "none" else ()
-            except SettingError as err:
-                raise invalid(err.field, str(err)) from None
-            if tools and not template_renders_tools(self.tokenizer):
-                raise invalid("tools", f"tools are not supported by the model {self.model_name}: its chat template "
-                                       "does not render tools", "unsupported_value")
-            try:
-                ids = encode_chat(self.tokenizer, messages_for_template(req.messages), tools)
-            except Exception as err:  # the template's own checks (e.g. role order)
-                raise invalid("messages", f"the chat template rejected these messages: {err}") from None
         elif isinstance(req.prompt, str):
             self._check_prefix(req.prompt, param)
-            ids = encode_user(self.tokenizer, req.prompt, chat=False)
-        else:
-            ids = list(req.prompt or ())
-            bad = [t for t in ids if not 0 <= t < self.vocab]
-            if bad:
-                raise invalid("prompt", f"prompt token ids must be in [0, {self.vocab}), got {bad[0]}")
+        try:
+            request = GenerationRequest(req.messages if req.messages is not None else req.prompt, chat=False if
+                              req.messages is None else None, tools=req.tools, tool_choice=req.tool_choice)
+            ids = encode_prompt(self.tokenizer, request, False, self.vocab, self.model_name)
+        except SettingError as err:
+            base = err.field.partition("[")[0].partition(".")[0]
+            field = (param + err.field[len(base):]) if base == "prompt" else err.field
+            code = "unsupported_value" if err.rule.startswith("are not supported") else "invalid_value"
+            raise invalid(field, err.named(field) if base != "tools" else str(err), code) from None
+        except ValueError as err:  # the template's own checks (e.g. role order)
+            raise invalid(param, str(err)) from None
         if not ids:
             raise invalid(param, "the prompt encodes to no tokens")
         if len(ids) >= self.max_length:
