@@ -370,3 +370,20 @@ def test_cli_drafter_default_is_hybrid_and_explicit_choices_pass_the_check():
     assert args.drafter is None and DEFAULT_DRAFTER == "hybrid" and "(default: hybrid)" in parser.format_help()
     for flags in (["--drafter", "lookup"], ["--drafter", "eagle", "--depth", "2"], ["--vanilla"]):
         cli._check_no_effect(parser.parse_args(["--engines", "x", "--prompt", "hi", *flags]))
+
+
+def test_special_token_text_in_a_message_is_plain_text_unless_parse_special(mha, chat_export):
+    """A breaker's report: chat content holding a special token's text became that token (a
+    message could open a turn of another role). Now it is plain text by default; parse_special
+    keeps the old behaviour; messages without such text encode exactly as before."""
+    from eagle_deploy.runtime.request import Request
+
+    rt = mha.runtime(chat_export)
+    eos_text = rt.tokenizer.convert_ids_to_tokens(0)  # the byte tokenizer's one special token (id 0)
+    messages = [{"role": "user", "content": f"hi{eos_text}there"}]
+    safe = rt.encode(Request(messages))
+    parsed = rt.encode(Request(messages, parse_special=True))
+    assert 0 in parsed and 0 not in safe and len(safe) > len(parsed)
+    assert rt.tokenizer.decode(safe).count(eos_text) == 1  # the text itself is kept, as text
+    plain = [{"role": "user", "content": "hi there"}]
+    assert rt.encode(Request(plain)) == rt.encode(Request(plain, parse_special=True))

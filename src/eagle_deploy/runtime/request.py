@@ -65,8 +65,10 @@ class Request:
     are rendered by the export's chat template (which must read them), "required" or a named
     function constrains the output to calls whose arguments follow the function's schema, and
     the finished output is split into text and GenerationResult.tool_calls; tool_choice is kept
-    as "none" | "auto" | "required" | "function:<name>". `sampling` is the SamplingParams the
-    decoder reads."""
+    as "none" | "auto" | "required" | "function:<name>". parse_special: a special token's text
+    inside a chat message (`<|im_end|><|im_start|>system`) is a special token (True, what
+    transformers and vLLM do) or plain text (False, the default: a message cannot open a turn of
+    another role; text.encode_chat). `sampling` is the SamplingParams the decoder reads."""
 
     prompt: Prompt
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -86,6 +88,7 @@ class Request:
     response_format: dict | None = None
     tools: tuple = ()
     tool_choice: str | dict | None = None
+    parse_special: bool = False
     sampling: SamplingParams = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -103,6 +106,8 @@ class Request:
                 raise SettingError("logprobs", f"must be at most {MAX_TOP_LOGPROBS} (alternatives per token), "
                                                f"got {self.logprobs}")
         object.__setattr__(self, "stop", check_stops(self.stop))
+        if not isinstance(self.parse_special, bool):
+            raise SettingError("parse_special", f"must be True or False, got {self.parse_special!r}")
         if self.chat is not None and not isinstance(self.chat, bool):
             raise SettingError("chat", f"must be True, False or None, got {self.chat!r}")
         object.__setattr__(self, "response_format", check_response_format(self.response_format))

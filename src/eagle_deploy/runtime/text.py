@@ -7,17 +7,43 @@ could still be the start of a stop string is held back until it cannot.
 """
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
+_MARK = re.compile("\ue000(\\d+)\ue001")  # a placeholder for a special token's text inside a message
 
-def encode_chat(tokenizer, messages: Sequence[dict], tools: Sequence[dict] = ()) -> list[int]:
+
+def encode_chat(tokenizer, messages: Sequence[dict], tools: Sequence[dict] = (), parse_special: bool = False
+                ) -> list[int]:
     """Chat messages [{"role", "content"}] (and OpenAI `tools`, which the template renders) ->
     token ids through the tokenizer's chat template, ending with the generation prompt (the
-    assistant header). Raises what the tokenizer raises (e.g. ValueError when it has no chat
+    assistant header). A special token's text inside a message's content (say
+    `<|im_end|><|im_start|>system`) is encoded as the plain text it is, so a message cannot open
+    a turn of another role; `parse_special` encodes it as the special token instead (what
+    transformers and vLLM do by default). Messages without such text give the template's own
+    tokens either way. Raises what the tokenizer raises (e.g. ValueError when it has no chat
     template)."""
-    ids = tokenizer.apply_chat_template(list(messages), tools=list(tools) or None, add_generation_prompt=True,
-                                        tokenize=True)
-    return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+    specials = sorted({*getattr(tokenizer, "all_special_tokens", ()),
+                       *(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special)},
+                      key=len, reverse=True)
+    found = [] if parse_special else [s for s in specials if s and any(
+        isinstance(m.get("content"), str) and s in m["content"] for m in messages)]
+    if not found:
+        ids = tokenizer.apply_chat_template(list(messages), tools=list(tools) or None, add_generation_prompt=True,
+                                            tokenize=True)
+        return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+    pattern = re.compile("|".join(re.escape(s) for s in found))
+    marked = [{**m, "content": pattern.sub(lambda x: f"\ue000{found.index(x.group(0))}\ue001", m["content"])}
+              if isinstance(m.get("content"), str) else m for m in messages]
+    text = tokenizer.apply_chat_template(marked, tools=list(tools) or None, add_generation_prompt=True,
+                                         tokenize=False)
+    pieces, ids = _MARK.split(text), []
+    for i, piece in enumerate(pieces):  # even: template text (its own special tokens parsed); odd: a marked token
+        if i % 2 == 0:
+            ids += tokenizer.encode(piece, add_special_tokens=False) if piece else []
+        else:
+            ids += tokenizer.encode(found[int(piece)], add_special_tokens=False, split_special_tokens=True)
+    return [int(t) for t in ids]
 
 
 def encode_user(tokenizer, text: str, chat: bool = True) -> list[int]:
@@ -36,7 +62,7 @@ def encode_prompt(tokenizer, request, chat_default: bool, vocab: int, model: str
     "none"; token ids are used as they are (tools then only constrain and parse). Raises
     SettingError naming "prompt" (a token id >= `vocab`) or "tools" (a template of the model
     `model` that does not render them), ValueError for text without a tokenizer or chat
-    template, or a message list the template refuses."""
+    template, or a message list the template refuses. request.parse_special: see encode_chat."""
     from eagle_deploy.contract.errors import SettingError, first_line
 
     from .tools import messages_for_template, template_renders_tools
@@ -59,7 +85,7 @@ def encode_prompt(tokenizer, request, chat_default: bool, vocab: int, model: str
         raise SettingError("tools", f"are not supported by the model {model}: its chat template does not render "
                                     "tools")
     try:
-        return encode_chat(tokenizer, messages_for_template(messages), tools)
+        return encode_chat(tokenizer, messages_for_template(messages), tools, request.parse_special)
     except Exception as err:  # the template's own checks (e.g. role order, raise_exception)
         raise ValueError(f"the chat template refused these messages: {first_line(err)}") from None
 

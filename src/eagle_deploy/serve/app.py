@@ -88,6 +88,7 @@ class Frontend:
         template cannot render."""
         self.tokenizer, self.max_length, self.vocab = tokenizer, max_length, vocab
         self.length_limit, self.model_name = length_limit, model_name
+        self.parse_special = False  # special-token text in messages: plain text (--parse-special: tokens)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="eagle-frontend")
 
     @classmethod
@@ -132,8 +133,9 @@ class Frontend:
         elif isinstance(req.prompt, str):
             self._check_prefix(req.prompt, param)
         try:
-            request = GenerationRequest(req.messages if req.messages is not None else req.prompt, chat=False if
-                              req.messages is None else None, tools=req.tools, tool_choice=req.tool_choice)
+            request = GenerationRequest(req.messages if req.messages is not None else req.prompt,
+                                        chat=False if req.messages is None else None, tools=req.tools,
+                                        tool_choice=req.tool_choice, parse_special=self.parse_special)
             ids = encode_prompt(self.tokenizer, request, False, self.vocab, self.model_name)
         except SettingError as err:
             base = err.field.partition("[")[0].partition(".")[0]
@@ -197,7 +199,7 @@ class Drain:
 
 def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_mode: str = "eagle",
                frontend: Frontend | None = None, poll_s: float = POLL_S, max_body_mb: float = MAX_BODY_MB,
-               request_timeout_s: float | None = None, api_key: str | None = None,
+               request_timeout_s: float | None = None, api_key: str | None = None, parse_special: bool = False,
                protect_health_metrics: bool = False, max_requests: int | None = None) -> FastAPI:
     """The app over `scheduler` (started and closed by the app's lifespan). model_name: the id
     clients must send as `model` (default: the export's manifest name); default_mode: "eagle"
@@ -207,12 +209,15 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
     shorter one); api_key: required as a Bearer token (None: open; surrounding whitespace is
     not part of it); max_requests: requests in progress at most, counted once their head has
     arrived and their key passed (`guard.RequestLimit`; None: no limit). `app.state.drain`
-    (`Drain`) ends the requests still running at the end of a shutdown. Raises ValueError for an
+    (`Drain`) ends the requests still running at the end of a shutdown; parse_special: a special
+    token's text in a chat message is that special token (default: plain text, so a message
+    cannot open a turn of another role; runtime.text.encode_chat). Raises ValueError for an
     API key that is empty or only whitespace."""
     runtime = scheduler.runtime
     manifest = runtime.manifest
     model_name = model_name or manifest.name
     frontend = frontend or Frontend.for_runtime(runtime)
+    frontend.parse_special = parse_special
     metrics = ServeMetrics(model_name)
     metrics.bind(scheduler)
     max_body = int(max_body_mb * 2**20)

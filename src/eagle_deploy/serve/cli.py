@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (401 otherwise); default: the EAGLE_SERVE_API_KEY "
                         "environment variable, else no key")
+    g.add_argument("--parse-special", action="store_true",
+                   help="encode a special token's text inside a chat message (e.g. '<|im_end|><|im_start|>system') as "
+                        "that special token, as transformers and vLLM do; by default it is plain text, so a client's "
+                        "message cannot open a system turn")
     g.add_argument("--protect-health-metrics", action="store_true",
                    help="with an API key, require it for /health and /metrics too (default: open, for probes)")
     g.add_argument("--shutdown-timeout-s", type=float, default=30.0,
@@ -197,7 +201,8 @@ def main(argv=None) -> int:
                                        shrink_trees=not args.fixed_tree)
         app = create_app(scheduler, model_name=args.model_name, default_mode="vanilla" if args.vanilla else "eagle",
                          max_body_mb=args.max_body_mb, request_timeout_s=args.request_timeout_s, api_key=key,
-                         protect_health_metrics=args.protect_health_metrics, max_requests=args.max_connections)
+                         protect_health_metrics=args.protect_health_metrics, max_requests=args.max_connections,
+                         parse_special=args.parse_special)
     except (ManifestError, TreeConfigError, ValueError, TypeError, FileNotFoundError) as err:
         return cli_error("eagle-serve", err, FLAGS)  # one line, no traceback
     except (ImportError, RuntimeError) as err:
