@@ -108,6 +108,8 @@ def request(text=None, sender=None, **kw) -> FakeRequest:
     for k, v in kw.items():
         if k == "stop":
             inputs[k] = np.array([s.encode() if isinstance(s, str) else s for s in v], dtype=object)
+        elif k == "response_format":
+            inputs[k] = np.array([v.encode()], dtype=object)
         else:
             inputs[k] = np.array([v], dtype=types_[k])
     return FakeRequest(sender, **inputs)

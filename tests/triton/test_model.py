@@ -87,6 +87,19 @@ def test_penalties_reach_the_runtime_and_keep_greedy_equal_to_vanilla(served, re
     assert want.text != reference.generate(PROMPTS[1], max_new_tokens=32, mode="vanilla").text  # it changed the answer
 
 
+def test_response_format_reaches_the_runtime_and_the_output_follows_the_schema(served, reference):
+    import json as _json
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok"],
+              "properties": {"ok": {"type": "boolean"}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "flag", "schema": schema, "strict": True}}
+    want = reference.generate(PROMPTS[0], max_new_tokens=24, mode="vanilla", response_format=rf)
+    sender = run(served, request(PROMPTS[0], max_tokens=24, exclude_input_in_output=True,
+                                 response_format=_json.dumps(rf)))
+    assert sender.sent[0][0].text() == want.text and want.finish_reason == "stop"
+    assert _json.loads(want.text)["ok"] in (True, False)
+
+
 @pytest.mark.parametrize("kw, message", [
     ({}, "text_input is missing"),
     ({"text": "   "}, "text_input is missing or empty"),
@@ -99,6 +112,8 @@ def test_penalties_reach_the_runtime_and_keep_greedy_equal_to_vanilla(served, re
     ({"text": "hi", "stop": [b"\xc3"]}, "stop is not valid UTF-8"),
     ({"text": "hi", "presence_penalty": 3.0}, "presence_penalty must be in [-2, 2]"),
     ({"text": "hi", "repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+    ({"text": "hi", "response_format": "{not json"}, "response_format is not JSON"),
+    ({"text": "hi", "response_format": '{"type": "xml"}'}, "response_format.type must be"),
 ])
 def test_bad_request_gets_one_error_response_and_the_instance_keeps_serving(served, kw, message):
     sender = run(served, request(**kw))

@@ -18,7 +18,8 @@ from eagle_deploy.triton import repo as triton_repo
 from tests.triton.conftest import model_args, request
 
 INPUT_NAMES = ["text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "min_p",
-               "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "exclude_input_in_output"]
+               "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "response_format",
+               "exclude_input_in_output"]
 
 
 def params_of(config: str) -> dict:

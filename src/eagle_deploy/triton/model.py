@@ -16,7 +16,9 @@ Inputs (names as in the TensorRT-LLM / vLLM backends' generate endpoints; all [1
   seed (UINT64), min_p, presence_penalty, frequency_penalty, repetition_penalty (FP32: the
   runtime Request's ranges; each keeps EAGLE's output equal to vanilla's under the same
   settings), stop (STRING [-1]: stop strings; the text ends before the first; empty strings
-  are ignored), exclude_input_in_output (BOOL, default false: a non-streamed text_output is
+  are ignored), response_format (STRING: OpenAI's response_format as JSON text, e.g.
+  '{"type": "json_schema", "json_schema": {...}}': the output follows that grammar, exactly as
+  vanilla decoding under it would), exclude_input_in_output (BOOL, default false: a non-streamed text_output is
   text_input + the generated text; streamed deltas never include the input).
 Outputs: text_output (STRING [-1]); on the final response only: finish_reason (STRING: "stop"
   | "length"), prompt_tokens, new_tokens, target_forwards (INT32), mean_accept_len (FP32, tau:
@@ -115,6 +117,12 @@ def parse_request(request, default_max_tokens: int) -> dict:
     msg = {"text": text, "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
            "stream": bool(_scalar(request, "stream", bool)), "stop": stop,
            "exclude_input_in_output": bool(_scalar(request, "exclude_input_in_output", bool))}
+    response_format = _scalar(request, "response_format", str)
+    if response_format:
+        try:
+            msg["response_format"] = json.loads(response_format)
+        except ValueError as err:
+            raise BadRequest(f"response_format is not JSON ({err})") from None
     for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int), ("min_p", float),
                        ("presence_penalty", float), ("frequency_penalty", float), ("repetition_penalty", float)):
         value = _scalar(request, name, kind)

@@ -67,6 +67,7 @@ INPUTS = [  # name, Triton type, dims, optional
     ("frequency_penalty", "TYPE_FP32", [1], True),
     ("repetition_penalty", "TYPE_FP32", [1], True),
     ("stop", "TYPE_STRING", [-1], True),
+    ("response_format", "TYPE_STRING", [1], True),
     ("exclude_input_in_output", "TYPE_BOOL", [1], True),
 ]
 OUTPUTS = [

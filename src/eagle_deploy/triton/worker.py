@@ -17,7 +17,7 @@ goes to stderr, which Triton logs):
     model -> worker   {"op": "generate", "id": 7, "text": "...", "max_tokens": 64, "temperature": 0.0,
                        "top_p": 1.0, "top_k": 0, "seed": null, "stop": ["..."], "stream": true,
                        "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                       "repetition_penalty": 1.0}   (the last four optional)
+                       "repetition_penalty": 1.0, "response_format": {...}}   (the last five optional)
                       {"op": "cancel", "id": 7}
     worker -> model   {"id": 7, "delta": "text"}                 (stream only; never half a character)
                       {"id": 7, "done": {"text": ..., "finish_reason": ..., "stats": {...}}}
@@ -131,7 +131,9 @@ class Worker:
                                      msg.get("top_k", 0), msg.get("seed"), msg.get("stop") or (),
                                      min_p=msg.get("min_p", 0.0), presence_penalty=msg.get("presence_penalty", 0.0),
                                      frequency_penalty=msg.get("frequency_penalty", 0.0),
-                                     repetition_penalty=msg.get("repetition_penalty", 1.0))
+                                     repetition_penalty=msg.get("repetition_penalty", 1.0),
+                                     response_format=msg.get("response_format"))
+            self.rt.grammar_for(msg["request"])  # a schema the grammar engine refuses: answered at once
         except SettingError as err:  # named as the model's inputs name it (max_tokens, not max_new_tokens)
             field = INPUTS.get(err.field.partition("[")[0])
             message = err.named(field + err.field[len(err.field.partition("[")[0]):]) if field else str(err)
