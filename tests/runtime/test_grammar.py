@@ -232,3 +232,15 @@ def test_eagle_run_json_schema_and_json_object(mha, tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"eagle-run: error: --json-schema {schema} is not JSON")
     assert cli.main([*base, "--json-schema", str(tmp_path / "missing.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_a_schema_the_engine_accepts_but_cannot_follow_fails_instead_of_ending_as_complete(mha):
+    """A breaker's report: llguidance compiled this schema, then gave up after the first token
+    (its lexer: too many expressions) and allowed only EOS, so the answer ended "stop" as `"`."""
+    from eagle_deploy.runtime.grammar import GrammarError
+
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string",
+                                                                         "pattern": "^(a{1000}){1000}$"}}}
+    with pytest.raises(GrammarError, match="cannot follow this response_format"):
+        mha.rt.generate(PROMPTS[0], 12, response_format=rf)
+    assert mha.rt.generate(PROMPTS[0], 8).token_ids == mha.expected(PROMPTS[0], 8)  # the runtime is unharmed

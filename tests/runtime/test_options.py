@@ -166,3 +166,21 @@ def test_cancel_stops_a_generation_before_its_next_round_and_keeps_what_was_comm
     early.cancel()  # before the first next(): nothing runs
     assert list(early) == [] and early.result.token_ids == [] and early.result.finish_reason == "cancelled"
     assert rt.generate(PROMPTS[0], 60).token_ids == full  # the runtime is unharmed
+
+
+def test_cancelling_a_paused_stream_frees_the_runtime_for_another_thread(mha):
+    """A breaker's report: thread A paused a stream and cancelled it; thread B's generate then
+    waited forever, since the buffers stayed A's until A iterated again."""
+    rt = mha.runtime()
+    s = rt.stream(PROMPTS[0], 60)
+    next(s)
+    done: list = []
+    waiter = threading.Thread(target=lambda: done.append(rt.generate(PROMPTS[1], 20).token_ids))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()  # B waits while A's request owns the buffers
+    s.cancel()
+    waiter.join(60)
+    assert not waiter.is_alive() and done == [mha.expected(PROMPTS[1], 20)]
+    r = s.result
+    assert r.finish_reason == "cancelled" and 0 < len(r.token_ids) < 60 and list(s) == []

@@ -133,3 +133,10 @@ def test_a_template_without_tools_is_one_error_naming_the_model(mha, tmp_path):
     ids = rt.generate(PROMPTS[0], 120, tools=[WEATHER], tool_choice="required", mode="vanilla")  # ids as they are
     assert ids.tool_calls and ids.tool_calls[0]["function"]["name"] == "get_weather"
     assert rt.generate([{"role": "user", "content": "hi"}], 4, tools=[WEATHER], tool_choice="none").token_ids
+
+
+def test_a_string_argument_may_hold_the_closing_tag():
+    text = '<tool_call>\n{"name": "echo", "arguments": {"s": "}</tool_call>"}}\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"s": "}</tool_call>"}
+    assert parse_tool_calls('<tool_call>{"name": "a", "arguments": "[1, 2]"}</tool_call>')[1] == []  # not an object

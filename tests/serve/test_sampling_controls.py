@@ -125,3 +125,12 @@ def test_a_bad_response_format_gets_one_400_naming_it(server, rf, param):
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": rf})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("field, value", [("guided_json", {"type": "object"}), ("ignore_eos", True),
+                                          ("min_tokens", 50), ("stop_token_ids", [2]),
+                                          ("parallel_tool_calls", False), ("modalities", ["audio"])])
+def test_vllm_and_openai_fields_not_served_are_refused_not_ignored(server, field, value):
+    r = httpx2.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

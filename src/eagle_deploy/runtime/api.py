@@ -68,20 +68,35 @@ class Generation:
     """
 
     def __init__(self, deltas: Generator[str, None, GenerationResult], logprobs: list[TokenLogprob] | None = None,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None, tokens: list[int] | None = None):
         """logprobs: the list the request fills as tokens are committed (Request.logprobs), or
-        None; read it while streaming through `logprobs`. stop: set by `cancel`."""
+        None; read it while streaming through `logprobs`. stop: set by `cancel`; tokens: the
+        list the request fills with its committed tokens."""
         self._deltas = deltas
         self._result: GenerationResult | None = None
         self.logprobs = logprobs  # one TokenLogprob per token committed so far (a text delta may lag behind)
         self._stop = stop or threading.Event()
+        self._tokens = tokens if tokens is not None else []
+        self._stepping = threading.Lock()  # held while a step runs: cancel closes only a paused stream
 
     def cancel(self) -> None:
         """Stop the request before its next verification round: the iteration then ends and
         `result.finish_reason` is "cancelled" (the tokens committed so far are kept).
-        Thread-safe, from any thread; a no-op once the request has finished. The one way to
-        stop a request: eagle-serve (a client gone, a deadline) and the Triton worker use it."""
+        Thread-safe, from any thread; a no-op once the request has finished. A stream paused
+        between deltas is closed at once, so the runtime's buffers are free for the next request
+        without iterating it again (its `result` then holds the token ids committed so far and no
+        text). The one way to stop a request: eagle-serve (a client gone, a deadline) and the
+        Triton worker use it."""
         self._stop.set()
+        if self._result is not None or not self._stepping.acquire(blocking=False):
+            return  # finished, or a step is running in another thread: it stops before its next round
+        try:
+            self._deltas.close()  # a paused (or unstarted) stream: its finally frees the buffers
+        finally:
+            self._stepping.release()
+        if self._result is None:
+            stats = Stats(finish_reason="cancelled")
+            self._result = GenerationResult("", list(self._tokens), "cancelled", stats, self.logprobs)
 
     @property
     def cancelled(self) -> bool:
@@ -92,7 +107,8 @@ class Generation:
 
     def __next__(self) -> str:
         try:
-            return next(self._deltas)
+            with self._stepping:
+                return next(self._deltas)
         except StopIteration as done:
             if self._result is None:
                 self._result = done.value
@@ -368,8 +384,8 @@ class EagleRuntime:
             raise SettingError("stop", "needs a tokenizer (this export has none)")
         text = TextStream(self.tokenizer, self.eos_ids, request.stop) if self.tokenizer is not None else None
         logprobs = None if request.logprobs is None else []
-        stop = threading.Event()
-        return Generation(self._stream(ids, request, text, logprobs, stop, grammar), logprobs, stop)
+        stop, tokens = threading.Event(), []
+        return Generation(self._stream(ids, request, text, logprobs, stop, grammar, tokens), logprobs, stop, tokens)
 
     def grammar_for(self, request: Request) -> Grammar | None:
         """The grammar a request's output follows, compiled for this export's tokenizer: its
@@ -390,7 +406,8 @@ class EagleRuntime:
         return Grammar.compile(self._grammar_tokenizer, request.response_format)
 
     def _stream(self, ids: list[int], request: Request, text: TextStream | None, logprobs: list[TokenLogprob] | None,
-                stop: threading.Event, grammar: GrammarState | None) -> Generator[str, None, GenerationResult]:
+                stop: threading.Event, grammar: GrammarState | None, tokens: list[int]
+                ) -> Generator[str, None, GenerationResult]:
         vanilla = request.mode == "vanilla"
         stats = Stats(drafter=None if vanilla else self.drafter_kind)
         if stop.is_set():  # cancelled before it started: no forward, the buffers untouched
@@ -402,7 +419,6 @@ class EagleRuntime:
                                      top_logprobs=request.logprobs or 0, grammar=grammar,
                                      draft_forced=self.options.draft_forced)
         try:
-            tokens: list[int] = []
             for chunk in chunks:
                 tokens += chunk
                 if text is not None:

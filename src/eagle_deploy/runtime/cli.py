@@ -87,8 +87,10 @@ def _request(args, mode: str):
     if args.json_schema is not None:
         try:
             schema = json.loads(args.json_schema.read_text())
-        except (OSError, UnicodeDecodeError) as err:
+        except OSError as err:
             raise SettingError("response_format", f"cannot read {args.json_schema}: {err.strerror or err}") from None
+        except UnicodeDecodeError:
+            raise SettingError("response_format", f"{args.json_schema} is not UTF-8 text") from None
         except ValueError as err:
             raise SettingError("response_format", f"{args.json_schema} is not JSON ({err})") from None
         response_format = {"type": "json_schema", "json_schema": {"name": args.json_schema.stem, "schema": schema,

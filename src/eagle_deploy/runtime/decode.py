@@ -246,7 +246,7 @@ class Decoder:
         if shaper is not None:
             shaper.push(first)
         if grammar is not None:
-            grammar.consume(first[0])
+            grammar.commit(first)
         if logprobs is not None:
             logprobs.append(token_logprob(first_logits, first[0], top_logprobs))
         stats.t_prefill = time.perf_counter() - t0
@@ -279,8 +279,7 @@ class Decoder:
             if shaper is not None:
                 shaper.push(chunk)
             if grammar is not None:
-                for token in chunk:
-                    grammar.consume(token)
+                grammar.commit(chunk)
             t4 = time.perf_counter()
             stats.t_draft, stats.t_verify, stats.t_commit = (stats.t_draft + t2 - t1, stats.t_verify + t3 - t2,
                                                              stats.t_commit + t4 - t3)

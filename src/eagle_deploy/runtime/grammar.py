@@ -29,9 +29,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from eagle_deploy.contract.errors import SettingError
+from eagle_deploy.contract.errors import SettingError, first_line
 
 from .tree import DraftTree
+
+
+class GrammarError(ValueError):
+    """The grammar engine cannot follow a request's grammar mid-output (the request fails
+    rather than end with output that does not match)."""
+
 
 STRICT_LAYOUT = dict(whitespace_flexible=False, item_separator=", ", key_separator=": ")
 MAX_SCHEMA_CHARS = 200_000  # a schema's JSON text at most (a bound on compile work)
@@ -153,20 +159,42 @@ class GrammarState:
         self.masks = 0  # masks computed (each a full-vocabulary pass)
         self.seconds = 0.0  # time spent in masks, pruning and forced tokens
 
+    def _check(self) -> None:
+        """GrammarError when the engine has given up on this grammar mid-output (llguidance
+        accepts some schemas it cannot follow, e.g. a regex too large to build lazily: its
+        masks then allow only EOS, and the output would end as if complete)."""
+        if self.matcher.is_error():
+            raise GrammarError(f"the grammar engine cannot follow this response_format / tools grammar: "
+                               f"{first_line(RuntimeError(self.matcher.get_error()))}"[:500])
+
     def allowed(self) -> np.ndarray:
-        """[V] bool: the tokens legal next."""
+        """[V] bool: the tokens legal next. Raises GrammarError (see _check)."""
+        self._check()
         t0 = time.perf_counter()
         self._lnp.fill_next_token_bitmask(self.matcher, self._bits, 0)
         self.masks += 1
         out = np.unpackbits(self._bits[0].view(np.uint8), bitorder="little")[: self.vocab].astype(bool)
         self.seconds += time.perf_counter() - t0
+        self._check()
         return out
 
     def consume(self, token: int) -> bool:
-        """Advance by `token`; False (and no change) when the grammar forbids it."""
+        """Advance by `token`; False (and no change) when the grammar forbids it. Raises
+        GrammarError (see _check)."""
         if self.matcher.is_stopped() or not self.matcher.validate_tokens([int(token)]):
+            self._check()
             return False
-        return bool(self.matcher.consume_token(int(token)))
+        ok = bool(self.matcher.consume_token(int(token)))
+        self._check()
+        return ok
+
+    def commit(self, tokens) -> None:
+        """Advance by committed tokens (each verified under this grammar's mask). Raises
+        GrammarError when one is refused: the engine lost track of the grammar."""
+        for token in tokens:
+            if not self.consume(token) and int(token) != self.eos:
+                raise GrammarError(f"the grammar engine refused the committed token {int(token)}: it cannot follow "
+                                   "this response_format / tools grammar")
 
     def rollback(self, k: int) -> None:
         if k:

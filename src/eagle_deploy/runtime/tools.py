@@ -24,7 +24,7 @@ from eagle_deploy.contract.errors import SettingError
 from .grammar import STRICT_LAYOUT
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"\s*(\{.*?\})\s*" + re.escape(CLOSE), re.DOTALL)
+_OPEN = re.compile(re.escape(OPEN) + r"\s*")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's rule for function names
 
 
@@ -104,17 +104,29 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     as OpenAI's [{"id", "type": "function", "function": {"name", "arguments": JSON text}}]).
     A block whose JSON does not parse, or lacks a name, is left in the text."""
     calls, kept, at = [], [], 0
-    for match in _CALL.finditer(text):
-        try:
-            body = json.loads(match.group(1))
+    decoder = json.JSONDecoder()
+    for match in _OPEN.finditer(text):
+        if match.start() < at:
+            continue
+        try:  # the JSON object itself (a string argument may hold "</tool_call>")
+            body, end = decoder.raw_decode(text, match.end())
         except ValueError:
             continue
-        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+        close = re.compile(r"\s*" + re.escape(CLOSE)).match(text, end)
+        if close is None or not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            continue
+        arguments = body.get("arguments", {})
+        if isinstance(arguments, str):  # arguments given as JSON text
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                continue
+        if not isinstance(arguments, dict):
             continue
         kept.append(text[at:match.start()])
-        at = match.end()
+        at = close.end()
         calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": body["name"], "arguments": json.dumps(body.get("arguments", {}))}})
+                      "function": {"name": body["name"], "arguments": json.dumps(arguments)}})
     kept.append(text[at:])
     content = "".join(kept).strip()
     return (content or None), calls

@@ -38,6 +38,7 @@ from starlette.requests import ClientDisconnect
 
 from eagle_deploy.contract.errors import SettingError, prompt_too_long
 from eagle_deploy.runtime.api import load_tokenizer
+from eagle_deploy.runtime.grammar import GrammarError
 from eagle_deploy.runtime.request import Request as GenerationRequest
 from eagle_deploy.runtime.text import encode_prompt
 
@@ -353,6 +354,10 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
             metrics.requests.labels(endpoint, "cancelled").inc()
             return error_response(shutting_down())
         if first.kind == "error":
+            if isinstance(first.error, GrammarError):  # a schema the engine accepted but cannot follow
+                metrics.requests.labels(endpoint, "invalid").inc()
+                field = "tools" if req.tools and req.tool_choice not in (None, "none", "auto") else "response_format"
+                return error_response(invalid(field, str(first.error), "unsupported_value"))
             metrics.requests.labels(endpoint, "error").inc()
             return error_response(engine_error(first.error))
         if req.stream:

@@ -17,9 +17,10 @@ only), `user` (kept as the request's tag), `logprobs` (chat: true/false with `to
 and `mode` ("eagle" | "vanilla", the decoding mode of this request; default: the server's).
 Their ranges are the runtime's (`runtime.request.Request`, each error naming the HTTP field).
 `response_format` (`text`, `json_object`, `json_schema`) makes the output follow that grammar
-(runtime/grammar.py). Fields that would change the output in ways this server does not
-implement (`tools`, `echo`, `suffix`, `best_of` > 1) are rejected rather than ignored; other
-unknown fields are ignored. Text that reaches the tokenizer
+(runtime/grammar.py). Fields of OpenAI's and vLLM's that would change the output in ways
+this server does not implement (`echo`, `suffix`, `best_of` > 1, `functions`, vLLM's `guided_*`,
+`min_tokens`, `ignore_eos`, `stop_token_ids`, ...: `_REFUSED`) are rejected rather than ignored;
+other unknown fields are ignored. Text that reaches the tokenizer
 (prompt, message contents, stop strings) must be valid Unicode (no lone surrogates such as
 `"\\ud800"`); at most MAX_STOPS stop strings of at most MAX_STOP_CHARS characters each.
 `request_timeout_s` (extension) shortens the server's per-request deadline for this request.
@@ -310,6 +311,16 @@ _REFUSED = {
     "echo": (lambda v: v in (None, False), "echo is not supported"),
     "suffix": (lambda v: not v, "suffix is not supported"),
     "best_of": (lambda v: v in (None, 1), "best_of must be 1"),
+    # vLLM's and OpenAI's fields that would change the output, not served here: refused, never ignored
+    **{name: (lambda v: v is None or v == [] or v == {}, f"{name} is not supported" + hint) for name, hint in (
+        ("guided_json", ": use response_format"), ("guided_regex", ""), ("guided_choice", ""),
+        ("guided_grammar", ""), ("structured_outputs", ": use response_format"), ("min_tokens", ""),
+        ("stop_token_ids", ""), ("prediction", ""), ("audio", ""), ("reasoning_effort", ""))},
+    "ignore_eos": (lambda v: v in (None, False), "ignore_eos is not supported"),
+    "include_stop_str_in_output": (lambda v: v in (None, False), "include_stop_str_in_output is not supported"),
+    "skip_special_tokens": (lambda v: v in (None, True), "skip_special_tokens false is not supported"),
+    "modalities": (lambda v: v in (None, ["text"]), 'only the "text" modality is supported'),
+    "parallel_tool_calls": (lambda v: v in (None, True), "parallel_tool_calls false is not supported"),
 }
 
 
@@ -318,6 +329,21 @@ class _Tail(_Body):
     first among its bases, so that its own fields come first)."""
 
     functions: Any = None  # refused (see _REFUSED) unless harmless
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    min_tokens: Any = None
+    stop_token_ids: Any = None
+    prediction: Any = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    ignore_eos: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    modalities: Any = None
+    parallel_tool_calls: Any = None
     response_format: Any = None  # checked by the runtime's Request (runtime/grammar.py)
     echo: Any = None
     suffix: Any = None
