@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 from eagle_deploy.runtime.api import EagleRuntime
+from eagle_deploy.runtime.request import Request
 
 try:
     import jsonschema
@@ -214,10 +215,13 @@ def select(prompts: list[dict], limit: int | None, per_schema: int | None) -> li
     return prompts[:limit] if limit else prompts
 
 
-def load_runtimes(folder: Path, threads: int, eagle_drafter: bool) -> dict[str, EagleRuntime]:
+def load_runtimes(folder: Path, threads: int, eagle_drafter: bool, no_forced: bool = False
+                  ) -> dict[str, EagleRuntime]:
     rts = {"default": EagleRuntime.load(folder, threads=threads)}
     if eagle_drafter:
         rts["eagle-head"] = EagleRuntime.load(folder, threads=threads, drafter_kind="eagle", planned=False)
+    if no_forced:  # the same drafter without the grammar's forced-token chains (what they add to tau)
+        rts["no-forced"] = EagleRuntime.load(folder, threads=threads, draft_forced=False)
     return rts
 
 
@@ -231,16 +235,16 @@ def warm_up(rts: dict[str, EagleRuntime], grammar: bool, name: str, schema: dict
 
 def bench_export(folder: Path, data: dict, args) -> dict:
     grammar = not args.no_grammar
-    rts = load_runtimes(folder, args.threads, args.eagle_drafter)
+    rts = load_runtimes(folder, args.threads, args.eagle_drafter, args.no_forced)
     default = rts["default"]
     schemas = data["schemas"]
     prompts = select(data["prompts"], args.limit, args.per_schema)
     compile_ms = {}
     if grammar:  # every schema compiled once up front: a refused schema stops the run here
-        default.grammar({"type": "json_object"})  # builds the runtime's grammar tokenizer (once), untimed
+        default.grammar_for(Request("x", response_format={"type": "json_object"}))  # the grammar tokenizer, untimed
         for name in schemas:
             t0 = time.perf_counter()
-            default.grammar(response_format(name, schemas[name])["json_schema"] | {"type": "json_schema"})
+            default.grammar_for(Request("x", response_format=response_format(name, schemas[name])))
             compile_ms[name] = round((time.perf_counter() - t0) * 1e3, 2)
     first = prompts[0]["schema"]
     warm_up(rts, grammar, first, schemas[first])
@@ -381,6 +385,8 @@ def main() -> None:
     ap.add_argument("--eagle-drafter", action="store_true",
                     help="also EAGLE with a second runtime: drafter_kind='eagle', planned=False")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-forced", action="store_true",
+                    help="also EAGLE without drafting the grammar's forced tokens (draft_forced=False)")
     args = ap.parse_args()
 
     data = json.loads(args.set_json.read_text())

@@ -80,12 +80,17 @@ def test_grammar_rows_mask_each_node_from_its_own_path_and_roll_back(byte_gramma
         rows(comma)  # not a child of the root
 
 
+_LOOP: dict = {"type": "object"}
+_LOOP["properties"] = {"self": _LOOP}  # an object that contains itself
+
+
 @pytest.mark.parametrize("value, field", [
     ({"type": "xml"}, "response_format.type"), ("json", "response_format"),
     ({"type": "json_schema"}, "response_format.json_schema"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}}, "response_format.json_schema.schema"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}},
      "response_format.json_schema.strict"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": _LOOP}}, "response_format.json_schema.schema"),
 ])
 def test_a_bad_response_format_is_one_error_naming_the_field(value, field):
     with pytest.raises(SettingError) as err:

@@ -66,7 +66,11 @@ def check_response_format(value) -> dict | None:
     schema = spec.get("schema", {"type": "object"} if "schema" not in spec else None)
     if not isinstance(schema, dict):
         raise SettingError("response_format.json_schema.schema", f"must be a JSON schema object, got {schema!r}"[:300])
-    if len(json.dumps(schema)) > MAX_SCHEMA_CHARS:
+    try:
+        text = json.dumps(schema)
+    except (ValueError, TypeError) as err:  # a schema object that refers to itself, or holds non-JSON values
+        raise SettingError("response_format.json_schema.schema", f"is not JSON ({err})") from None
+    if len(text) > MAX_SCHEMA_CHARS:
         raise SettingError("response_format.json_schema.schema", f"is longer than {MAX_SCHEMA_CHARS} characters")
     strict = spec.get("strict", True)
     if not isinstance(strict, bool) and strict is not None:
