@@ -306,6 +306,21 @@ def _inner_drafter(drafter):
     return getattr(drafter, "inner", drafter)
 
 
+def export_with_template(src, dst, template: str):
+    """Copy an export folder with `template` as its tokenizer's chat template (the manifest
+    says it has one; its file records follow the changed tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from eagle_deploy.contract.verify import rerecord_files
+
+    folder = clone_runtime_export(src, dst, chat_template=True)
+    tok = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
+    tok.chat_template = template
+    tok.save_pretrained(str(folder / "tokenizer"))
+    rerecord_files(folder)
+    return folder
+
+
 def clone_runtime_export(src, dst, **manifest_changes):
     """Copy an export folder and edit its manifest (e.g. eos_token_ids)."""
     import json

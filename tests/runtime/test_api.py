@@ -10,11 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-from eagle_deploy.contract.verify import rerecord_files
 from eagle_deploy.runtime import api, cli
 from eagle_deploy.runtime.api import EagleRuntime, GenerationResult
 from tests.conftest import MAX_LENGTH, PROMPTS, THREADS
-from tests.helpers import RecordingBackend, clone_runtime_export
+from tests.helpers import RecordingBackend, export_with_template
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -25,14 +24,7 @@ STATS_KEYS = {"prompt_tokens", "new_tokens", "finish_reason", "target_forwards",
 @pytest.fixture(scope="module")
 def chat_export(mha, tmp_path_factory):
     """The MHA export with a chat template added to its tokenizer and manifest."""
-    folder = clone_runtime_export(mha.export_dir, tmp_path_factory.mktemp("chat") / "mha-chat", chat_template=True)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(folder / "tokenizer"))
-    rerecord_files(folder)  # the tokenizer changed on purpose: the manifest lists its files
-    return folder
+    return export_with_template(mha.export_dir, tmp_path_factory.mktemp("chat") / "mha-chat", TEMPLATE)
 
 
 def test_prompt_forms_text_chat_and_ids(mha, chat_export):

@@ -9,11 +9,10 @@ import json
 import pytest
 
 from eagle_deploy.contract.errors import SettingError
-from eagle_deploy.contract.verify import rerecord_files
 from eagle_deploy.runtime.request import Request
 from eagle_deploy.runtime.tools import check_tool_choice, check_tools, parse_tool_calls, tool_grammar
 from tests.conftest import PROMPTS
-from tests.helpers import clone_runtime_export
+from tests.helpers import export_with_template
 
 TOOLS_TEMPLATE = (  # hermes-style, as Qwen2.5's: tools listed in a system turn, calls in <tool_call> tags
     "{% if tools %}<|system|>Tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
@@ -33,14 +32,7 @@ CLOCK = {"type": "function", "function": {"name": "now", "parameters": {
 
 @pytest.fixture(scope="module")
 def tools_export(mha, tmp_path_factory):
-    folder = clone_runtime_export(mha.export_dir, tmp_path_factory.mktemp("tools") / "mha-tools", chat_template=True)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
-    tok.chat_template = TOOLS_TEMPLATE
-    tok.save_pretrained(str(folder / "tokenizer"))
-    rerecord_files(folder)
-    return folder
+    return export_with_template(mha.export_dir, tmp_path_factory.mktemp("tools") / "mha-tools", TOOLS_TEMPLATE)
 
 
 def test_parse_splits_text_and_calls_and_leaves_broken_blocks_as_text():
@@ -120,13 +112,8 @@ def test_tools_reach_the_template_and_a_tool_answer_goes_back_in(mha, tools_expo
 
 
 def test_a_template_without_tools_is_one_error_naming_the_model(mha, tmp_path):
-    folder = clone_runtime_export(mha.export_dir, tmp_path / "plain-chat", chat_template=True)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-    tok.save_pretrained(str(folder / "tokenizer"))
-    rerecord_files(folder)
+    folder = export_with_template(mha.export_dir, tmp_path / "plain-chat",
+                                  "{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     rt = mha.runtime(folder)
     with pytest.raises(SettingError, match=f"^tools are not supported by the model {rt.manifest.name}: its chat"):
         rt.generate([{"role": "user", "content": "hi"}], 4, tools=[WEATHER])
