@@ -44,7 +44,14 @@ def test_chat_logprobs_streamed_and_not_match(client, reference):
                                            logprobs=True, top_logprobs=2, **SHAPING)
     content = whole.choices[0].logprobs.content
     assert len(content) == whole.usage.completion_tokens
-    assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    # each entry's bytes are its token's own byte (the byte tokenizer: id = byte), also where the
+    # byte alone is no UTF-8 character and its text is U+FFFD (a breaker's report)
+    want = reference.generate(messages, 20, logprobs=2, **SHAPING)
+    ids = want.token_ids
+    assert len(ids) == len(content)
+    assert [c.bytes for c, t in zip(content, ids) if t != 0] == [[t] for t in ids if t != 0]  # 0: the EOS
+    assert any(c.token == "\ufffd" for c in content)  # the case that used to give U+FFFD's bytes
     streamed = []
     for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
                                                 logprobs=True, top_logprobs=2, stream=True, **SHAPING):

@@ -90,6 +90,32 @@ def encode_prompt(tokenizer, request, chat_default: bool, vocab: int, model: str
         raise ValueError(f"the chat template refused these messages: {first_line(err)}") from None
 
 
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: printable character -> the byte it stands for."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+def token_bytes(tokenizer, token: int) -> bytes:
+    """A token's own bytes (OpenAI's logprobs `bytes`): for a byte-level BPE tokenizer (GPT-2's
+    alphabet, as SmolLM2's and Qwen's) the bytes its symbol stands for, even when they are part
+    of a UTF-8 character the token does not complete; otherwise its decoded text's UTF-8."""
+    symbol = tokenizer.convert_ids_to_tokens(int(token))
+    special = set(getattr(tokenizer, "all_special_tokens", ()))
+    if isinstance(symbol, str) and symbol and symbol not in special and all(ch in _BYTE_LEVEL for ch in symbol):
+        return bytes(_BYTE_LEVEL[ch] for ch in symbol)
+    return tokenizer.decode([int(token)]).encode("utf-8")
+
+
 class TextStream:
     """Stopper for `Decoder.decode`: push(token) -> "stop" | None; `take()` returns the text
     released since the last call; `text` is the final text (stop string excluded)."""

@@ -40,7 +40,7 @@ from eagle_deploy.contract.errors import SettingError, prompt_too_long
 from eagle_deploy.runtime.api import load_tokenizer
 from eagle_deploy.runtime.grammar import GrammarError
 from eagle_deploy.runtime.request import Request as GenerationRequest
-from eagle_deploy.runtime.text import encode_prompt
+from eagle_deploy.runtime.text import encode_prompt, token_bytes
 
 from .engine import Event, Job, QueueFull, Scheduler, Work, engine_info, fingerprint, stats_info
 from .guard import OPEN_PATHS, BearerAuth, RequestLimit, read_body
@@ -310,7 +310,8 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
         """The response's `logprobs` for these TokenLogprobs (None when the request asked for none)."""
         if entries is None:
             return None
-        return logprobs_body(kind, entries, lambda t: frontend.tokenizer.decode([t]), offset)
+        return logprobs_body(kind, entries, lambda t: frontend.tokenizer.decode([t]), offset,
+                             lambda t: token_bytes(frontend.tokenizer, t))
 
     def _deadline(t0: float, req: CompletionRequest) -> tuple[float, float] | None:
         """(monotonic deadline, its length in s) of a request that arrived at t0, or None."""

@@ -538,17 +538,20 @@ class Envelope:
 
 
 def logprobs_body(kind: str, entries: Sequence[TokenLogprob], text_of: Callable[[int], str],
-                  offset: int = 0) -> dict:
+                  offset: int = 0, bytes_of: Callable[[int], bytes] | None = None) -> dict:
     """OpenAI's `logprobs` of a choice for `entries` (runtime TokenLogprobs), token texts by
-    `text_of(id)`: chat {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}],
-    "refusal": None}; completions {"tokens", "token_logprobs", "top_logprobs" ({text: logprob}
-    per token), "text_offset" (from `offset`, characters)}."""
+    `text_of(id)` and raw bytes by `bytes_of(id)` (default: the text's UTF-8): chat {"content":
+    [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": None}; completions
+    {"tokens", "token_logprobs", "top_logprobs" ({text: logprob} per token), "text_offset" (from
+    `offset`, characters)}."""
     texts = [text_of(e.token) for e in entries]
+    raw = bytes_of or (lambda t: text_of(t).encode("utf-8"))
     if kind == CHAT:
-        def entry(token: str, logprob: float) -> dict:
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        def entry(token_id: int, token: str, logprob: float) -> dict:
+            return {"token": token, "logprob": logprob, "bytes": list(raw(token_id))}
 
-        return {"content": [{**entry(t, e.logprob), "top_logprobs": [entry(text_of(i), lp) for i, lp in e.top]}
+        return {"content": [{**entry(e.token, t, e.logprob),
+                             "top_logprobs": [entry(i, text_of(i), lp) for i, lp in e.top]}
                             for t, e in zip(texts, entries)], "refusal": None}
     offsets = [offset + sum(len(t) for t in texts[:j]) for j in range(len(texts))]
     return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
