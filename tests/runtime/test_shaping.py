@@ -50,13 +50,13 @@ def test_a_row_is_shaped_like_the_reference_and_each_tree_node_from_its_own_path
         path = path_tokens(tree, i)
         want = reference_shape(logits[i], prompt, committed + path, params.logit_bias, **{
             "repetition": 1.3, "frequency": 0.6, "presence": 0.4})
-        assert np.allclose(rows[i], want, rtol=0, atol=1e-9), (i, path)
+        assert np.allclose(rows(i), want, rtol=0, atol=1e-9), (i, path)
     assert sorted(path_tokens(tree, i) for i in range(tree.size)) == [[], [5], [5, 1], [7], [7, 2], [7, 2, 7], [11]]
     # a row shaped along a path equals the row after committing that path
     fresh = LogitShaper(params, prompt)
     fresh.push(committed + [7, 2])
     node = next(i for i in range(tree.size) if path_tokens(tree, i) == [7, 2])
-    assert np.array_equal(fresh.row(logits[node]), rows[node])
+    assert np.array_equal(fresh.row(logits[node]), rows(node))
     assert LogitShaper.of(SamplingParams(), prompt) is None  # nothing to shape: rows are used as they are
 
 

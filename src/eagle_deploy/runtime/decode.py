@@ -19,7 +19,7 @@ from .backends.base import Backend, StepInputs
 from .drafter import Drafter, DraftRequest, causal_mask
 from .grammar import GrammarRows, GrammarState, mask_first
 from .sampling import SamplingParams, finite_number, greedy_token, sample, target_probs
-from .shaping import LogitShaper, TokenLogprob, path_tokens, token_logprob
+from .shaping import LogitShaper, TokenLogprob, token_logprob
 from .tree import DraftTree
 from .verify import Verification, contiguous, verify_sampling, verify_threshold
 
@@ -260,9 +260,7 @@ class Decoder:
             t2 = time.perf_counter()
             logits, features = self.verify_forward(tree, state)
             t3 = time.perf_counter()
-            row = None
-            if shaper is not None:
-                row = lambda i, tree=tree, logits=logits: shaper.row(logits[i], path_tokens(tree, i))  # noqa: E731
+            row = None if shaper is None else shaper.rows(logits, tree)
             if grammar is not None:
                 row = GrammarRows(tree, grammar, row or (lambda i, logits=logits: logits[i]))
             verification = self.accept(tree, logits, params, rng, row)

@@ -114,10 +114,9 @@ class Grammar:
         except (ValueError, TypeError, RuntimeError) as err:
             raise SettingError(field, f"is not a JSON schema this server can enforce: {err}"[:500]) from None
         grammar = cls(tokenizer, text)
-        try:
-            grammar.state()  # a refused schema fails here, before the request runs
-        except SettingError as err:
-            raise SettingError(field, f"is not a JSON schema this server can enforce: {err.detail}"[:500]) from None
+        error = grammar.error()  # a refused schema fails here, before the request runs
+        if error:
+            raise SettingError(field, f"is not a JSON schema this server can enforce: {error}"[:500])
         return grammar
 
     @classmethod
@@ -131,11 +130,17 @@ class Grammar:
         except (ValueError, TypeError, RuntimeError) as err:
             raise SettingError(field, f"cannot be enforced: {err}"[:500]) from None
         grammar = cls(tokenizer, text)
-        try:
-            grammar.state()
-        except SettingError as err:
-            raise SettingError(field, f"cannot be enforced: {err.detail}"[:500]) from None
+        error = grammar.error()
+        if error:
+            raise SettingError(field, f"cannot be enforced: {error}"[:500])
         return grammar
+
+    def error(self) -> str | None:
+        """What llguidance says against this grammar when it starts a matcher, or None."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.tokenizer.ll, self.text, log_level=0)
+        return matcher.get_error() if matcher.is_error() else None
 
     def state(self) -> "GrammarState":
         return GrammarState(self)
@@ -155,9 +160,7 @@ class GrammarState:
         self.vocab, self.eos = tok.vocab, tok.eos
         self.matcher = llguidance.LLMatcher(tok.ll, grammar.text, log_level=0)
         if self.matcher.is_error():
-            error = SettingError("response_format", f"cannot be enforced: {self.matcher.get_error()}"[:500])
-            error.detail = self.matcher.get_error()
-            raise error
+            raise SettingError("response_format", f"cannot be enforced: {self.matcher.get_error()}"[:500])
         self._lnp = lnp
         self._bits = lnp.allocate_token_bitmask(1, tok.vocab)
         self.masks = 0  # masks computed (each a full-vocabulary pass)

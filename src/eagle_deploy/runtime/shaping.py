@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -68,13 +68,11 @@ class LogitShaper:
             z[ids] -= p.frequency_penalty * n + p.presence_penalty
         return z
 
-    def rows(self, logits: np.ndarray, tree: DraftTree) -> np.ndarray:
-        """[n, V] logits of a verification forward over `tree` -> [n, V] float64, row i shaped
-        with the draft tokens on node i's path (root excluded, node i included)."""
-        out = np.empty(logits.shape, np.float64)
-        for i in range(tree.size):
-            out[i] = self.row(logits[i], path_tokens(tree, i))
-        return out
+    def rows(self, logits: np.ndarray, tree: DraftTree) -> Callable[[int], np.ndarray]:
+        """The rows of a verification forward over `tree` ([n, V] logits), shaped on demand:
+        node i -> [V] float64, shaped with the draft tokens on node i's path (root excluded,
+        node i included). Verification asks only for the nodes on the path it walks."""
+        return lambda i: self.row(logits[i], path_tokens(tree, i))
 
 
 def path_tokens(tree: DraftTree, node: int) -> list[int]:
