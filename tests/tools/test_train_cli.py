@@ -450,3 +450,27 @@ def test_the_data_key_sees_the_order_of_sequences():
     c = TokenData.from_sequences([[1, 2, 3], [4, 5]], [2, 1], [{}, {}])
     assert len({json.dumps(cli.data_key(d)) for d in (a, b, c)}) == 3
     assert cli.data_key(a) == cli.data_key(TokenData.from_sequences([[1, 2, 3], [4, 5]], [1, 1], [{}, {}]))
+
+
+def test_answers_from_an_export_of_the_target(gqa, mha, prompts, tmp_path, capsys):
+    """--answers-from: the export's target graph writes the data stage's answers, each exactly
+    what that export's own greedy vanilla decoding gives the same prompt ids, recorded in the
+    part's header; an export of other weights and sampled --modes are refused before any part."""
+    parts = tmp_path / "tokens"
+    _train(gqa, prompts, tmp_path / "head", tmp_path / "work", capsys, "--data-dir", str(parts), "--stop-after",
+           "data", "--answers-from", str(gqa.export_dir))
+    part = train_data.TokenData.load(parts / "part-00000.npz")
+    assert part.header["generation"]["answers_from"]["quant"] == gqa.manifest.target.quant
+    assert len(part) == 6 and part.response_tokens > 0
+    rt = gqa.runtime()
+    for i in range(len(part)):
+        seq, n = part.sequence(i), int(part.prompt_lens[i])
+        alone = rt.generate([int(t) for t in seq[:n]], max_new_tokens=8, mode="vanilla").token_ids
+        assert list(seq[n:]) == list(alone)
+
+    for extra, says in [(["--answers-from", str(mha.export_dir)], "was exported from other weights than --model's"),
+                        (["--answers-from", str(gqa.export_dir), "--modes", "0,0.7"], "answers greedily only")]:
+        argv = ["--model", str(gqa.target_dir), "--out", str(tmp_path / "h2"), "--data-dir", str(tmp_path / "t2"),
+                "--prompts", str(prompts), *SMALL, *extra]
+        assert cli.main(argv) == 2
+        assert says in capsys.readouterr().err and not (tmp_path / "t2").exists()

@@ -124,7 +124,7 @@ def _say(progress, msg: str) -> None:
         progress(msg)
 
 
-def _hash_weights(path: Path) -> dict:
+def weight_digests(path: Path) -> dict:
     """sha256 of a checkpoint file, or of each weight file of a folder."""
     if path.is_file():
         return {path.name: sha256_file(path)}
@@ -404,7 +404,7 @@ def write_manifest(plan: ExportPlan, models: LoadedModels, target_entry: GraphEn
     _say(progress, "hashing sources and writing manifest")
     checkpoint, head_dir = plan.checkpoint, plan.head_dir
     sources = Sources(
-        target=SourceRecord(spec=plan.model, path=str(checkpoint.source), sha256=_hash_weights(checkpoint.source)),
+        target=SourceRecord(spec=plan.model, path=str(checkpoint.source), sha256=weight_digests(checkpoint.source)),
         draft=SourceRecord(spec=plan.draft or checkpoint.default_draft, path=str(head_dir) if head_dir else None,
                            sha256={n: sha256_file(head_dir / n) for n in HEAD_WEIGHT_FILES
                                    if head_dir and (head_dir / n).exists()},

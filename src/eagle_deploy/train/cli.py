@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "ids: commit this folder and a run on another machine with the same prompts, seed and "
                         "generation settings resumes after the last part (a part made with other settings is "
                         "refused)")
+    p.add_argument("--answers-from", type=Path, default=None, metavar="EXPORT",
+                   help="an eagle-export folder of the same target (its manifest's source sha256 must match) "
+                        "whose target graph writes the data stage's answers: greedy (--modes 0), --gen-batch "
+                        "sequences at a time in batched forwards (BatchEngine). "
+                        "A quantised export answers several times faster than torch on a CPU (docs/decisions.md); "
+                        "its answers are the quantised graph's. Features and training still run the torch target")
     p.add_argument("--stop-after", choices=STAGES, default=None,
                    help="stop after this stage (data: generate in bounded chunks; features: fill the cache)")
     return p
@@ -189,6 +195,7 @@ class Session:
     prompts: list | None = None  # the --prompts rows (training_prompts); None with --data
     given: list = field(default_factory=list)  # the --data parts (TokenData), read before the target loads
     target: dict = field(default_factory=dict)  # which target the caches were made by (target_fingerprint)
+    source: Path | None = None  # its checkpoint file or folder (--answers-from checks the export against it)
     log_lines: list = field(default_factory=list)
     by_category: dict = field(default_factory=dict)  # {category: {"sequences", "response_tokens"}} of the data
     prompts_left: int = 0  # prompts the generation time budget left unanswered
@@ -354,7 +361,7 @@ def load_target_for_training(session: Session):
 
     checkpoint = resolve_model(session.args.model)
     hf = load_target(checkpoint)
-    session.target = target_fingerprint(checkpoint)
+    session.target, session.source = target_fingerprint(checkpoint), Path(checkpoint.source)
     if session.args.torch_dtype == "bf16" and session.device.startswith("cuda"):
         hf.to(torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint.hf_dir))
@@ -613,7 +620,7 @@ def _generate(session: Session, hf, tokenizer, eos):
     import numpy as np
     from tqdm import tqdm
 
-    from .data import TokenData, decontaminate, evaluation_texts, generate_data
+    from .data import TokenData, decontaminate, evaluation_texts, export_answers, generate_data
 
     args, s, log = session.args, session.settings, session.log
     prompts, dropped = decontaminate(session.prompts, evaluation_texts(args.decontaminate))  # read by run()
@@ -627,12 +634,14 @@ def _generate(session: Session, hf, tokenizer, eos):
     if not prompts:
         raise ValueError(f"no prompts to answer in {args.prompts}" + (" after decontamination" if dropped else ""))
     modes = [float(m) for m in str(s["modes"]).split(",")] if s["max_new_tokens"] else [0.0]  # 0: prompts alone
-    parts = session.data_dir
-    parts.mkdir(parents=True, exist_ok=True)
     chunk = max(s["gen_batch"], PART_PROMPTS)
     generation = {"modes": modes, "max_new_tokens": s["max_new_tokens"], "torch_dtype": args.torch_dtype,
                   "seed": args.seed if any(m > 0 for m in modes) else None,  # greedy parts: seed only orders prompts
                   "target": session.target}
+    if args.answers_from is not None:
+        generation["answers_from"] = answers_export(args.answers_from, session.source, session.target, modes)
+    parts = session.data_dir
+    parts.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(prompts) * len(modes), desc="generate", unit="resp", file=sys.stderr)
     done, made, t0, budget, last_s = [], 0, time.perf_counter(), 60 * args.gen_time_budget_min, 0.0
     try:
@@ -646,8 +655,13 @@ def _generate(session: Session, hf, tokenizer, eos):
                 break
             if not path.exists():
                 t = time.perf_counter()
-                part = generate_data(hf, tokenizer, rows, modes, s["max_new_tokens"], s["gen_batch"], session.device,
-                                     eos, seed=args.seed + c0, progress=bar.update, dtype=session.stage_dtype)
+                if args.answers_from is not None:
+                    part = export_answers(args.answers_from, tokenizer, rows, s["max_new_tokens"], s["gen_batch"],
+                                          progress=bar.update)
+                else:
+                    part = generate_data(hf, tokenizer, rows, modes, s["max_new_tokens"], s["gen_batch"],
+                                         session.device, eos, seed=args.seed + c0, progress=bar.update,
+                                         dtype=session.stage_dtype)
                 part.header = {"generation": generation, "chunk": chunk_digest(rows), "recipe": s,
                                "prompts": str(args.prompts), "seconds": round(time.perf_counter() - t, 1)}
                 part.save(path)
@@ -668,6 +682,23 @@ def _generate(session: Session, hf, tokenizer, eos):
     data = TokenData.concat(done)
     log(f"data: {len(data)} sequences, {data.response_tokens} response tokens from {len(done)} part(s) in {parts}")
     return data
+
+
+def answers_export(folder: Path, source: Path, target: dict, modes: list[float]) -> dict:
+    """What --answers-from records in each part's generation header ({"quant", "target_sha256"}:
+    target_fingerprint's), after checking that the export was made from
+    --model's weights (its manifest's source sha256s) and that the run answers greedily.
+    Raises ValueError."""
+    from eagle_deploy.contract.manifest import Manifest
+    from eagle_deploy.exporter.export import weight_digests
+
+    if any(m != 0.0 for m in modes):
+        raise ValueError(f"--answers-from answers greedily only: use --modes 0 (got {','.join(map(str, modes))})")
+    manifest = Manifest.load(folder)
+    if dict(manifest.sources.target.sha256) != weight_digests(source):
+        raise ValueError(f"--answers-from {folder} was exported from other weights than --model's "
+                         f"({manifest.sources.target.path or manifest.sources.target.spec}): export --model again")
+    return {"quant": manifest.target.quant, "target_sha256": target["sha256"]}
 
 
 def part_fits(elapsed_s: float, last_part_s: float, budget_s: float) -> bool:

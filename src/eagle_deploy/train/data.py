@@ -324,6 +324,32 @@ def generate_data(hf_model, tokenizer, prompts: list[dict], modes: Sequence[floa
     return TokenData.from_sequences(seqs, plens, meta)
 
 
+def export_answers(folder, tokenizer, prompts: list[dict], max_new_tokens: int, slots: int, progress=None,
+                   threads: int | None = None) -> TokenData:
+    """Greedy responses of an export's target graph (eagle-export's folder) to every prompt,
+    `slots` at a time in batched forwards (runtime.batch.BatchEngine, vanilla decoding, one-token
+    forwards as one row: row-exactness buys nothing here). The prompts are encoded as
+    generate_data encodes them (chat_ids) and handed to the graph as ids; a response ends with
+    its EOS id when one was produced, as generate_data's do. On a 2-core CPU a quantised export
+    answers several times faster than torch's fp32 target (docs/decisions.md, 2026-12-07): its
+    answers are those of the quantised graph, the target the head is deployed with.
+    Raises what BatchEngine.load and EagleRuntime.generate raise (e.g. a prompt longer than
+    the export's max_length allows)."""
+    from eagle_deploy.runtime.batch import BatchEngine
+    from eagle_deploy.runtime.options import EngineOptions
+
+    encoded = [chat_ids(tokenizer, p["prompt"]) for p in prompts]
+    engine = BatchEngine.load(folder, min(slots, len(prompts)), EngineOptions(
+        threads=threads, drafter_kind="eagle", planned=False, row_exact=False, prefill_chunk=0))
+    results = engine.generate_many(encoded, max_new_tokens=max_new_tokens, mode="vanilla", temperature=0.0)
+    if progress:
+        progress(len(prompts))
+    return TokenData.from_sequences([e + list(r.token_ids) for e, r in zip(encoded, results)],
+                                    [len(e) for e in encoded],
+                                    [{"id": p["id"], "category": p.get("category"), "temperature": 0.0}
+                                     for p in prompts])
+
+
 @torch.no_grad()
 def compute_features(hf_model, data: TokenData, device: str, batch_tokens: int = 8192, dtype=torch.float32,
                      out_dtype=torch.float16, progress=None, feature_layers=None) -> list[torch.Tensor]:
