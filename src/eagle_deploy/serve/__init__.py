@@ -7,7 +7,8 @@
 - `metrics`: Prometheus counters, histograms and gauges.
 - `app`: the FastAPI application (`create_app`).
 - `cli`: `eagle-serve`.
-- `load`: the load client (`python -m eagle_deploy.serve.load`).
+
+Its load client is `bench.load` (`eagle-bench serve`).
 
 Imports `runtime` and `contract`, never `exporter`.
 """

