@@ -502,6 +502,17 @@ def test_specbench_run_reports_every_task(export_dir, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "per category: tokens/s (tau) [x vanilla]" in text and "math_reasoning" in text
     assert all(r["set"] == "specbench" for r in res["prompts"])  # --specbench alone: no humaneval / chat
+    # the ceiling beside the achieved speed-up, per task, from the hybrid runtime's measured costs
+    ceil = res["ceiling"]["ort"]
+    assert ceil["cost_curve"]["verify_ms"]["1"] > 0 and ceil["row_exact"] is False
+    cells = ceil["systems"]["eagle-hybrid"]
+    assert "all" in cells and set(cells) <= set(agg)
+    for c in cells.values():
+        assert c["of_ceiling"] == pytest.approx(c["achieved"] / c["ceiling"], abs=2e-3) and c["best_depth"] >= 1
+    all_runs = agg["all"]["systems"]
+    assert cells["all"]["achieved"] == pytest.approx(
+        all_runs["eagle-hybrid"]["tokens_per_s"] / all_runs["vanilla"]["tokens_per_s"], rel=1e-2)
+    assert "ceiling eagle-hybrid [ort]:" in text and "cost curve [ort]:" in text
 
 
 @pytest.mark.parametrize("flags, message", [(["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),

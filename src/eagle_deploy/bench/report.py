@@ -16,6 +16,8 @@ import numpy as np
 
 from eagle_deploy.runtime.acceptance import tau
 
+from .ceiling import ceiling_lines
+
 PHASES = ("prefill", "draft", "verify", "commit", "other")
 
 
@@ -209,6 +211,7 @@ def format_summary(result: dict) -> str:
             lines.append(f"speed-up {key}: {sp['aggregate']:.2f}x"
                          + (f" (per-prompt mean {sp['mean_per_prompt']:.2f}x)" if "mean_per_prompt" in sp else ""))
         lines += category_lines(cats)
+    lines += ceiling_lines(result.get("ceiling") or {})
     proc = result["memory"].get("process")
     if proc:
         lines.append(f"process peak RSS {proc['peak_rss_mb']} MiB (all systems loaded together; "

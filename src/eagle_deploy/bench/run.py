@@ -28,6 +28,7 @@ from eagle_deploy.contract.prompts import load_prompts
 from eagle_deploy.runtime.memory import peak_rss_mb
 
 from . import divergence as dv
+from .ceiling import engine_ceilings
 from .report import aggregate
 from .systems import EagleSystem, baseline_unavailable, make_baseline, rss_mb
 
@@ -286,4 +287,5 @@ def run_bench(cfg: BenchConfig, log: Callable = print) -> dict:
         result["memory"]["modes"] = measure_memory(cfg, loaded, records[0]["prompt_ids"], log)
     result["prompts"] = records
     result["aggregate"] = aggregate(records)
+    result["ceiling"] = {e.key: c for e in loaded.engines if (c := engine_ceilings(records, e)) is not None}
     return result
