@@ -108,6 +108,28 @@ def build_tiny(root: Path, name: str, gqa: bool, seed: int, **target_kw) -> Tiny
     return TinyModel(name, target, head, out)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_cache(tmp_path_factory):
+    """The tools' cache ($EAGLE_DEPLOY_CACHE: measured device costs, peer conversions) in a
+    session folder, so tests leave nothing in ~/.cache/eagle-deploy; its converted real models
+    (gguf/, chunked/, minutes to make) are linked in from the user's cache when it has them."""
+    import os
+
+    from eagle_deploy.contract.cache import cache_root
+
+    user, before = cache_root(), os.environ.get("EAGLE_DEPLOY_CACHE")
+    root = tmp_path_factory.mktemp("cache")
+    for sub in ("gguf", "chunked"):
+        if (user / sub).is_dir():
+            (root / sub).symlink_to(user / sub, target_is_directory=True)
+    os.environ["EAGLE_DEPLOY_CACHE"] = str(root)
+    yield root
+    if before is None:
+        os.environ.pop("EAGLE_DEPLOY_CACHE", None)
+    else:
+        os.environ["EAGLE_DEPLOY_CACHE"] = before
+
+
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny")
