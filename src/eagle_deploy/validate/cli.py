@@ -470,7 +470,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from eagle_deploy.contract.manifest import ManifestError
 
-    from .reference import ReferenceError
+    from .reference import ReferenceLoadError
 
     graphs = [g.strip() for g in args.graphs.split(",") if g.strip()]
     if not graphs or any(g not in ("target", "draft") for g in graphs):
@@ -484,7 +484,7 @@ def main(argv=None) -> int:
         return cli_error("eagle-validate", err)
     try:
         report = run_validation(args.engines, args.work, graphs, log=say, verify=args.verify)
-    except (ManifestError, ReferenceError, FileNotFoundError, ValueError, ImportError) as err:
+    except (ManifestError, ReferenceLoadError, FileNotFoundError, ValueError, ImportError) as err:
         return cli_error("eagle-validate", err)
     except Exception as err:  # PolygraphyException (e.g. a runner that cannot load the graph), onnxruntime errors
         if type(err).__module__.split(".")[0] not in ("polygraphy", "onnxruntime"):
