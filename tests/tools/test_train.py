@@ -372,7 +372,7 @@ def test_eagle3_every_unrolled_step_scores_against_its_own_positions_soft_labels
     """EAGLE-3's losses compute the target's soft labels once over step 1's positions, as
     step_losses does: each step's cross-entropy and agreement equal those computed from that
     step's own positions' final features."""
-    from eagle_deploy.train.cli import new_eagle3_head
+    from eagle_deploy.train.head_init import new_eagle3_head
     from eagle_deploy.train.trainer import _chain_ok, make_batch, step_losses
 
     data, _ = tiny_data
@@ -402,7 +402,7 @@ def test_eagle3_short_training_lowers_the_loss_and_the_head_decodes_losslessly(g
     data, _ = tiny_data
     feats = compute_features(gqa.hf, data, "cpu", batch_tokens=1024, feature_layers=TAPS)
     assert feats[0].shape[-1] == 3 * gqa.hf.config.hidden_size  # two taps, then the final features
-    from eagle_deploy.train.cli import new_eagle3_head
+    from eagle_deploy.train.head_init import new_eagle3_head
 
     # the 128 most frequent response tokens (+ EOS)
     head = new_eagle3_head(gqa.hf, data.response_counts(gqa.hf.config.vocab_size), TAPS, 128, seed=2)

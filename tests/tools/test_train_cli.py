@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from eagle_deploy.train import cli
+from eagle_deploy.train import cache, cli
 from eagle_deploy.train import data as train_data
 from eagle_deploy.train.data import prompt_set
 
@@ -35,7 +35,7 @@ def _train(gqa, prompts, out, work, capsys, *extra, status=0):
 
 def _stamps(work):
     return {p.name: p.stat().st_mtime_ns for p in [*sorted((work / "data").glob("part-*.npz")),
-                                                   work / cli.FEATURES_DIR, work / cli.HEAD_FILE]}
+                                                   work / cache.FEATURES_DIR, work / cache.HEAD_FILE]}
 
 
 def test_stages_are_cached_and_an_interrupted_run_resumes(gqa, prompts, tmp_path, capsys):
@@ -44,7 +44,7 @@ def test_stages_are_cached_and_an_interrupted_run_resumes(gqa, prompts, tmp_path
     assert "features: cached" not in log and "train: cached head" not in log
     first = load_file(out / "model.safetensors")
     stamps = _stamps(work)
-    assert set(stamps) == {"part-00000.npz", cli.FEATURES_DIR, cli.HEAD_FILE}
+    assert set(stamps) == {"part-00000.npz", cache.FEATURES_DIR, cache.HEAD_FILE}
     train_log = json.loads((out / "train_log.json").read_text())
     assert train_log["data"]["sequences"] == 6 and train_log["train"]["config"]["warmup_steps"] == 100
 
@@ -53,8 +53,8 @@ def test_stages_are_cached_and_an_interrupted_run_resumes(gqa, prompts, tmp_path
     assert _stamps(work) == stamps
     assert all((load_file(out / "model.safetensors")[k] == v).all() for k, v in first.items())
 
-    shutil.rmtree(work / cli.FEATURES_DIR)  # interrupted after the data stage
-    (work / cli.HEAD_FILE).unlink()
+    shutil.rmtree(work / cache.FEATURES_DIR)  # interrupted after the data stage
+    (work / cache.HEAD_FILE).unlink()
     log = _train(gqa, prompts, out, work, capsys)
     assert "features: cached" not in log and "train: cached head" not in log
     assert _stamps(work)["part-00000.npz"] == stamps["part-00000.npz"]  # the generated data was reused
@@ -207,7 +207,7 @@ def test_bad_data_and_draft_vocab_fail_before_any_stage(gqa, tmp_path, capsys):
                    "eagle3", "--feature-layers", "0,1", "--draft-vocab", "999999", "--device", "cpu"])
     err = capsys.readouterr().err
     assert rc == 2 and "--draft-vocab 999999 must be in [1, 256]" in err
-    assert not (work / "data").exists() and not (work / cli.FEATURES_DIR).exists()
+    assert not (work / "data").exists() and not (work / cache.FEATURES_DIR).exists()
 
 
 def test_prompt_files_in_the_usual_chat_layouts(tmp_path):
@@ -276,7 +276,7 @@ def test_data_parts_resume_from_a_data_dir_and_refuse_other_settings(gqa, prompt
     log = _train(gqa, prompts, tmp_path / "head", work, capsys, "--data-dir", str(parts), "--stop-after", "data")
     assert "stopped after the data stage" in log and "tok/s" in log
     assert [p.name for p in parts.glob("*")] == ["part-00000.npz"]
-    assert not (work / cli.FEATURES_DIR).exists() and not (tmp_path / "head").exists()
+    assert not (work / cache.FEATURES_DIR).exists() and not (tmp_path / "head").exists()
     made = parts.joinpath("part-00000.npz").stat().st_mtime_ns
     _train(gqa, prompts, tmp_path / "head", tmp_path / "elsewhere", capsys, "--data-dir", str(parts))
     assert parts.joinpath("part-00000.npz").stat().st_mtime_ns == made and (tmp_path / "head" / "config.json").exists()
@@ -320,7 +320,7 @@ def test_parts_of_another_target_and_damaged_caches(gqa, mha, prompts, tmp_path,
     err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(err) == 1 and "was generated with other settings (target:" in err[0]
 
-    block = work / cli.FEATURES_DIR / "block-00000.pt"
+    block = work / cache.FEATURES_DIR / "block-00000.pt"
     block.write_bytes(block.read_bytes()[:100])
     log = _train(gqa, prompts, tmp_path / "head", work, capsys, "--data-dir", str(parts))
     assert f"features: {block} cannot be read" in log and "train: cached head" in log  # same features again
@@ -399,13 +399,13 @@ def test_bf16_data_and_features_on_a_cpu(gqa, prompts, tmp_path, capsys, monkeyp
 def test_features_go_in_blocks_that_a_time_budget_splits_across_runs(gqa, prompts, tmp_path, capsys, monkeypatch):
     """Features are cached per block of sequences; with a spent time budget every run finishes
     one more block and stops, the last run trains on all of them, as one uninterrupted run does."""
-    monkeypatch.setattr(cli, "FEATURE_BLOCK", 2)  # 6 sequences: 3 blocks
+    monkeypatch.setattr(cache, "FEATURE_BLOCK", 2)  # 6 sequences: 3 blocks
     work = tmp_path / "work"
     for left in (2, 1):  # exit status 3: run the same command again
         log = _train(gqa, prompts, tmp_path / "head", work, capsys, "--features-time-budget-min", "1e-9",
                      status=cli.UNFINISHED)
         assert f"with {left} of 3 blocks left" in log and not (tmp_path / "head").exists()
-    assert sorted(p.name for p in (work / cli.FEATURES_DIR).iterdir()) == [f"block-0000{i}.pt" for i in range(2)]
+    assert sorted(p.name for p in (work / cache.FEATURES_DIR).iterdir()) == [f"block-0000{i}.pt" for i in range(2)]
     log = _train(gqa, prompts, tmp_path / "head", work, capsys, "--features-time-budget-min", "1e-9")
     assert "3 of 3 blocks done" in log and "blocks left" not in log
     _train(gqa, prompts, tmp_path / "whole", tmp_path / "work2", capsys)
@@ -417,7 +417,7 @@ def test_a_generation_budget_makes_a_part_per_run_and_says_when_prompts_are_left
                                                                                    monkeypatch):
     """--stop-after data with a spent --gen-time-budget-min: every run adds one part and exits
     with status 3 while prompts are left, then 0; the parts are those of one uninterrupted run."""
-    monkeypatch.setattr(cli, "PART_PROMPTS", 2)  # 6 prompts, --gen-batch 2: 3 parts
+    monkeypatch.setattr(cache, "PART_PROMPTS", 2)  # 6 prompts, --gen-batch 2: 3 parts
     parts = tmp_path / "tokens"
     chunked = ["--gen-batch", "2", "--data-dir", str(parts), "--stop-after", "data"]
     for n, left in ((1, 4), (2, 2)):
@@ -436,10 +436,10 @@ def test_a_generation_budget_makes_a_part_per_run_and_says_when_prompts_are_left
 
 def test_a_generation_budget_starts_no_part_it_would_overrun():
     """The next part starts only if the last part's duration still fits in the budget."""
-    assert cli.part_fits(10.0, 20.0, 0.0)  # no budget
-    assert cli.part_fits(30.0, 20.0, 60.0) and cli.part_fits(40.0, 20.0, 60.0)
-    assert not cli.part_fits(41.0, 20.0, 60.0)  # 41 + 20 > 60: it would end past the budget
-    assert not cli.part_fits(70.0, 0.0, 60.0)  # already past it
+    assert cache.part_fits(10.0, 20.0, 0.0)  # no budget
+    assert cache.part_fits(30.0, 20.0, 60.0) and cache.part_fits(40.0, 20.0, 60.0)
+    assert not cache.part_fits(41.0, 20.0, 60.0)  # 41 + 20 > 60: it would end past the budget
+    assert not cache.part_fits(70.0, 0.0, 60.0)  # already past it
 
 
 def test_the_data_key_sees_the_order_of_sequences():
@@ -448,8 +448,8 @@ def test_the_data_key_sees_the_order_of_sequences():
     a = TokenData.from_sequences([[1, 2, 3], [4, 5]], [1, 1], [{}, {}])
     b = TokenData.from_sequences([[4, 5], [1, 2, 3]], [1, 1], [{}, {}])
     c = TokenData.from_sequences([[1, 2, 3], [4, 5]], [2, 1], [{}, {}])
-    assert len({json.dumps(cli.data_key(d)) for d in (a, b, c)}) == 3
-    assert cli.data_key(a) == cli.data_key(TokenData.from_sequences([[1, 2, 3], [4, 5]], [1, 1], [{}, {}]))
+    assert len({json.dumps(cache.data_key(d)) for d in (a, b, c)}) == 3
+    assert cache.data_key(a) == cache.data_key(TokenData.from_sequences([[1, 2, 3], [4, 5]], [1, 1], [{}, {}]))
 
 
 def test_answers_from_an_export_of_the_target(gqa, mha, prompts, tmp_path, capsys):

@@ -12,6 +12,7 @@ import pytest
 
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.validate import cli as v
+from eagle_deploy.validate import compare
 from tests.tools.tiny_export import copy_export, tiny_export
 
 
@@ -133,13 +134,13 @@ def test_a_graph_named_twice_is_validated_once(export_dir, tmp_path, monkeypatch
 
 
 def test_fp32_rule_is_polygraphy_elementwise():
-    p = v.Policy("elementwise", atol=1e-4, rtol=1e-5)
+    p = compare.Policy("elementwise", atol=1e-4, rtol=1e-5)
     ref = _logits()
-    assert v.compare_output(c.LOGITS, ref, ref + 5e-5, p, {})[3]
-    max_abs, _, agree, ok, note = v.compare_output(c.LOGITS, ref, ref + 1e-3, p, {})
+    assert compare.compare_output(c.LOGITS, ref, ref + 5e-5, p, {})[3]
+    max_abs, _, agree, ok, note = compare.compare_output(c.LOGITS, ref, ref + 1e-3, p, {})
     assert not ok and max_abs == pytest.approx(1e-3, rel=1e-2) and agree == 1.0 and "out of tolerance" in note
     big = ref * 1e4  # large values pass on rtol alone
-    assert v.compare_output(c.FEATURES, big, big * (1 + 5e-6), p, {})[3]
+    assert compare.compare_output(c.FEATURES, big, big * (1 + 5e-6), p, {})[3]
 
 
 def test_residual_streams_are_judged_against_their_rows_largest_element():
@@ -147,65 +148,65 @@ def test_residual_streams_are_judged_against_their_rows_largest_element():
     error on a 100-sized element is fp32 rounding of that row (rtol x 2.4e4 = 0.24) and passes for
     tapped_features / next_features, but fails for the final features and for a row without
     the massive element."""
-    p = v.Policy("elementwise", atol=1e-4, rtol=1e-5)
+    p = compare.Policy("elementwise", atol=1e-4, rtol=1e-5)
     ref = np.full((1, 2, 8), 100.0, np.float32)
     ref[0, :, 3] = 2.4e4
     out = ref.copy()
     out[0, 0, 0] += 6e-3
     for name in (c.TAPPED_FEATURES, c.NEXT_FEATURES):
-        assert v.compare_output(name, ref, out, p, {})[3], name
-    assert not v.compare_output(c.FEATURES, ref, out, p, {})[3]
+        assert compare.compare_output(name, ref, out, p, {})[3], name
+    assert not compare.compare_output(c.FEATURES, ref, out, p, {})[3]
     quiet = np.full((1, 2, 8), 100.0, np.float32)
-    assert not v.compare_output(c.TAPPED_FEATURES, quiet, quiet + np.where(out != ref, 6e-3, 0), p, {})[3]
+    assert not compare.compare_output(c.TAPPED_FEATURES, quiet, quiet + np.where(out != ref, 6e-3, 0), p, {})[3]
 
 
 def test_argmax_flip_fails_unless_at_a_near_tie():
-    p = v.Policy("relative", rel=1.0, tie=1e-3)  # a loose error bound: only the argmax rule can fail
+    p = compare.Policy("relative", rel=1.0, tie=1e-3)  # a loose error bound: only the argmax rule can fail
     ref = np.zeros((1, 2, 8), np.float32)
     ref[0, :, 5], ref[0, :, 6] = 10.0, 9.9  # a clear winner (gap 0.1)
     out = ref.copy()
     out[0, 0, 6] = 10.2
-    _, _, agree, ok, _ = v.compare_output(c.LOGITS, ref, out, p, {})
+    _, _, agree, ok, _ = compare.compare_output(c.LOGITS, ref, out, p, {})
     assert agree == 0.5 and not ok
     tie = ref.copy()
     tie[0, 0, 6] = 10.0 - 5e-4  # top-2 gap 5e-4 <= tie: rounding may pick either
     flipped = tie.copy()
     flipped[0, 0, 6] = 10.0 + 1e-4
-    assert v.compare_output(c.LOGITS, tie, flipped, p, {})[3]
+    assert compare.compare_output(c.LOGITS, tie, flipped, p, {})[3]
 
 
 def test_topk_ids_may_swap_only_at_near_ties():
-    p = v.Policy("elementwise")
+    p = compare.Policy("elementwise")
     lp = np.array([[[-0.1, -1.0, -1.00001, -3.0]]], np.float32)
     ids = np.array([[[7, 3, 5, 9]]])
     swapped = np.array([[[7, 5, 3, 9]]])
-    assert v.compare_output(c.TOPK_IDS, ids, swapped, p, {c.TOPK_LOGPROBS: lp})[3]
+    assert compare.compare_output(c.TOPK_IDS, ids, swapped, p, {c.TOPK_LOGPROBS: lp})[3]
     wrong = np.array([[[3, 7, 5, 9]]])
-    assert not v.compare_output(c.TOPK_IDS, ids, wrong, p, {c.TOPK_LOGPROBS: lp})[3]
+    assert not compare.compare_output(c.TOPK_IDS, ids, wrong, p, {c.TOPK_LOGPROBS: lp})[3]
 
 
 def test_quantised_graphs_need_99_percent_top1():
-    p = v.Policy("top1")
+    p = compare.Policy("top1")
     ref = _logits(rows=200, seed=1)
     out = ref + np.random.default_rng(2).normal(0, 0.01, ref.shape).astype(np.float32)
-    assert v.compare_output(c.LOGITS, ref, out, p, {})[3]
+    assert compare.compare_output(c.LOGITS, ref, out, p, {})[3]
     worse = ref.copy()
     worse[0, :10] = -ref[0, :10]  # 5% of positions get another argmax
-    _, _, agree, ok, _ = v.compare_output(c.LOGITS, ref, worse, p, {})
+    _, _, agree, ok, _ = compare.compare_output(c.LOGITS, ref, worse, p, {})
     assert not ok and agree < 0.99
-    assert v.compare_output(c.FEATURES, ref, worse, p, {})[3]  # reported only
+    assert compare.compare_output(c.FEATURES, ref, worse, p, {})[3]  # reported only
 
 
 def test_shape_mismatch_fails():
-    assert not v.compare_output(c.LOGITS, _logits(rows=3), _logits(rows=4), v.Policy("elementwise"), {})[3]
+    assert not compare.compare_output(c.LOGITS, _logits(rows=3), _logits(rows=4), compare.Policy("elementwise"), {})[3]
 
 
 def test_policy_by_dtype_and_quant():
     from eagle_deploy.contract.manifest import GraphEntry
 
-    assert v.policy_for(GraphEntry("t.onnx", "float32", [], [])).kind == "elementwise"
-    assert v.policy_for(GraphEntry("t.onnx", "float16", [], [])).rel == 2e-2
-    assert v.policy_for(GraphEntry("t.onnx", "float32", [], [], quant="int4")).kind == "top1"
+    assert compare.policy_for(GraphEntry("t.onnx", "float32", [], [])).kind == "elementwise"
+    assert compare.policy_for(GraphEntry("t.onnx", "float16", [], [])).rel == 2e-2
+    assert compare.policy_for(GraphEntry("t.onnx", "float32", [], [], quant="int4")).kind == "top1"
 
 
 # --------------------------------------------------------------------------- quantised exports
@@ -214,31 +215,31 @@ def test_policy_by_dtype_and_quant():
 def test_quantised_topk_ids_are_judged_by_the_first_id_only():
     """A quantised draft graph may reorder its lower top-k ids (their log-probs moved by the
     quantisation); the first id is held to the top-1 rule, as logits' argmax is."""
-    p = v.policy_for(__import__("eagle_deploy.contract.manifest", fromlist=["GraphEntry"]).GraphEntry(
+    p = compare.policy_for(__import__("eagle_deploy.contract.manifest", fromlist=["GraphEntry"]).GraphEntry(
         "d.onnx", "float32", [], [], quant="int4"))
     lp = np.array([[[-0.1, -1.0, -1.3, -3.0], [-0.2, -2.0, -2.5, -4.0]]], np.float32)
     ids = np.array([[[7, 3, 5, 9], [4, 1, 2, 8]]])
     reordered = np.array([[[7, 5, 3, 11], [4, 2, 1, 8]]])
-    max_abs, _, agree, ok, note = v.compare_output(c.TOPK_IDS, ids, reordered, p, {c.TOPK_LOGPROBS: lp})
+    max_abs, _, agree, ok, note = compare.compare_output(c.TOPK_IDS, ids, reordered, p, {c.TOPK_LOGPROBS: lp})
     assert ok and agree == 1.0 and "top-1" in note
     first_differs = np.array([[[3, 7, 5, 9], [4, 1, 2, 8]]])  # top-2 gap 0.9 > the quantised tie band
-    assert not v.compare_output(c.TOPK_IDS, ids, first_differs, p, {c.TOPK_LOGPROBS: lp})[3]
+    assert not compare.compare_output(c.TOPK_IDS, ids, first_differs, p, {c.TOPK_LOGPROBS: lp})[3]
 
 
 def test_quantised_rule_excuses_near_ties_and_bounds_kl():
-    p = v.Policy("top1", tie=v.QUANT_TIE, max_kl=v.QUANT_MAX_KL)
+    p = compare.Policy("top1", tie=compare.QUANT_TIE, max_kl=compare.QUANT_MAX_KL)
     ref = np.zeros((1, 100, 16), np.float32)
     ref[0, :, 3] = 5.0
     ref[0, :, 4] = 5.0 - np.where(np.arange(100) < 10, 0.2, 2.0)  # 10 positions at a near-tie (gap 0.2)
     flipped = ref.copy()
     flipped[0, :10, 4] += 0.3  # those 10 flip: argmax agreement 90%, but only at near-ties
-    _, _, agree, ok, note = v.compare_output(c.LOGITS, ref, flipped, p, {})
+    _, _, agree, ok, note = compare.compare_output(c.LOGITS, ref, flipped, p, {})
     assert agree == pytest.approx(0.9) and ok and "100.0% off near-ties" in note
     clear = ref.copy()
     clear[0, 50:52, 4] += 2.5  # 2 flips where the reference's top-2 gap is 2.0: 98% < 99%
-    assert not v.compare_output(c.LOGITS, ref, clear, p, {})[3]
+    assert not compare.compare_output(c.LOGITS, ref, clear, p, {})[3]
     smeared = ref * 0.1  # the same argmax everywhere, a very different distribution
-    _, _, agree, ok, note = v.compare_output(c.LOGITS, ref, smeared, p, {})
+    _, _, agree, ok, note = compare.compare_output(c.LOGITS, ref, smeared, p, {})
     assert agree == 1.0 and not ok and "mean KL" in note
 
 

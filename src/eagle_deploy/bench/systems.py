@@ -208,7 +208,7 @@ def baseline_unavailable(name: str, manifest, eagle3_head: Path | None = None) -
         if src is None or src.suffix != ".gguf" or not src.is_file():
             return f"the export's target ({src}) is not a GGUF file llama.cpp can load: skipped"
     if name.startswith(tuple(PEERS)):
-        from eagle_deploy.validate.reference import ReferenceError, target_checkpoint_dir
+        from eagle_deploy.validate.reference import ReferenceLoadError, target_checkpoint_dir
 
         from . import peers
 
@@ -217,7 +217,7 @@ def baseline_unavailable(name: str, manifest, eagle3_head: Path | None = None) -
             return reason
         try:
             return peers.unavailable(name, target_checkpoint_dir(manifest), eagle3_head)
-        except ReferenceError as err:
+        except ReferenceLoadError as err:
             return f"{err}: skipped"
     return None
 

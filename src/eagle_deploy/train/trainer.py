@@ -32,6 +32,7 @@ from eagle_deploy.exporter.draft_head import EagleHead
 from eagle_deploy.exporter.eagle3 import Eagle3Head
 
 from .data import TokenData
+from .settings import MAX_SEQ_LEN
 
 
 @dataclass
@@ -49,7 +50,7 @@ class TrainConfig:
     ce_topk: int = 0  # 0: full-vocabulary soft targets; K: the target's top-K probabilities, renormalised
     grad_clip: float = 0.5
     weight_decay: float = 0.0
-    max_seq_len: int = 1024
+    max_seq_len: int = MAX_SEQ_LEN  # eagle-train --max-seq-len's default too
     val_fraction: float = 0.03
     seed: int = 0
     # 0: no limit; else the number of steps is planned from the time per step measured over the

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 
-class ReferenceError(FileNotFoundError):
+class ReferenceLoadError(FileNotFoundError):
     """The checkpoint named in the manifest is not on this machine."""
 
 
@@ -37,8 +37,8 @@ def target_checkpoint_dir(manifest) -> Path:
         try:
             return resolve_model(src.spec).hf_dir
         except Exception as err:  # ModelNotAvailableError, UnsupportedModelError: one message
-            raise ReferenceError(f"the export's target {src.path or src.spec} is not available: {err}") from None
-    raise ReferenceError("the manifest names no target checkpoint (sources.target)")
+            raise ReferenceLoadError(f"the export's target {src.path or src.spec} is not available: {err}") from None
+    raise ReferenceLoadError("the manifest names no target checkpoint (sources.target)")
 
 
 def memory_needed(manifest, folder: Path, graphs=("target", "draft")) -> tuple[int, str]:
@@ -64,7 +64,7 @@ def memory_needed(manifest, folder: Path, graphs=("target", "draft")) -> tuple[i
 
 
 def check_memory(manifest, folder: Path, graphs=("target", "draft")) -> None:
-    """ReferenceError, saying how much memory validation needs, when this machine has less
+    """ReferenceLoadError, saying how much memory validation needs, when this machine has less
     available (psutil's `available`) than `memory_needed`; nothing when psutil is missing."""
     try:
         import psutil
@@ -73,7 +73,7 @@ def check_memory(manifest, folder: Path, graphs=("target", "draft")) -> None:
     need, why = memory_needed(manifest, folder, graphs)
     available = psutil.virtual_memory().available
     if need > available:
-        raise ReferenceError(f"eagle-validate needs about {need / 2**30:.1f} GiB ({why}) and this machine has "
+        raise ReferenceLoadError(f"eagle-validate needs about {need / 2**30:.1f} GiB ({why}) and this machine has "
                              f"{available / 2**30:.1f} GiB available: validate on a machine with more memory (the "
                              "export streamed its weights; validation holds the whole PyTorch model)")
 
@@ -89,7 +89,7 @@ def load_reference_target(manifest):
 
 def head_dir_of(manifest) -> Path | None:
     """The head folder named in the manifest (path, else the spec resolved again), or None
-    for a random head. Raises ReferenceError when it is missing, or when its weight files are
+    for a random head. Raises ReferenceLoadError when it is missing, or when its weight files are
     not the ones the export was made from (sha256 against `sources.draft.sha256`: a head
     retrained or replaced in place would otherwise be reported as a wrong export)."""
     from eagle_deploy.exporter.models import resolve_draft
@@ -102,24 +102,24 @@ def head_dir_of(manifest) -> Path | None:
     try:
         found = resolve_draft(src.spec)
     except Exception as err:
-        raise ReferenceError(f"the export's draft head {src.path or src.spec} is not available: {err}") from None
+        raise ReferenceLoadError(f"the export's draft head {src.path or src.spec} is not available: {err}") from None
     if found is None:
-        raise ReferenceError(f"the export's trained draft head {src.path or src.spec} is not on this machine")
+        raise ReferenceLoadError(f"the export's trained draft head {src.path or src.spec} is not on this machine")
     return check_head_unchanged(found, src.sha256)
 
 
 def check_head_unchanged(folder: Path, recorded) -> Path:
     """`folder` when each weight file recorded at export time ({name: sha256}) is there with
-    the same sha256; ReferenceError naming the first that differs or is missing."""
+    the same sha256; ReferenceLoadError naming the first that differs or is missing."""
     from eagle_deploy.contract.verify import sha256_file
 
     for name, digest in sorted(recorded.items()):
         path = folder / name
         if not path.is_file():
-            raise ReferenceError(f"the draft head {folder} no longer has {name}, which the export was made from: "
+            raise ReferenceLoadError(f"the draft head {folder} no longer has {name}, which the export was made from: "
                                  "restore that head, or re-export from the new one")
         if sha256_file(path) != digest:
-            raise ReferenceError(f"the draft head {folder} changed since the export was made ({name} has another "
+            raise ReferenceLoadError(f"the draft head {folder} changed since the export was made ({name} has another "
                                  "sha256 than the manifest's sources.draft): eagle-validate compares an export with "
                                  "the head it was made from; restore that head, or re-export from the new one")
     return folder
