@@ -84,3 +84,22 @@ def test_without_the_cache_nothing_is_cached(serve_export):
         assert metric(srv, "eagle_serve_prefix_cache_bytes") == 0
     finally:
         srv.stop()
+
+
+def test_the_load_client_counts_cached_prompt_tokens(serve_export, tmp_path):
+    """Its cells send the same prompts: against a server with a cache, the later cells' TTFT is
+    not a full prefill's, and the table says so."""
+    from eagle_deploy.serve import load
+    from tests.tools.tiny_export import prompt_file
+
+    srv = make_server(serve_export, Faults(), prefix_cache_mb=4)
+    try:
+        cfg = load.LoadConfig(srv.url, prompts=load.load_prompts([str(prompt_file(tmp_path))]), concurrency=[1, 1],
+                              modes=["vanilla"], max_tokens=6, endpoint="completions", timeout=60, warmup=False)
+        result = load.run_load(cfg)
+        first, again = result["cells"]
+        assert first["cached_tokens"] == 0 < again["cached_tokens"]
+        assert f"note: {again['cached_tokens']:,} prompt tokens came from the server's prefix cache" in \
+            load.format_table(result)
+    finally:
+        srv.stop()
