@@ -18,12 +18,12 @@ rows (never a one-row forward, whose kernel rounds differently; row-exact decodi
 same): its logits, features and KV are those of a fresh prefill, bit for bit
 (tests/runtime/test_prefix_cache.py), and its tokens the same with the cache as without.
 
-Entries are a plain list, scanned for the longest common prefix (a handful of entries, each
-compared with one numpy operation); an entry another one extends is dropped when the longer
-one is stored (a conversation's turns keep one entry). Entries do not share rows: two prompts
-with one system prompt each hold its rows (a radix tree would share them; not needed at the
-sizes measured). They are evicted least recently used first, so that `nbytes` stays within
-the budget; an entry larger than the whole budget is not stored.
+Entries are kept in least-recently-used order and scanned for the longest common prefix (a
+handful of entries, each compared with one numpy operation; no trie); an entry another one
+extends is dropped when the longer one is stored (a conversation's turns keep one entry).
+Entries do not share rows: two prompts with one system prompt each hold its rows (a radix
+tree would share them). They are evicted least recently used first, so that `nbytes` stays
+within the budget; an entry larger than the whole budget is not stored.
 
 One cache per loaded export: it lives and dies with its EagleRuntime (or BatchEngine), so it
 is invalidated with the export. A BatchEngine's slots share one cache (a lock guards it), so a
