@@ -111,6 +111,26 @@ def test_a_stream_settles_at_its_end_and_a_cancelled_one_is_not_kept(gqa):
     assert gone.result.finish_reason == "cancelled" and rt.decoder.unsettled is None and len(rt.prefix_cache) == 2
 
 
+def test_settling_the_prompt_alone_runs_no_forward_and_hits_exactly(gqa):
+    """answer=False (eagle-serve with requests waiting): the prompt's rows are stored as they
+    are, no forward runs, and a later prompt that extends it prefills the bits of a fresh one."""
+    rt = _load(gqa.export_dir, 4, prefill_chunk=CHUNK)
+    s = rt.stream(FIRST, ANSWER)
+    s.defer_settle()
+    list(s)
+    forwards, run = [], rt.decoder.target.run
+    rt.decoder.target.run = lambda *a, **k: forwards.append(1) or run(*a, **k)
+    s.settle(answer=False)
+    rt.decoder.target.run = run
+    assert forwards == [] and len(rt.prefix_cache) == 1
+    stats, logits, features, kv = _prefill(rt, FIRST + TAIL)
+    assert stats.cached_tokens == len(FIRST)  # the prompt, not its answer
+    fresh = _load(gqa.export_dir, 0, prefill_chunk=0)
+    _, logits0, features0, kv0 = _prefill(fresh, FIRST + TAIL)
+    assert np.array_equal(logits, logits0) and np.array_equal(features, features0)
+    assert all(np.array_equal(a, b) for a, b in zip(kv, kv0))
+
+
 def test_entries_stay_within_the_budget_least_recently_used_first(gqa):
     rt = _load(gqa.export_dir, 4)
     prompts = [[t] + FIRST for t in (7, 8, 9)]

@@ -138,13 +138,14 @@ class Generation:
         sends the response first, then settles)."""
         self._settle_at_end = False
 
-    def settle(self) -> float:
-        """Settle the finished request into its runtime's prefix cache (EagleRuntime.settle),
-        once; -> seconds spent (0.0 before the end, when done already, or with no cache)."""
+    def settle(self, answer: bool = True) -> float:
+        """Settle the finished request into its runtime's prefix cache (EagleRuntime.settle;
+        answer=False: its prompt alone, no forward), once; -> seconds spent (0.0 before the
+        end, when done already, or with no cache)."""
         if self._result is None or self._settle is None:
             return 0.0
         settle, self._settle = self._settle, None
-        return settle()
+        return settle(answer)
 
     @property
     def result(self) -> GenerationResult:
@@ -506,8 +507,9 @@ class EagleRuntime:
                 self._owner = None
                 self._free.notify_all()
 
-    def settle(self) -> float:
-        """Store the last finished request, prompt and answer, in the prefix cache
+    def settle(self, answer: bool = True) -> float:
+        """Store the last finished request, prompt and answer (answer=False: its prompt alone,
+        no forward), in the prefix cache
         (Decoder.settle: its answer's rows run again as a prefill), so a request that starts
         with them reuses them exactly. `generate` and a `Generation` iterated to its end call it;
         a request started first drops it. Waits, as a request does, while another thread's
@@ -516,7 +518,7 @@ class EagleRuntime:
             return 0.0
         me = self._claim()
         try:
-            return self.decoder.settle()
+            return self.decoder.settle(answer)
         finally:
             self._release(me)
 

@@ -361,17 +361,24 @@ class Decoder:
             a = b
         return out, features
 
-    def settle(self) -> float:
+    def settle(self, answer: bool = True) -> float:
         """Store the last finished request (`unsettled`), prompt and answer, in the prefix
         cache: the answer's rows, computed by verification and one-token forwards, are run
         again as prefill forwards at past = the prompt's length, so every stored row is a
-        prefill row (runtime/prefix_cache.py). Call it before the next request (whose prefill
-        drops what is unsettled); an answer that would not fit the budget is not run.
-        -> seconds spent (0.0: nothing to settle, or no cache)."""
+        prefill row (runtime/prefix_cache.py). answer=False stores the prompt's rows alone, with
+        no forward (what a busy server can afford: a shared system prompt still hits). Call it
+        before the next request (whose prefill drops what is unsettled); an answer that would
+        not fit the budget is not run. -> seconds spent (0.0: nothing to settle, or no cache)."""
         done, self.unsettled = self.unsettled, None
         if done is None or self.prefix_cache is None:
             return 0.0
         t0 = time.perf_counter()
+        if not answer:
+            if done.prompt_len < 2:  # a one-token prompt's row came from a one-row forward
+                return 0.0
+            prompt = done.tokens[: done.prompt_len]
+            self.prefix_cache.store(PrefixEntry.of(prompt, self.kv, done.features[: done.prompt_len]))
+            return time.perf_counter() - t0
         tokens = done.tokens[: self.max_length]  # the last token of a full buffer has no row
         row_bytes = 8 + done.features[0].nbytes + sum(self.kv.rows(i)[0].nbytes for i in range(len(self.kv.arrays)))
         if len(tokens) * row_bytes > self.prefix_cache.budget:

@@ -327,7 +327,9 @@ class SlotScheduler:
 
     def _run(self, slot: Slot, job: Job) -> None:
         """Decode `job` on `slot`, then, with its response sent, settle it into the prefix cache
-        (EagleRuntime.settle; inside the slot's busy block, whose rows hold it)."""
+        (EagleRuntime.settle; inside the slot's busy block, whose rows hold it): prompt and
+        answer when no request is waiting, else its prompt alone (no forward), so a queued
+        request never waits for a settle."""
         job.state, job.t_start = "running", time.perf_counter()
         ended = False
         try:
@@ -346,7 +348,9 @@ class SlotScheduler:
                 else:
                     self._end(job, "done", Event("done", result=gen.result))
                 ended = True
-                gen.settle()
+                with self._lock:
+                    idle = not self._jobs
+                gen.settle(answer=idle)
         except Exception as err:  # one request fails alone; the worker keeps serving
             if ended:  # answered already: only its prefix-cache entry is lost
                 log.exception("settling request %s into the prefix cache failed", job.seq)
