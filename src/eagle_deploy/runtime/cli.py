@@ -163,7 +163,7 @@ def main(argv=None) -> int:
         rt.grammar_for(request)  # and a schema the grammar engine refuses
         draft_graph = mode == "eagle" and uses_draft_graph(options.drafter_kind)  # --vanilla never opens it either
         notes = manifest.notes_for(draft_graph)
-        for note in (*notes, *filter(None, [rt.verification.note])):
+        for note in notes:
             print(f"note: {note}", file=sys.stderr)
         if args.acceptance != "lossless":
             print(f"note: --acceptance {args.acceptance} is {LOSSY}: output does not follow the target distribution",
