@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from eagle_deploy.runtime.planner import CostModel, DraftPlanner, growth_nodes
+from eagle_deploy.contract.tree_config import TreeConfig, growth_nodes
+from eagle_deploy.runtime.planner import CostModel, DraftPlanner
 
 # a CPU-like curve: a 1-token forward 10 ms, +1 ms per extra row; a draft forward 2 ms
 CPU = CostModel({0: {1: 0.010, 2: 0.011, 4: 0.013, 8: 0.017, 16: 0.025}}, {0: 0.002})
@@ -126,6 +127,8 @@ def test_reset_forgets_the_request_but_not_the_costs():
 def test_growth_nodes_counts_the_eagle2_growth():
     assert [growth_nodes(2, d) for d in range(4)] == [0, 2, 6, 10]
     assert [growth_nodes(1, d) for d in range(4)] == [0, 1, 2, 3]
+    tree = TreeConfig(depth=3, top_k=2, total_tokens=8)  # the growth cut to total_tokens - 1 = 7 nodes
+    assert [tree.drafted_nodes(d) for d in (1, 2)] == [2, 6] and tree.drafted_nodes() == 7
 
 
 def test_one_path_decoding_drafts_one_source_where_two_would_not_add_up():

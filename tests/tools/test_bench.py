@@ -351,7 +351,7 @@ def test_accept_walk_on_subtrees():
 
 
 def test_growth_and_overhead_fit():
-    assert tn.growth_size(1, 5) == 5 and tn.growth_size(4, 3) == 4 + 2 * 16
+    assert tn.growth_nodes(1, 5) == 5 and tn.growth_nodes(4, 3) == 4 + 2 * 16
     assert tn.calib_depth(4, 40, 8) == 3
     a, b = tn.fit_overhead([(10, 1.0 + 0.1 * 10), (50, 1.0 + 0.1 * 50)])
     assert a == pytest.approx(1.0) and b == pytest.approx(0.1)

@@ -25,8 +25,9 @@ rows the ceiling is low whatever the head.
 """
 from __future__ import annotations
 
+from eagle_deploy.contract.tree_config import growth_nodes
 from eagle_deploy.runtime.acceptance import depth_rates
-from eagle_deploy.runtime.planner import CostModel, growth_nodes
+from eagle_deploy.runtime.planner import CostModel
 
 CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PAST = 64  # cached rows the cost curve is read at (the planner measures from a short past up)

@@ -30,6 +30,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from eagle_deploy.contract.cpu import machine_record
+from eagle_deploy.contract.tree_config import growth_nodes
 from eagle_deploy.runtime.acceptance import depth_rates, tau
 from eagle_deploy.runtime.backends.base import StepInputs, StepOutputs
 from eagle_deploy.runtime.decode import Stats
@@ -60,13 +61,8 @@ class TuneConfig:
     extra: dict = field(default_factory=dict)
 
 
-def growth_size(top_k: int, depth: int) -> int:
-    """Draft nodes of a full dynamic growth: top_k per depth-1, then top_k^2 per depth."""
-    return depth if top_k == 1 else top_k + (depth - 1) * top_k * top_k
-
-
 def calib_depth(top_k: int, budget: int, cap: int) -> int:
-    return max([d for d in range(1, cap + 1) if growth_size(top_k, d) <= budget] or [1])
+    return max([d for d in range(1, cap + 1) if growth_nodes(top_k, d) <= budget] or [1])
 
 
 def target_curve(backend, sizes, past: int, repeats: int, vocab: int) -> dict[int, float]:
@@ -252,7 +248,7 @@ def predict(cands, tau_of, tcurve, dcurve, overhead) -> list[dict]:
     for T, D, K in cands:
         tau = tau_of(T, D, K)
         ms = (interp(tcurve, T) + interp(dcurve, tau) + (D - 1) * interp(dcurve, K)
-              + overhead[0] + overhead[1] * growth_size(K, D))
+              + overhead[0] + overhead[1] * growth_nodes(K, D))
         out.append({"total_tokens": T, "depth": D, "top_k": K, "tau": round(tau, 3), "round_ms": round(ms, 3),
                     "predicted_tokens_per_s": round(tau / ms * 1e3, 2)})
     return sorted(out, key=lambda c: -c["predicted_tokens_per_s"])
@@ -301,7 +297,7 @@ def tune(cfg: TuneConfig, log: Callable = print) -> dict:
     m, previous = rt.manifest, rt.tree
     top_ks = [k for k in cfg.top_ks if k <= m.draft.graph_top_k]
     depths = {K: calib_depth(K, cfg.node_budget, cfg.max_depth) for K in top_ks}
-    full = {K: growth_size(K, depths[K]) + 1 for K in top_ks}
+    full = {K: growth_nodes(K, depths[K]) + 1 for K in top_ks}
     sizes = sorted({s for s in cfg.sizes if s < m.max_length // 2}
                    | {t for t in full.values() if t < m.max_length // 2})
     past = max(0, min(cfg.past, m.max_length - max(sizes) - 1))
@@ -326,7 +322,7 @@ def tune(cfg: TuneConfig, log: Callable = print) -> dict:
             f"{meas['round_ms']:.1f} ms/round")
     overhead = fit_overhead(residuals)
     cands = [(T, D, K) for K in top_ks for D in range(1, depths[K] + 1) for T in sizes
-             if 2 <= T <= growth_size(K, D) + 1 and T in cfg.sizes and D <= T - 1  # deeper: same tree, more draft steps
+             if 2 <= T <= growth_nodes(K, D) + 1 and T in cfg.sizes and D <= T - 1  # deeper: same tree, more drafts
              and not (D == 1 and any(T - 1 <= k < K for k in top_ks))]  # depth 1: the same tree for every top_k >= T-1
     ranked = distinct(predict(cands, lambda T, D, K: expected_tau(rounds[K], T, D), tcurve, dcurve, overhead))
     trees = [TreeConfig("dynamic", c["total_tokens"], c["depth"], c["top_k"]) for c in ranked[: cfg.verify_top]]

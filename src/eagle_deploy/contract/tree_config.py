@@ -41,6 +41,14 @@ class TreeConfigError(ValueError):
     """Tree settings that cannot work with this export."""
 
 
+def growth_nodes(top_k: int, depth: int) -> int:
+    """Draft nodes an EAGLE-2 growth of `depth` levels holds before its final cut (arXiv
+    2406.16858 §4): top_k children of the root, then at each further level the top_k best nodes
+    expanded by top_k children each, so top_k + (depth - 1) * top_k^2; a chain (top_k 1) holds
+    `depth`. The one home of this count: the planner, eagle-bench --tune and its ceiling read it."""
+    return 0 if depth <= 0 else (depth if top_k == 1 else top_k + (depth - 1) * top_k * top_k)
+
+
 @dataclass(frozen=True)
 class TreeConfig:
     """How the drafter grows a tree.
@@ -78,6 +86,11 @@ class TreeConfig:
     def to_json(self) -> dict:
         return {"kind": self.kind, "total_tokens": self.total_tokens, "depth": self.depth, "top_k": self.top_k,
                 "choices": [list(c) for c in self.choices] if self.choices else None}
+
+    def drafted_nodes(self, depth: int | None = None) -> int:
+        """Draft nodes a round of this (dynamic) tree verifies when it grows `depth` levels
+        (default: its own depth): the growth cut to its best total_tokens - 1."""
+        return min(self.total_tokens - 1, growth_nodes(self.top_k, self.depth if depth is None else depth))
 
     def validate(self, graph_top_k: int) -> "TreeConfig":
         """Return self, or raise TreeConfigError naming the bad setting."""

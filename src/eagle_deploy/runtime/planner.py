@@ -40,6 +40,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from eagle_deploy.contract.tree_config import growth_nodes
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -228,11 +230,6 @@ def _by_plan(reach: np.ndarray, plans: int, width: int) -> np.ndarray:
     for d, r in enumerate(reach):
         out[d:, d] = r
     return out
-
-
-def growth_nodes(top_k: int, depth: int) -> int:
-    """Draft nodes an EAGLE-2 growth of `depth` levels holds: top_k, then top_k^2 per level."""
-    return 0 if depth <= 0 else (depth if top_k == 1 else top_k + (depth - 1) * top_k * top_k)
 
 
 class DraftPlanner:
