@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from eagle_deploy.bench.ceiling import ceiling, ceiling_lines, cost_curve
-from eagle_deploy.runtime.planner import CostModel
+from eagle_deploy.runtime.costs import CostModel
 
 # verify: 8 ms for one row, 10 ms for two, then linear to 16 ms at 8 rows and 22 ms at 16; draft 1 ms
 COSTS = CostModel({64: {1: 0.008, 2: 0.010, 8: 0.016, 16: 0.022}}, {64: 0.001})

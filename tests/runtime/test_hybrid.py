@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from eagle_deploy.contract.tree_config import TreeConfig
+from eagle_deploy.runtime.costs import CostModel
 from eagle_deploy.runtime.drafter import DraftRequest
 from eagle_deploy.runtime.hybrid import HybridDrafter, make_drafter, merge_chain
 from eagle_deploy.runtime.lookup import ContextLookup
-from eagle_deploy.runtime.planner import CostModel, Plan
+from eagle_deploy.runtime.planner import Plan
 from eagle_deploy.runtime.tree import DraftTree
 from eagle_deploy.runtime.verify import verify_greedy
 from tests.conftest import PROMPTS
@@ -275,12 +276,12 @@ def test_sampling_over_mixed_head_and_lookup_siblings_follows_the_target(v16, al
 def test_device_costs_are_measured_once_and_cached(mha, tmp_path, monkeypatch):
     """The first planned runtime measures and caches; the next one (another process alike)
     reads the same costs; a damaged entry is measured again; tuning curves take precedence."""
-    from eagle_deploy.runtime import api
+    from eagle_deploy.runtime import costs
 
     monkeypatch.setenv("EAGLE_DEPLOY_CACHE", str(tmp_path / "cache"))
     calls = []
-    real = api.measure_costs
-    monkeypatch.setattr(api, "measure_costs", lambda *a, **k: calls.append(k) or real(*a, **k))
+    real = costs.measure_costs
+    monkeypatch.setattr(costs, "measure_costs", lambda *a, **k: calls.append(k) or real(*a, **k))
     first = mha.runtime(drafter_kind="hybrid", planned=True).costs
     (entry,) = (tmp_path / "cache" / "costs").glob("*.json")
     second = mha.runtime(drafter_kind="hybrid", planned=True).costs

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from eagle_deploy.contract.tree_config import TreeConfig, growth_nodes
-from eagle_deploy.runtime.planner import CostModel, DraftPlanner
+from eagle_deploy.runtime.costs import CostModel
+from eagle_deploy.runtime.planner import DraftPlanner
 
 # a CPU-like curve: a 1-token forward 10 ms, +1 ms per extra row; a draft forward 2 ms
 CPU = CostModel({0: {1: 0.010, 2: 0.011, 4: 0.013, 8: 0.017, 16: 0.025}}, {0: 0.002})
@@ -227,14 +228,14 @@ def test_device_costs_come_out_right_through_noise_that_lasts_a_while(monkeypatc
     """Every forward started while the noise lasts (0.35 s) is 50 ms slower: timed one cell
     after another, all the repeats of a size or two would fall in it (the median-of-3 this
     replaced came out 50 ms high there); the interleaved rounds still find each cell's own cost."""
-    from eagle_deploy.runtime import planner
+    from eagle_deploy.runtime import costs
 
     sim = _SimulatedForwards(burst_from=0.05, burst_to=0.40, burst=0.050)
-    monkeypatch.setattr(planner, "_clock", lambda: sim.now)
+    monkeypatch.setattr(costs, "_clock", lambda: sim.now)
     sizes, pasts = (1, 2, 4, 8, 16), (64, 1024)
-    costs = planner.measure_costs(sim, sim, sizes, 2, 100, 4, "float32", pasts=pasts, repeats=3)
+    measured = costs.measure_costs(sim, sim, sizes, 2, 100, 4, "float32", pasts=pasts, repeats=3)
     for past in pasts:
         for S in sizes:
-            assert costs.verify(S, past) == pytest.approx(sim.cost(S, past), abs=1e-12)
-        assert costs.draft(past) == pytest.approx(sim.cost(2, past), abs=1e-12)
+            assert measured.verify(S, past) == pytest.approx(sim.cost(S, past), abs=1e-12)
+        assert measured.draft(past) == pytest.approx(sim.cost(2, past), abs=1e-12)
     assert sim.noisy >= 5  # the noise did slow a run of consecutive forwards

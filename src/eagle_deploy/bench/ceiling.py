@@ -4,7 +4,7 @@ acceptance and this device's forward costs allow.
 For an EAGLE system of one engine, over the greedy runs of one category:
 
 - the cost curve: seconds of a target forward of k rows after `past` cached rows, and of one
-  draft forward, from the runtime's measured `planner.CostModel` (the costs the planner drafts
+  draft forward, from the runtime's measured `costs.CostModel` (the costs the planner drafts
   by);
 - the run's per-depth acceptance rates r_d (`acceptance.depth_rates` over its rounds: of the
   rounds whose draft reached depth d and accepted d - 1 tokens, the share that accepted d);
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from eagle_deploy.contract.tree_config import growth_nodes
 from eagle_deploy.runtime.acceptance import depth_rates
-from eagle_deploy.runtime.planner import CostModel
+from eagle_deploy.runtime.costs import CostModel
 
 CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PAST = 64  # cached rows the cost curve is read at (the planner measures from a short past up)

@@ -33,9 +33,9 @@ from eagle_deploy.contract.cpu import machine_record
 from eagle_deploy.contract.tree_config import growth_nodes
 from eagle_deploy.runtime.acceptance import depth_rates, tau
 from eagle_deploy.runtime.backends.base import StepInputs, StepOutputs
+from eagle_deploy.runtime.costs import fastest_of_rounds
 from eagle_deploy.runtime.decode import Stats
 from eagle_deploy.runtime.drafter import causal_mask
-from eagle_deploy.runtime.planner import fastest_of_rounds
 from eagle_deploy.runtime.tree import DraftTree
 from eagle_deploy.runtime.verify import verify_greedy
 
@@ -67,7 +67,7 @@ def calib_depth(top_k: int, budget: int, cap: int) -> int:
 
 def target_curve(backend, sizes, past: int, repeats: int, vocab: int) -> dict[int, float]:
     """{S: ms} of one target forward over S tree tokens with `past` rows of KV, each the fastest
-    of `repeats` interleaved rounds (planner.fastest_of_rounds, as the planner's own costs)."""
+    of `repeats` interleaved rounds (costs.fastest_of_rounds, as the planner's own costs)."""
     kv = backend.allocate_kv(past + max(sizes))
     rng = np.random.default_rng(0)
     cells = {}

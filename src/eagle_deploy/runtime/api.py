@@ -20,31 +20,24 @@ only what is new (`result.stats.cached_tokens` says how many tokens were reused)
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Generator, Sequence
 
-import numpy as np
-
-from eagle_deploy.contract.cache import cache_root
-from eagle_deploy.contract.cpu import cpu_info
 from eagle_deploy.contract.errors import SettingError, prompt_too_long
 from eagle_deploy.contract.manifest import Manifest, ManifestError
-from eagle_deploy.contract.onnx_io import KV_SHARED, MANIFEST_FILE
+from eagle_deploy.contract.onnx_io import KV_SHARED
 from eagle_deploy.contract.tree_config import TreeConfig
-from eagle_deploy.contract.verify import VerifyReport, sha256_file, verify_export
+from eagle_deploy.contract.verify import VerifyReport, verify_export
 
 from .backends import Backend, load_backend
+from .costs import CostModel, device_costs
 from .decode import Decoder, RoundObserver, Stats, TokenStopper
 from .drafter import Drafter, EagleDrafter
 from .grammar import Grammar, GrammarState, GrammarTokenizer
-from .hybrid import ALTERNATE_LEN, ALTERNATES, MAX_LOOKUP, head_of, make_drafter, uses_draft_graph
+from .hybrid import LOOKUP_ROWS, head_of, make_drafter, uses_draft_graph
 from .options import EngineOptions
-from .planner import CostModel, measure_costs
 from .prefix_cache import PrefixCache
 from .request import Prompt, Request
 from .shaping import TokenLogprob
@@ -174,71 +167,6 @@ def load_tokenizer(folder: Path, manifest: Manifest):
     return tokenizer
 
 
-def device_costs(manifest: Manifest, tree: TreeConfig, target: Backend, draft: Backend | None,
-                 folder: Path | None = None, threads: int | None = None) -> CostModel:
-    """The cost model a planned drafter plans with: the curves of the export's last
-    `eagle-bench --tune` when the manifest has them; else the costs measured for this export,
-    tree, backend, thread count and CPU once and cached (`costs_cache_path`), so every process
-    on this machine plans alike (and a seed gives the same tokens); else measured now
-    (planner.measure_costs: the tree sizes the planner can choose, one draft expansion of
-    top_k rows) and cached. A cache that cannot be written is skipped."""
-    tuning = manifest.engines.tuning
-    costs = CostModel.from_tuning(tuning.details) if tuning is not None else None
-    if costs is not None:
-        return costs
-    path = costs_cache_path(folder, tree, target, draft, threads) if folder is not None else None
-    if path is not None and path.is_file():
-        try:
-            return CostModel.from_json(json.loads(path.read_text()))
-        except (ValueError, KeyError, TypeError, AttributeError, OSError):
-            try:  # a damaged or older cache entry is measured again
-                path.unlink(missing_ok=True)
-            except OSError:
-                pass
-    full = tree.total_tokens + MAX_LOOKUP + ALTERNATES * ALTERNATE_LEN
-    sizes = [s for s in (1, 2, 4, 8, 16, 32) if s < full] + [full]
-    head = manifest.draft.head
-    eagle3 = manifest.draft.head_kind == "eagle3"
-    widths = (head.hidden, head.tapped_width(manifest.dims.hidden)) if eagle3 else None
-    room = max(0, manifest.max_length - full - 1)
-    pasts = sorted({min(64, room), min(1024, room)})
-    costs = measure_costs(target, draft, sizes, max(tree.top_k, 1), manifest.dims.vocab,
-                          head.hidden if eagle3 else manifest.dims.hidden, np.dtype(manifest.draft.dtype), widths,
-                          pasts)
-    if path is not None:  # the first process to finish measuring wins; every process then plans with its costs
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(costs.to_json()))
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                pass
-            costs = CostModel.from_json(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass  # no cache here: plan with this process's own measurement
-        finally:
-            tmp.unlink(missing_ok=True)
-    return costs
-
-
-COSTS_METHOD = "fastest-of-rounds"  # part of the cache key: costs measured another way are measured again
-
-
-def costs_cache_path(folder: Path, tree: TreeConfig, target: Backend, draft: Backend | None,
-                     threads: int | None) -> Path:
-    """<cache_root>/costs/<export>-<digest>.json, the digest over how costs are measured
-    (COSTS_METHOD), the export's manifest, the tree, the backends, the thread count and the CPU
-    model."""
-    cpu = cpu_info()
-    key = json.dumps([COSTS_METHOD, sha256_file(Path(folder) / MANIFEST_FILE), tree.to_json(),
-                      MAX_LOOKUP, ALTERNATES, ALTERNATE_LEN, getattr(target, "name", "?"),
-                      getattr(draft, "name", None), threads, cpu.model,
-                      cpu.cores])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / "costs" / f"{Path(folder).resolve().name}-{digest}.json"
-
-
 def row_exact_default(manifest: Manifest) -> bool:
     """Row-exact decoding (decode.Decoder) by default for quantised targets: their greedy EAGLE
     output then equals their vanilla greedy output token for token (measured on SmolLM2:
@@ -312,7 +240,7 @@ class EagleRuntime:
         head = None if draft is None else EagleDrafter.for_export(draft, self.tree, self.manifest)
         if self.planned and self.costs is None:
             self.costs = device_costs(self.manifest, self.tree, self.decoder.target, draft, self.folder,
-                                      getattr(self.decoder.target, "threads", None))
+                                      getattr(self.decoder.target, "threads", None), extra_rows=LOOKUP_ROWS)
         return make_drafter(self.drafter_kind, head, self.tree, self.planned, self.costs, self.decoder.row_exact)
 
     @classmethod

@@ -94,12 +94,13 @@ from eagle_deploy.contract.profiles import draft_kv_capacity
 from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.contract.verify import verify_export
 
-from .api import EagleRuntime, device_costs, load_tokenizer, row_exact_default
+from .api import EagleRuntime, load_tokenizer, row_exact_default
 from .backends import load_backend
 from .backends.base import StepInputs, StepOutputs
+from .costs import device_costs
 from .decode import RoundObserver, chunk_end, target_kv_capacity
 from .drafter import Drafter, EagleDrafter
-from .hybrid import make_drafter, uses_draft_graph
+from .hybrid import LOOKUP_ROWS, make_drafter, uses_draft_graph
 from .kv import KVBuffer
 from .memory import available_mb
 from .options import EngineOptions
@@ -315,7 +316,7 @@ class BatchEngine:
         if planned:
             self.costs = device_costs(manifest, tree, backends["target"], backends.get("draft")
                                       if uses_draft_graph(drafter_kind) else None, folder,
-                                      getattr(backends["target"], "threads", None))
+                                      getattr(backends["target"], "threads", None), LOOKUP_ROWS)
 
         def drafter(b: int) -> Drafter:
             eagle = None

@@ -34,14 +34,16 @@ import numpy as np
 
 from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER, DRAFTER_KINDS, TreeConfig  # noqa: F401  (re-exported)
 
+from .costs import CostModel
 from .drafter import DraftRequest
 from .lookup import ContextLookup
-from .planner import CostModel, DraftPlanner, Plan
+from .planner import DraftPlanner, Plan
 from .tree import DraftTree
 
 MAX_LOOKUP = 16  # longest context-lookup chain per round
 ALTERNATES = 2  # other lookup continuations drafted beside the main chain
 ALTERNATE_LEN = 4  # longest alternate continuation
+LOOKUP_ROWS = (MAX_LOOKUP, ALTERNATES * ALTERNATE_LEN)  # rows a round may add to the head's tree (costs.device_costs)
 
 
 def uses_draft_graph(kind: str) -> bool:
@@ -74,7 +76,7 @@ class HybridDrafter:
         if head is None and lookup is None:
             raise ValueError("HybridDrafter needs a head, a lookup, or both")
         if planned and costs is None:
-            raise ValueError("a planned HybridDrafter needs the device's CostModel (planner.measure_costs)")
+            raise ValueError("a planned HybridDrafter needs the device's CostModel (costs.measure_costs)")
         self.head, self.lookup, self.planned = head, lookup, planned
         self.alternates = alternates if lookup is not None else 0
         depth, total, top_k = (0, 1, 1) if head is None else (tree.depth, tree.total_tokens, tree.top_k)
