@@ -22,7 +22,7 @@ def test_the_http_side_reads_only_what_the_scheduler_protocol_declares():
         return (isinstance(node, ast.Name) and node.id == "scheduler") or (
             isinstance(node, ast.Attribute) and node.attr == "scheduler")
 
-    read = {node.attr for name in ("app.py", "metrics.py")
+    read = {node.attr for name in ("app.py", "completion.py", "metrics.py")
             for node in ast.walk(ast.parse((PACKAGE / "serve" / name).read_text()))
             if isinstance(node, ast.Attribute) and is_scheduler(node.value)}
     declared = set(Scheduler.__annotations__) | {n for n in vars(Scheduler) if not n.startswith("_")}
