@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from eagle_deploy.contract.verify import rerecord_files
+from eagle_deploy.runtime.grammar import GrammarError
 from eagle_deploy.runtime.tree import DraftTree
 from tests.conftest import HEAD_TREE
 from tests.tools.tiny_export import copy_export, tiny_export
@@ -65,8 +66,10 @@ class Faults:
     """The server's round hook: users "fail-*" raise at their first round; users "slow-*"
     sleep 5 ms per round; users "hold-*" wait in every round until `release` is set (or the
     job is cancelled; 60 s at most), so a test decides when their slot frees; users "later-*"
-    wait so in every round after their first text delta was emitted; per-job rounds and
-    rounds seen after cancellation are recorded."""
+    wait so in every round after their first text delta was emitted; users "grammar-*" raise
+    a GrammarError (the grammar engine gave up) at their first round, users "lategrammar-*" in
+    their first round after a text delta; per-job rounds and rounds seen after cancellation
+    are recorded."""
 
     def __init__(self):
         self.rounds = defaultdict(int)
@@ -85,6 +88,8 @@ class Faults:
             self.after_cancel[job.seq] += 1
         if user.startswith("fail-"):
             raise RuntimeError("injected fault")
+        if user.startswith("grammar-") or (user.startswith("lategrammar-") and job.t_first is not None):
+            raise GrammarError("injected: the grammar engine gave up")
         if user.startswith("slow-"):
             time.sleep(0.005)
         if user.startswith("hold-") or (user.startswith("later-") and job.t_first is not None):

@@ -266,6 +266,32 @@ def test_engine_failure_fails_that_request_only(server, client, reference, strea
     assert again.choices[0].text == expected
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_given_up_before_any_text_is_a_400_after_it_the_engines_error(server, reference, oracle_refs,
+                                                                                stream):
+    """A GrammarError before the first text (a schema the grammar engine accepted but cannot
+    follow) is answered as a 400 naming response_format, streamed or not; one after text is
+    the engine's failure: a 500, or once streaming an SSE error event and no [DONE]."""
+    def texty(p):  # text within its first 30 tokens, no EOS before 50: text comes, then more rounds
+        ref = oracle_refs[p]
+        return len(ref) >= 50 and reference.tokenizer.decode(ref[:30], skip_special_tokens=True)
+
+    body = {"model": MODEL, "prompt": next(p for p in ORACLE_PROMPTS if texty(p)), "max_tokens": 50,
+            "temperature": 0, "stream": stream}
+    r = httpx2.post(server.url + "/v1/completions", json={**body, "user": "grammar-now"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "injected: the grammar engine gave up", "type": "invalid_request_error",
+        "param": "response_format", "code": "unsupported_value"}
+    r = httpx2.post(server.url + "/v1/completions", json={**body, "user": "lategrammar-a"}, timeout=60)
+    if stream:
+        assert r.status_code == 200 and "data: [DONE]" not in r.text
+        events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: ")]
+        assert events[0]["choices"][0]["text"] and events[-1]["error"]["code"] == "engine_error"
+    else:
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+    assert "GrammarError" in (events[-1] if stream else r.json())["error"]["message"]
+
+
 INVALID = [
     ({"n": 2}, "n", "unsupported_value"),
     ({"max_tokens": -1}, "max_tokens", "invalid_value"),

@@ -5,7 +5,9 @@
 - `engine`: the engine side behind the `Scheduler` protocol: `SlotScheduler`, a queue and one
   engine worker per slot (`--slots N`: the slots of a `runtime.batch.BatchEngine`).
 - `metrics`: Prometheus counters, histograms and gauges.
-- `app`: the FastAPI application (`create_app`).
+- `app`: the FastAPI application (`create_app`: the routes) and `Frontend` (prompt -> token ids).
+- `completion`: one completion request from its body to its answer (`Completions`), and its
+  outcome, written once for the JSON and the streamed answer (`Completion.outcome`).
 - `cli`: `eagle-serve`.
 
 Its load client is `bench.load` (`eagle-bench serve`).

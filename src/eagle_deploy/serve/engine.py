@@ -119,9 +119,17 @@ RoundHook = Callable[[Job], None]
 
 
 class Scheduler(Protocol):
-    """What the HTTP layer needs from the engine side."""
+    """What the HTTP layer needs from the engine side: the app reads nothing else of it.
+    runtime: the export's manifest, tokenizer folder and grammar checks (the same in every
+    slot); submitted, completed, failed, cancelled: jobs submitted, and those ended each way
+    (/health); acceptance, threshold: how drafts are accepted (a response's `eagle` field and
+    `system_fingerprint`)."""
 
     runtime: EagleRuntime
+    submitted: int
+    completed: int
+    failed: int
+    cancelled: int
 
     def start(self) -> None: ...
 
@@ -130,6 +138,12 @@ class Scheduler(Protocol):
     def submit(self, work: Work, loop: asyncio.AbstractEventLoop) -> Job:
         """Queue `work`; raises QueueFull."""
         ...
+
+    @property
+    def acceptance(self) -> str: ...
+
+    @property
+    def threshold(self) -> float: ...
 
     @property
     def queued(self) -> int: ...
