@@ -28,8 +28,8 @@ from eagle_deploy.exporter.eagle3 import (
     save_eagle3_head,
 )
 from eagle_deploy.exporter.export import DRAFT_VOCAB_FILE, ExportOptions, export
-from eagle_deploy.exporter.head_files import HeadCheckpointError
 from eagle_deploy.exporter.heads import load_head
+from eagle_deploy.heads.files import HeadCheckpointError
 from eagle_deploy.runtime.backends.base import StepInputs
 from eagle_deploy.runtime.backends.ort import OrtBackend
 from eagle_deploy.validate.torch_backend import TorchBackend

@@ -18,13 +18,12 @@ import torch
 from torch import nn
 
 from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED
+from eagle_deploy.heads.files import HeadCheckpointError
 
 from .fused import FusedDecoderLayer, as_float32, fused_inputs, gather_rows, rotary_rows
-from .head_files import HeadCheckpointError
 from .layers import Rotary, gather_positions, mask_bias
 from .target import DecoderLayer, Dims, dims_of
 
-TOKEN_COUNTS_FILE = "token_counts.npy"  # optional: response-token frequencies from eagle-train ([vocab] int64)
 OPTIONAL_KEYS = ("fc.bias",)
 IGNORED_KEYS = ("embed_tokens.weight",)  # some published heads carry a copy; the target's is used
 

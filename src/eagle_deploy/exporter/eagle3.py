@@ -33,9 +33,9 @@ from torch import nn
 
 from eagle_deploy.contract.manifest import HeadRecord
 from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED
+from eagle_deploy.heads.files import HeadCheckpointError, detect_layout, read_head_state
 
 from .fused import FusedAttention, fused_inputs, gather_rows, rotary_rows, skip_rms_norm
-from .head_files import HeadCheckpointError, detect_layout, read_head_state
 from .layers import STATIC_ROPE_TYPES, Attention, GatedMLP, Rotary, gather_positions, mask_bias, rms_norm
 from .target import Dims, dims_of
 

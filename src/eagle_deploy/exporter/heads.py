@@ -1,15 +1,16 @@
 """`load_head`: a published-format draft-head folder loaded as the module its config or tensor
 names call for, an EAGLE-1/2 `draft_head.EagleHead` or an EAGLE-3 `eagle3.Eagle3Head`. It sits
-above both so that neither imports the other (what both read is in `head_files`)."""
+above both so that neither imports the other (what both read is in `heads.files`)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from torch import nn
 
+from eagle_deploy.heads.files import detect_layout, read_head_config, read_head_state
+
 from .draft_head import load_eagle12_head
 from .eagle3 import load_eagle3_head
-from .head_files import detect_layout, read_head_config, read_head_state
 
 
 def load_head(head_dir: Path, target: nn.Module):
