@@ -79,7 +79,7 @@ def build_tiny_head(folder: Path, target_dir: Path, seed: int = 1, fc_bias: bool
     `build_tiny_target`, applied to the head's post-attention norm)."""
     from transformers import AutoModelForCausalLM
 
-    from eagle_deploy.exporter.draft_head import random_head, save_head
+    from eagle_deploy.heads.api import random_head, save_head
 
     target = AutoModelForCausalLM.from_pretrained(str(target_dir))
     head = random_head(target, seed=seed, fc_bias=fc_bias)

@@ -15,7 +15,7 @@ from onnx import numpy_helper
 
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.contract.manifest import Manifest
-from eagle_deploy.exporter.heads import load_head
+from eagle_deploy.heads.api import load_head
 from eagle_deploy.heads.files import HeadCheckpointError
 from eagle_deploy.validate.torch_backend import TorchBackend
 from tests import tiny

@@ -28,7 +28,7 @@ from eagle_deploy.exporter.eagle3 import (
     save_eagle3_head,
 )
 from eagle_deploy.exporter.export import DRAFT_VOCAB_FILE, ExportOptions, export
-from eagle_deploy.exporter.heads import load_head
+from eagle_deploy.heads.api import load_head
 from eagle_deploy.heads.files import HeadCheckpointError
 from eagle_deploy.runtime.backends.base import StepInputs
 from eagle_deploy.runtime.backends.ort import OrtBackend
@@ -766,7 +766,7 @@ CONFIG_BROKEN = {
     "gelu": (lambda cfg: _llama(cfg).update(hidden_act="gelu"), ["hidden_act", "'gelu'"]),
     "kv heads not dividing heads": (lambda cfg: _llama(cfg).update(num_key_value_heads=4), ["num_key_value_heads"]),
     "zero intermediate size": (lambda cfg: _llama(cfg).update(intermediate_size=0), ["intermediate_size", "0"]),
-    # values the EAGLE-1/2 loader refuses (draft_head.check_head_config): each is one
+    # values the EAGLE-1/2 loader refuses (eagle12_checkpoint.check_head_config): each is one
     # HeadCheckpointError naming the key, never a raw TypeError / ValueError or a silent NaN head
     "text rms_norm_eps": (lambda cfg: _llama(cfg).update(rms_norm_eps="x"), ["rms_norm_eps", "'x'"]),
     "zero rms_norm_eps": (lambda cfg: _llama(cfg).update(rms_norm_eps=0), ["rms_norm_eps", "0"]),

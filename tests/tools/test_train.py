@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from eagle_deploy.exporter.draft_head import random_head, save_head
 from eagle_deploy.exporter.export import ExportOptions, export
-from eagle_deploy.exporter.heads import load_head
+from eagle_deploy.heads.api import load_head, random_head, save_head
 from eagle_deploy.train.data import BatchedGenerator, TokenData, compute_features
 from eagle_deploy.train.trainer import (
     TrainConfig,

@@ -13,7 +13,7 @@ import torch
 from eagle_deploy.contract.verify import sha256_file
 from eagle_deploy.exporter.draft_vocab import best_ranked, default_size
 from eagle_deploy.exporter.eagle3 import Eagle3Head, default_feature_layers, random_eagle3_head
-from eagle_deploy.exporter.heads import load_head
+from eagle_deploy.heads.api import load_head
 from eagle_deploy.heads.files import TOKEN_COUNTS_FILE
 
 from .settings import TrainSettings

@@ -23,10 +23,10 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from eagle_deploy.contract.manifest import Manifest
-from eagle_deploy.exporter.draft_head import random_head, save_head
 from eagle_deploy.exporter.eagle3 import Eagle3Head, save_eagle3_head
 from eagle_deploy.exporter.export import _eos_ids, load_target, weight_digests
 from eagle_deploy.exporter.models import resolve_model
+from eagle_deploy.heads.api import random_head, save_head
 from eagle_deploy.heads.files import TOKEN_COUNTS_FILE
 
 from . import cache

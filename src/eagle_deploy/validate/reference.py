@@ -128,8 +128,7 @@ def check_head_unchanged(folder: Path, recorded) -> Path:
 def load_reference_head(manifest, hf):
     """(EagleHead or Eagle3Head bound to `hf`, note). An untrained export's head is
     regenerated with random_head(seed=0), as eagle-export made it."""
-    from eagle_deploy.exporter.draft_head import random_head
-    from eagle_deploy.exporter.heads import load_head
+    from eagle_deploy.heads.api import load_head, random_head
 
     head_dir = head_dir_of(manifest)
     if head_dir is None:
@@ -153,7 +152,7 @@ def reference_backends(manifest, hf, head, folder):
     """{"target": TorchBackend, "draft": TorchBackend} over the exporter's own torch modules
     (an EAGLE-3 export: the target with its taps; the draft is `Eagle3Reference`, written
     independently of the exporter's EAGLE-3 module from the same weights)."""
-    from eagle_deploy.exporter.draft_head import ExportableDraft
+    from eagle_deploy.exporter.draft import ExportableDraft
     from eagle_deploy.exporter.eagle3 import Eagle3Head
     from eagle_deploy.validate.eagle3_reference import Eagle3Reference
     from eagle_deploy.validate.torch_backend import TorchBackend
