@@ -81,7 +81,7 @@ class HeadRecord:
     2503.01840): fed the hidden states entering the target's decoder layers `feature_layers`
     (the target graph's `tapped_features`), with its own hidden width, heads and head dim
     (which may differ from the target's), its own norm, LM head and draft vocabulary.
-    `layout`: the checkpoint layout it was read from (exporter/eagle3.py), for the record."""
+    `layout`: the checkpoint layout it was read from (heads/eagle3_checkpoint.py), for the record."""
 
     kind: str
     hidden: int | None = None

@@ -32,7 +32,7 @@ GRAPHS = ("target", "draft")
 # how a reduced draft vocabulary was ranked: the head's token_counts.npy (response-token
 # frequencies from eagle-train), the tokenizer's merge rank (BPE merge order; no data needed),
 # or token id order (tokenizers without merges), see exporter/draft_vocab.py; or an EAGLE-3
-# head's own draft vocabulary (its d2t table), see exporter/eagle3.py
+# head's own draft vocabulary (its d2t table), see heads/eagle3_checkpoint.py
 DRAFT_VOCAB_SOURCES = ("token_counts", "merge_rank", "token_id", "head_d2t")
 SHARED_ROLES = ("embedding", "lm_head")  # SharedTensor.role
 HEAD_KINDS = ("eagle", "eagle3")  # HeadRecord.kind: EAGLE-1/2 heads, EAGLE-3 heads

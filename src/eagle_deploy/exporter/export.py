@@ -28,11 +28,11 @@ from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED, MANIFEST_FILE
 from eagle_deploy.contract.tree_config import TreeConfig, default_tree
 from eagle_deploy.contract.verify import file_records, sha256_file
 from eagle_deploy.heads.api import load_head, random_head
+from eagle_deploy.heads.eagle3 import Eagle3Head
 from eagle_deploy.heads.files import HEAD_WEIGHT_FILES
 
 from .draft_vocab import default_size as default_draft_vocab
 from .draft_vocab import draft_vocab_ids
-from .eagle3 import Eagle3Head
 from .models import Checkpoint, resolve_draft, resolve_model
 from .publish import destination_lock, partial_prefix, publish_folder, remove_stale_partials
 from .steps import TORCH_DTYPES, DraftOnnxFromHead, TargetOnnxFromHF, TokenizerFromHF

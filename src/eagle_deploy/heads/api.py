@@ -13,8 +13,8 @@ from pathlib import Path
 
 from torch import nn
 
-from eagle_deploy.exporter.eagle3 import Eagle3Head, load_eagle3_head, random_eagle3_head, save_eagle3_head
-
+from .eagle3 import Eagle3Head, random_eagle3_head
+from .eagle3_checkpoint import load_eagle3_head, save_eagle3_head
 from .eagle12 import EagleHead, random_eagle12_head
 from .eagle12_checkpoint import load_eagle12_head, save_eagle12_head
 from .files import detect_layout, read_head_config, read_head_state

@@ -23,7 +23,6 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from eagle_deploy.contract.manifest import Manifest
-from eagle_deploy.exporter.eagle3 import Eagle3Head, save_eagle3_head
 from eagle_deploy.exporter.export import _eos_ids, load_target, weight_digests
 from eagle_deploy.exporter.models import resolve_model
 from eagle_deploy.heads.api import random_head, save_head
@@ -316,10 +315,9 @@ def export_stage(session: Session, checkpoint, head, counts, data, history, timi
     """Stage 4: the head in the published EAGLE layout, token counts and the training log."""
     s, out = session.settings, session.settings.out
     head.to("cpu", torch.float32)
-    if isinstance(head, Eagle3Head):
-        save_eagle3_head(head, out)
-    else:  # its config: the target's geometry (random_head), or the --init-head's own
-        save_head(head, out)
+    # an EAGLE-3 head in the "eagle3" layout; an EAGLE-1/2 head's config: the target's geometry
+    # (random_head), or the --init-head's own
+    save_head(head, out)
     np.save(out / TOKEN_COUNTS_FILE, counts)  # response-token frequencies, for `eagle-export --draft-vocab N`
     card = {"target": {"spec": s.model, "source": str(checkpoint.source),  # its sha256: hashed once, at start
                        "sha256": session.target["sha256"] if checkpoint.source.is_file() else None},

@@ -153,7 +153,7 @@ def reference_backends(manifest, hf, head, folder):
     (an EAGLE-3 export: the target with its taps; the draft is `Eagle3Reference`, written
     independently of the exporter's EAGLE-3 module from the same weights)."""
     from eagle_deploy.exporter.draft import ExportableDraft
-    from eagle_deploy.exporter.eagle3 import Eagle3Head
+    from eagle_deploy.heads.eagle3 import Eagle3Head
     from eagle_deploy.validate.eagle3_reference import Eagle3Reference
     from eagle_deploy.validate.torch_backend import TorchBackend
 
