@@ -148,7 +148,7 @@ def _check_hf_dir(path: Path) -> None:
 
 def _add_eos(folder: Path, eos_tokens: tuple[str, ...]) -> None:
     """Append the ids of `eos_tokens` (looked up in the folder's tokenizer.json) to
-    generation_config.json's eos_token_id, which every tool reads first (export._eos_ids).
+    generation_config.json's eos_token_id, which every tool reads first (sources.eos_ids).
     Rewritten with one atomic replace, and only when something is missing."""
     from .target import UnsupportedModelError
 

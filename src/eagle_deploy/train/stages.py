@@ -23,8 +23,8 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from eagle_deploy.contract.manifest import Manifest
-from eagle_deploy.exporter.export import _eos_ids, load_target, weight_digests
 from eagle_deploy.exporter.models import resolve_model
+from eagle_deploy.exporter.sources import eos_ids, load_target, weight_digests
 from eagle_deploy.heads.api import random_head, save_head
 from eagle_deploy.heads.files import TOKEN_COUNTS_FILE
 
@@ -101,7 +101,7 @@ def load_target_for_training(session: Session):
     if s.torch_dtype == "bf16" and session.device.startswith("cuda"):
         hf.to(torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint.hf_dir))
-    eos = _eos_ids(checkpoint.hf_dir, hf.config, tokenizer)
+    eos = eos_ids(checkpoint.hf_dir, hf.config, tokenizer)
     session.log(f"target {checkpoint.name} on {session.device}; arch {s.arch}; settings "
                 f"{json.dumps(s.recipe.as_dict())}"
                 + (f"; data {[str(p) for p in s.data]} (generation settings unused)" if s.data else "")
