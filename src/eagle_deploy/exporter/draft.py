@@ -16,7 +16,7 @@ from eagle_deploy.heads.eagle3 import Eagle3Head
 from eagle_deploy.heads.eagle12 import EagleHead
 
 from .fused import FusedAttention, FusedDecoderLayer, as_float32, fused_inputs, gather_rows, rotary_rows, skip_rms_norm
-from .layers import gather_positions
+from .layers import GatedMLP, gather_positions
 
 
 class ExportableDraft(nn.Module):
@@ -76,6 +76,7 @@ class _FusedEagle3Layer(nn.Module):
         self.__dict__["head"] = head
         cfg = head.cfg
         self.attn = FusedAttention(head.midlayer.self_attn, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.mlp = GatedMLP(head.midlayer.mlp)
 
     def forward(self, h, input_ids, position_ids, attention_mask, past_k, past_v):
         head = self.head
@@ -84,7 +85,7 @@ class _FusedEagle3Layer(nn.Module):
                          rotary_rows(head.cfg.max_position_embeddings))
         attn, k, v = self.attn(x, f, past_k, past_v)
         normed, x = skip_rms_norm(attn, residual, head.midlayer.post_attention_layernorm.weight, head.cfg.rms_norm_eps)
-        return x + head._mlp(normed), k, v
+        return x + self.mlp(normed), k, v
 
 
 class ExportableDraft3(nn.Module):
