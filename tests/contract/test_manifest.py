@@ -1,6 +1,7 @@
 """The manifest as typed, validated records: every damaged field is one ManifestError line
-naming the field, the expected and the found value; the JSON layout is unchanged (format 1).
-Pure: no model, no graph (the manifest is built from the ONNX contract)."""
+naming the field, the expected and the found value; a manifest of another format version is
+one line saying to export again. Pure: no model, no graph (the manifest is built from the ONNX
+contract)."""
 from __future__ import annotations
 
 import copy
@@ -14,6 +15,7 @@ from eagle_deploy.contract.manifest import (
     DraftEntry,
     Engines,
     GraphEntry,
+    HeadRecord,
     Manifest,
     ManifestError,
     QuantRecord,
@@ -37,19 +39,21 @@ def _manifest(**changes) -> Manifest:
     d_in, d_out = c.draft_io("float32", 10)
     fields = dict(
         name="tiny", dims=DIMS, max_length=256,
-        target=GraphEntry(c.TARGET_FILE, "float32", tuple(t_in), tuple(t_out), sha256="ab"),
-        draft=DraftEntry(c.DRAFT_FILE, "float32", tuple(d_in), tuple(d_out), graph_top_k=10, trained=True,
-                         draft_vocab_size=256, max_position_embeddings=256),
+        target=GraphEntry(path=c.TARGET_FILE, dtype="float32", inputs=t_in, outputs=t_out, sha256="ab"),
+        draft=DraftEntry(path=c.DRAFT_FILE, dtype="float32", inputs=d_in, outputs=d_out, graph_top_k=10,
+                         trained=True, draft_vocab_size=256, max_position_embeddings=256,
+                         head=HeadRecord(kind="eagle")),
         tree=TreeConfig(total_tokens=8, depth=4, top_k=2), eos_token_ids=(0,), tokenizer=c.TOKENIZER_DIR,
-        chat_template=False, sources=Sources(SourceRecord("t", "/t", {"model.safetensors": "00"}),
-                                             SourceRecord("h", "/h", {}, trained=True)),
-        tools={"onnx": "1.0"}, notes=("a note",))
+        chat_template=False, sources=Sources(target=SourceRecord(spec="t", path="/t",
+                                                                 sha256={"model.safetensors": "00"}),
+                                             draft=SourceRecord(spec="h", path="/h")),
+        tools={"onnx": "1.0"}, notes=("a note",), files={})
     fields.update(changes)
     return Manifest(**fields)
 
 
 def _data(**changes) -> dict:
-    return json.loads(json.dumps(_manifest(**changes).to_json()))
+    return json.loads(json.dumps(_manifest(**changes).model_dump(mode="json")))
 
 
 def _error(data) -> str:
@@ -60,13 +64,15 @@ def _error(data) -> str:
     return message
 
 
-def test_saved_manifest_loads_back_equal_with_the_format_1_layout(tmp_path):
+def test_saved_manifest_loads_back_equal_with_the_format_2_layout(tmp_path):
     m = _manifest()
     m.save(tmp_path)
     data = json.loads((tmp_path / c.MANIFEST_FILE).read_text())
-    assert data["format_version"] == 1 and data["dims"]["num_layers"] == 2
+    assert data["format_version"] == 2 and data["dims"]["num_layers"] == 2
     assert data["draft"]["extra"] == {"graph_top_k": 10, "draft_vocab_size": 256, "trained": True,
-                                      "max_position_embeddings": 256}
+                                      "max_position_embeddings": 256, "head": {"kind": "eagle"}}
+    assert data["target"]["extra"] == {} and "shared_weights" not in data and data["files"] == {}
+    assert data["sources"]["draft"] == {"spec": "h", "path": "/h", "sha256": {}}
     assert data["target"]["inputs"][4] == {"name": "past_key_values.0.key", "dtype": "float32",
                                            "shape": ["past_seq", "batch", "kv_heads", "head_dim"]}
     assert data["tree"] == {"kind": "dynamic", "total_tokens": 8, "depth": 4, "top_k": 2, "choices": None}
@@ -102,32 +108,48 @@ def test_json_beyond_the_parsers_limits_is_a_manifest_error(tmp_path):
             Manifest.load(tmp_path)
 
 
-def test_records_are_frozen():
+def test_records_are_frozen_and_replace_makes_a_checked_copy():
     m = _manifest()
-    with pytest.raises(AttributeError):
+    with pytest.raises(ValueError, match="frozen"):
         m.max_length = 3
-    with pytest.raises(AttributeError):
+    with pytest.raises(ValueError, match="frozen"):
         m.dims.vocab = 3
+    assert m.replace(max_length=3).max_length == 3 and m.max_length == 256
+    with pytest.raises(TypeError, match="Manifest has no field max_lenght"):
+        m.replace(max_lenght=3)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        m.dims.replace(num_kv_heads=3)
 
 
-def test_an_export_from_before_the_head_limit_and_draft_vocab_size_still_loads():
+@pytest.mark.parametrize("version, text", [
+    (1, "x/manifest.json is format 1; this eagle-deploy reads format 2: export again with eagle-export"),
+    (3, "x/manifest.json is format 3; this eagle-deploy reads format 2: export again with eagle-export"),
+    (True, "x/manifest.json format_version: expected 2 (the format this eagle-deploy reads), found true; export "
+           "again with eagle-export"),
+    (None, "x/manifest.json format_version: expected 2 (the format this eagle-deploy reads), found nothing (the "
+           "key is missing); export again with eagle-export"),
+])
+def test_another_format_version_says_to_export_again(version, text):
     data = _data()
-    del data["draft"]["extra"]["max_position_embeddings"], data["draft"]["extra"]["draft_vocab_size"]
-    del data["draft"]["extra"]["trained"]
-    data["sources"]["draft"]["trained"] = False
-    m = Manifest.from_json(data)
-    assert m.draft.max_position_embeddings is None and m.draft.draft_vocab_size == 256
-    assert m.draft.trained is False  # as the readers fell back before: sources.draft.trained
+    if version is None:
+        del data["format_version"]
+    else:
+        data["format_version"] = version
+    assert _error(data) == text
+
+
+@pytest.mark.parametrize("key", ["max_position_embeddings", "draft_vocab_size", "trained", "head"])
+def test_the_draft_record_has_no_defaults_for_older_exports(key):
+    data = _data()
+    del data["draft"]["extra"][key]
+    assert f"draft.extra.{key}: expected " in _error(data)
 
 
 def test_length_limit_is_the_smaller_of_the_target_and_head_position_limits():
-    from dataclasses import replace
-
     m = _manifest(max_length=128)
     assert m.length_limit == 256
-    assert replace(m, draft=replace(m.draft, max_position_embeddings=200)).length_limit == 200
-    assert replace(m, draft=replace(m.draft, max_position_embeddings=512)).length_limit == 256
-    assert replace(m, draft=replace(m.draft, max_position_embeddings=None)).length_limit == 256  # not recorded
+    assert m.replace(draft=m.draft.replace(max_position_embeddings=200)).length_limit == 200
+    assert m.replace(draft=m.draft.replace(max_position_embeddings=512)).length_limit == 256
 
 
 def _rename_kv(d):
@@ -198,10 +220,6 @@ DAMAGED = {
                            "target.quant: expected one of int4, int8, null, found 'int2'"),
     "tool version not a string": (_set("tools.onnx", 1), "tools.onnx: expected a non-empty string, found 1"),
     "unknown engine": (_set("engines.onnx-cuda", {}), "engines.onnx-cuda: expected no such field (known: trt, tuning)"),
-    "format version": (_set("format_version", 2),
-                       "format_version: expected 1 (what this runtime reads), found 2; re-export"),
-    "boolean format version": (_set("format_version", True),
-                               "format_version: expected 1 (what this runtime reads), found true; re-export"),
     "extra key beside a graph's fields": (_set("target.ragged_batch", True),
                                           "target.ragged_batch: expected no such field (known: path, dtype, inputs, "
                                           "outputs, quant, sha256, extra), found true"),
@@ -263,12 +281,12 @@ def _trt() -> TrtRecord:
 def _tuning() -> TuningRecord:
     return TuningRecord(date="2026-01-01T00:00:00", backend="ort", chosen=TreeConfig(total_tokens=4, depth=2, top_k=2),
                         previous=TreeConfig(), chosen_measured_tokens_per_s=10.0, vanilla_tokens_per_s=5.0,
-                        speedup_vs_vanilla=2.0, details={"target_ms": {"1": 2.0}, "past": 64})
+                        speedup_vs_vanilla=2.0, target_ms={"1": 2.0}, past=64)
 
 
 def test_engine_records_round_trip_typed():
     m = _manifest(engines=Engines(trt=_trt(), tuning=_tuning()))
-    data = json.loads(json.dumps(m.to_json()))
+    data = json.loads(json.dumps(m.model_dump(mode="json")))
     assert data["engines"]["trt"]["profiles"]["target"][0]["shapes"][c.INPUT_IDS] == [[1, 1], [1, 8], [1, 64]]
     assert data["engines"]["tuning"]["target_ms"] == {"1": 2.0} and data["engines"]["tuning"]["chosen"]["top_k"] == 2
     loaded = Manifest.from_json(data)
@@ -293,10 +311,12 @@ def test_damaged_engine_records_name_the_field(path, value, text):
 
 def test_quant_record_keeps_settings_flat():
     q = QuantRecord(kind="int4", method="nbits", quantised_matmuls=15, batch_invariant=False,
-                    settings={"block_size": 32, "accuracy_level": 4, "symmetric": True})
-    m = _manifest(target=GraphEntry(c.TARGET_FILE, "float32", *map(tuple, c.target_io(2, "float32")), quant="int4",
+                    block_size=32, accuracy_level=4, symmetric=True)
+    assert q.settings == {"block_size": 32, "accuracy_level": 4, "symmetric": True}
+    t_in, t_out = c.target_io(2, "float32")
+    m = _manifest(target=GraphEntry(path=c.TARGET_FILE, dtype="float32", inputs=t_in, outputs=t_out, quant="int4",
                                     quant_info=q))
-    data = json.loads(json.dumps(m.to_json()))
+    data = json.loads(json.dumps(m.model_dump(mode="json")))
     assert data["target"]["extra"]["quant"] == {"kind": "int4", "method": "nbits", "block_size": 32,
                                                 "accuracy_level": 4, "symmetric": True,
                                                 "tool": "onnxruntime.quantization", "quantised_matmuls": 15,
@@ -327,7 +347,7 @@ def test_a_renamed_kv_input_names_layer_0_and_the_graph():
     inputs, outputs = _graph_io()
     renamed = [TensorSpec("past_key_values.0.kez", s.dtype, s.shape) if s.name == "past_key_values.0.key" else s
                for s in m.target.inputs]
-    entry = GraphEntry(m.target.path, m.target.dtype, tuple(renamed), m.target.outputs)
+    entry = m.target.replace(inputs=renamed)
     with pytest.raises(ManifestError) as info:
         check_graph_io(entry, "target", inputs, outputs, dims=m.dims, source="e/manifest.json")
     assert str(info.value).startswith("e/manifest.json target.inputs[4]: expected input 'past_key_values.0.key' "

@@ -1,10 +1,9 @@
 """The manifest's shared-weights record (`shared_weights`) and the draft vocabulary's ranking
-source: round trip, absent in older exports, one-line errors for damaged fields, and the
-file check the backends run before opening a graph."""
+source: round trip, left out of the JSON when nothing is shared, one-line errors for damaged
+fields, and the file check the backends run before opening a graph."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 
@@ -18,13 +17,13 @@ SHARED = SharedWeights(file=c.SHARED_WEIGHTS_FILE, size=EMBED.length, tensors=(E
 
 
 def _data(**changes) -> dict:
-    return json.loads(json.dumps(_manifest(**changes).to_json()))
+    return json.loads(json.dumps(_manifest(**changes).model_dump(mode="json")))
 
 
 def test_shared_weights_and_vocab_source_round_trip(tmp_path):
-    m = _manifest(shared_weights=SHARED, draft=replace(_manifest().draft, draft_vocab_size=64,
-                                                       draft_vocab_file="draft_vocab.npy",
-                                                       draft_vocab_source="merge_rank"))
+    m = _manifest(shared_weights=SHARED, draft=_manifest().draft.replace(draft_vocab_size=64,
+                                                                         draft_vocab_file="draft_vocab.npy",
+                                                                         draft_vocab_source="merge_rank"))
     m.save(tmp_path)
     data = json.loads((tmp_path / c.MANIFEST_FILE).read_text())
     assert data["shared_weights"]["tensors"][0] == {"role": "embedding", "target_name": "embed.weight",
@@ -34,7 +33,7 @@ def test_shared_weights_and_vocab_source_round_trip(tmp_path):
     assert Manifest.load(tmp_path) == m
 
 
-def test_exports_without_shared_weights_still_load():
+def test_exports_without_shared_weights_leave_the_key_out():
     data = _data()
     assert "shared_weights" not in data
     m = Manifest.from_json(data)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import replace
 
 import pytest
 
@@ -59,7 +58,7 @@ def test_the_export_records_every_file_with_its_size_and_sha256(export_dir):
     assert m.target.sha256 == m.files[c.TARGET_FILE].sha256
     assert any(rel.startswith(c.TOKENIZER_DIR + "/") for rel in m.files)
     report = v.verify_export(export_dir, m)
-    assert report.files == len(m.files) and report.unchecked == () and report.note is None
+    assert report.files == len(m.files)
     assert report.hashed_bytes == sum(r.size for r in m.files.values())
 
 
@@ -114,7 +113,7 @@ def test_large_files_are_checked_by_sampled_blocks_and_fully_on_request(export_d
     monkeypatch.setattr(v, "SAMPLE_BLOCKS", 4)  # 16-byte blocks: the 64 KiB shared file has gaps between them
     monkeypatch.setattr(v, "SAMPLE_BLOCK", 16)
     folder = copy_export(export_dir, tmp_path / "x")
-    manifest = replace(Manifest.load(folder), files=v.file_records(folder))
+    manifest = Manifest.load(folder).replace(files=v.file_records(folder))
     manifest.save(folder)
     manifest = Manifest.load(folder)
     assert manifest.files[c.SHARED_WEIGHTS_FILE].sampled_sha256 == v.sampled_digest(folder / c.SHARED_WEIGHTS_FILE)
@@ -174,22 +173,23 @@ def test_a_graph_whose_outputs_differ_from_the_manifest_is_refused_before_any_se
         EagleRuntime.load(folder, threads=THREADS)
 
 
-def test_exports_without_the_file_record_are_checked_as_far_as_recorded(export_dir, tmp_path, monkeypatch):
-    """Older manifests (graphs' sha256, shared size + sha256): small files are still hashed;
-    large ones are left to "full", which the report's note says."""
+def test_the_file_record_is_required_and_a_large_file_without_samples_is_hashed_whole(export_dir, tmp_path,
+                                                                                     monkeypatch):
+    """Every manifest lists its files; a large file recorded without a sampled digest (a hand-made
+    manifest) is compared by its sha256 at "fast" too, never left unchecked."""
     folder = copy_export(export_dir, tmp_path / "x")
     data = json.loads((folder / c.MANIFEST_FILE).read_text())
-    del data["files"]
+    (folder / c.MANIFEST_FILE).write_text(json.dumps({k: v for k, v in data.items() if k != "files"}))
+    with pytest.raises(ManifestError, match=r"manifest\.json files: expected a JSON object, found nothing"):
+        Manifest.load(folder)
     (folder / c.MANIFEST_FILE).write_text(json.dumps(data))
-    manifest = Manifest.load(folder)
-    assert manifest.files == {} and v.verify_export(folder, manifest).note is None
     monkeypatch.setattr(v, "SMALL_FILE", 1000)
-    note = v.verify_export(folder, manifest).note
-    assert note.startswith(f"{c.TARGET_FILE}, {c.DRAFT_FILE}, {c.SHARED_WEIGHTS_FILE}: present but not compared")
-    assert "--verify full" in note
+    manifest = Manifest.load(folder)
+    assert manifest.files[c.SHARED_WEIGHTS_FILE].sampled_sha256 is None  # recorded while it was "small"
+    assert v.verify_export(folder, manifest).hashed_bytes == sum(r.size for r in manifest.files.values())
     _overwrite(folder / c.SHARED_WEIGHTS_FILE, 5000, 100)
     with pytest.raises(ManifestError, match="shared.data does not match"):
-        v.verify_export(folder, manifest, "full")
+        v.verify_export(folder, manifest)
 
 
 @pytest.mark.parametrize("bad, text", [

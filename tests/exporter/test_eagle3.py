@@ -348,7 +348,7 @@ def test_both_layouts_load_to_the_same_head(layout_heads, gqa):
     a, b = loaded["eagle3"], loaded["speculators"]
     assert isinstance(a, Eagle3Head) and isinstance(b, Eagle3Head)
     assert (a.cfg.layout, b.cfg.layout) == ("eagle3", "speculators")
-    assert replace(a.record, layout=None) == replace(b.record, layout=None) == replace(head.record, layout=None)
+    assert a.record.replace(layout=None) == b.record.replace(layout=None) == head.record.replace(layout=None)
     assert a.record.feature_layers == EAGLE3_TAPS and (a.cfg.hidden, a.cfg.num_kv_heads) == (96, 3)
     want = head.head_state_dict()
     for got in (a.head_state_dict(), b.head_state_dict()):
@@ -620,7 +620,7 @@ def test_eagle3_manifest_sizes_each_graph_by_its_own_width(eagle3):
     t, d = m.graph_dims("target"), m.graph_dims("draft")
     assert (t.hidden, t.num_heads, t.num_kv_heads, t.head_dim) == (64, 4, 2, 16)
     assert (d.hidden, d.num_heads, d.num_kv_heads, d.head_dim) == (96, 6, 3, 16)
-    assert replace(d, hidden=64, num_heads=4, num_kv_heads=2) == m.dims  # all else the target's
+    assert d.replace(hidden=64, num_heads=4, num_kv_heads=2) == m.dims  # all else the target's
     assert m.dims == t
     tapped_in = next(s for s in m.draft.inputs if s.name == c.TAPPED_FEATURES)
     tapped_out = next(s for s in m.target.outputs if s.name == c.TAPPED_FEATURES)
@@ -878,7 +878,7 @@ def test_deep_manifest_round_trips(deep, tmp_path):
     assert data["target"]["extra"]["feature_layers"] == [2, 4, 5]
     assert data["draft"]["extra"]["head"]["feature_layers"] == [2, 4, 5]
     m = Manifest.from_json(data)
-    assert json.loads(json.dumps(m.to_json())) == data
+    assert json.loads(json.dumps(m.model_dump(mode="json"))) == data
 
 
 @pytest.mark.parametrize("where", ["target", "draft"])

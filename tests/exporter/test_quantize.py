@@ -15,7 +15,6 @@ about a second each."""
 from __future__ import annotations
 
 import shutil
-from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -167,7 +166,7 @@ def test_batch_invariance_flag_matches_the_kernels(exports, tmp_path):
         folder = tmp_path / name
         shutil.copytree(exports["fp32"], folder)
         m = Manifest.load(folder)
-        m = replace(m, target=quantize_graph(folder, m.target, "int8", **options))  # returns the updated entry
+        m = m.replace(target=quantize_graph(folder, m.target, "int8", **options))  # returns the updated entry
         m.save(folder)
         rerecord_files(folder)  # the graph changed on purpose
         be = _runtime(folder).decoder.target
@@ -190,9 +189,9 @@ def test_external_data_and_option_errors(exports, tmp_path):
         target = folder / m.target.path
         onnx.save_model(onnx.load(str(target)), str(target), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=target.name + ".data", size_threshold=1024)
-        m = replace(m, target=quantize_graph(folder, m.target, "int8", method=method))
+        m = m.replace(target=quantize_graph(folder, m.target, "int8", method=method))
         assert not (folder / "target.onnx.data").exists() and m.target.quant_info.method == method
-        m = replace(m, draft=quantize_graph(folder, m.draft, "int8", external_data="always"))  # --quant-draft
+        m = m.replace(draft=quantize_graph(folder, m.draft, "int8", external_data="always"))  # --quant-draft
         assert (folder / "draft.onnx.data").exists() and m.draft.quant == "int8"
         m.save(folder)
         rerecord_files(folder)  # the graphs changed on purpose

@@ -155,8 +155,6 @@ def test_a_truncated_shard_fails_before_any_graph_is_written(target_dir, tmp_pat
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_one_weight_at_a_time_quantiser_equals_the_whole_graph_one(target_dir, tmp_path, bits):
-    from dataclasses import replace
-
     from eagle_deploy.contract.manifest import GraphEntry
 
     skeleton, source = skeleton_target(target_dir)
@@ -166,7 +164,7 @@ def test_the_one_weight_at_a_time_quantiser_equals_the_whole_graph_one(target_di
         step(skeleton, tmp_path / name, read=lambda p: source.read(p, torch.float32))
     whole = nbits_model_from_onnx(onnx.load(str(tmp_path / "whole" / c.TARGET_FILE)), bits=bits)
     onnx.save_model(whole, str(tmp_path / "whole" / "q.onnx"))
-    entry = replace(GraphEntry(c.TARGET_FILE, "float32", (), ()))
+    entry = GraphEntry(path=c.TARGET_FILE, dtype="float32", inputs=(), outputs=())
     quantize_graph(tmp_path / "streamed", entry, f"int{bits}", external_data="always")
     _, want_ops, want_weights = _signature(tmp_path / "whole" / "q.onnx")
     _, got_ops, got_weights = _signature(tmp_path / "streamed" / c.TARGET_FILE)

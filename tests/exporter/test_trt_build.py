@@ -257,7 +257,7 @@ def test_build_engines_from_another_cwd_with_relative_path(ext_copy, tmp_path, m
     assert (ext_copy / "target.engine").read_bytes() == b"fake-engine" and (ext_copy / "draft.engine").is_file()
     assert not list(ext_copy.glob("*.partial"))
     m = Manifest.load(ext_copy)
-    assert m.engines.trt == record and m.engines.trt.to_json() == json.loads(json.dumps(record.to_json()))
+    assert m.engines.trt == record and m.engines.trt.model_dump(mode="json") == json.loads(record.model_dump_json())
     assert record.files == {"target": "target.engine", "draft": "draft.engine"}
     assert record.trt_version == "10.99.fake" and record.timing_cache == tb.TIMING_CACHE_FILE
     assert [p.name for p in record.profiles["target"]] == ["prefill", "decode", "verify"]

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from eagle_deploy.contract.manifest import Dims, DraftEntry, GraphEntry, Manifest
+from eagle_deploy.contract.manifest import Dims, DraftEntry, GraphEntry, HeadRecord, Manifest, Sources
 from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.runtime.api import EagleRuntime
 from eagle_deploy.runtime.backends.base import TargetOutputs
@@ -60,12 +60,13 @@ class ScriptedTarget:
 def fake_manifest(vocab: int = 256, max_length: int = 256, eos: Sequence[int] = (0,),
                   chat_template: bool = False) -> Manifest:
     graph = GraphEntry(path="none.onnx", dtype="float32", inputs=(), outputs=())
-    draft = DraftEntry(path="none.onnx", dtype="float32", inputs=(), outputs=(), graph_top_k=10, trained=False)
+    draft = DraftEntry(path="none.onnx", dtype="float32", inputs=(), outputs=(), graph_top_k=10, trained=False,
+                       draft_vocab_size=vocab, max_position_embeddings=max_length, head=HeadRecord(kind="eagle"))
     dims = Dims(num_layers=1, hidden=HIDDEN, num_heads=1, num_kv_heads=1, head_dim=1, vocab=vocab,
                 max_position_embeddings=max_length, rms_norm_eps=1e-5)
     return Manifest(name="fake", dims=dims, max_length=max_length, target=graph, draft=draft,
                     tree=TreeConfig(), eos_token_ids=tuple(eos), tokenizer="tokenizer" if vocab else None,
-                    chat_template=chat_template)
+                    chat_template=chat_template, sources=Sources(), tools={}, files={})
 
 
 class Script:

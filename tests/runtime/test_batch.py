@@ -9,7 +9,6 @@ settings it refuses."""
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -294,7 +293,7 @@ def test_refused_exports_and_settings(gqa, gqa_standard, quant_exports, tmp_path
     int8 = Manifest.load(quant_exports["int8"])
     check_batchable(int8, 2, "ort")  # the default int8 and int4 (MatMulNBits) graphs have independent rows
     check_batchable(Manifest.load(quant_exports["int4"]), 2, "ort")
-    dynamic = replace(int8, target=replace(int8.target, quant_info=replace(int8.target.quant_info, method="dynamic")))
+    dynamic = int8.replace(target=int8.target.replace(quant_info=int8.target.quant_info.replace(method="dynamic")))
     with pytest.raises(BatchError, match="dynamic int8 quantisation"):
         check_batchable(dynamic, 2, "ort")
     old = clone_runtime_export(gqa.export_dir, tmp_path / "old")

@@ -87,7 +87,7 @@ def test_the_ort_backend_checks_the_entry_it_is_given(mha):
                     for s in m.target.inputs)
     with pytest.raises(ManifestError, match=r"target\.inputs\[4\]: expected input 'past_key_values\.0\.key' "
                                             r"\(graph target\.onnx has it there\), found 'past_key_values\.0\.kez'"):
-        OrtBackend(mha.export_dir, replace(m.target, inputs=renamed), m.dims, threads=THREADS)
+        OrtBackend(mha.export_dir, m.target.replace(inputs=renamed), m.dims, threads=THREADS)
     with pytest.raises(ManifestError, match=r"dims\.vocab: expected 256 \(graph target\.onnx output 'logits'"):
-        OrtBackend(mha.export_dir, m.target, replace(m.dims, vocab=300), threads=THREADS)
+        OrtBackend(mha.export_dir, m.target, m.dims.replace(vocab=300), threads=THREADS)
     OrtBackend(mha.export_dir, m.draft, m.dims, threads=THREADS)  # the real entries pass

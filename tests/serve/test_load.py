@@ -12,7 +12,7 @@ from tests.tools.tiny_export import PROMPTS, prompt_file
 
 CELL_KEYS = {"mode", "concurrency", "requests", "ok", "dropped", "lost", "errors", "completion_tokens", "wall_s",
              "tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "latency_ms_p50", "tau",
-             "same_as_first", "same_as_vanilla"}
+             "same_as_first", "same_as_vanilla", "cached_tokens"}
 
 
 def test_run_load_cells(server, tmp_path):
@@ -27,6 +27,7 @@ def test_run_load_cells(server, tmp_path):
         assert cell["requests"] == cell["ok"] == len(PROMPTS) and cell["errors"] == []
         assert 0 < cell["completion_tokens"] <= 8 * len(PROMPTS) and cell["tokens_per_s"] > 0
         assert cell["ttft_ms_p50"] <= cell["ttft_ms_p99"] and cell["tau"] >= 1.0
+        assert cell["cached_tokens"] == 0  # the test server keeps no prefix cache
     assert all(c["tau"] == 1.0 for c in result["cells"] if c["mode"] == "vanilla")
     n = len(PROMPTS)
     assert [c["same_as_first"] for c in result["cells"]] == [None, [n, n], None, [n, n]]

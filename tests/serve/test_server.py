@@ -448,6 +448,12 @@ class _Instant:
         def cancel(self):
             self.cancelled = True
 
+        def defer_settle(self):
+            pass
+
+        def settle(self, answer=True):
+            return 0.0
+
     def stream(self, *args, **kw):
         return self._Gen()
 

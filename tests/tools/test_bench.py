@@ -368,7 +368,7 @@ def test_tune_writes_the_tree_to_the_manifest(export_dir, tmp_path):
     m = Manifest.load(folder)  # still loads: the record lives in engines.tuning
     assert m.tree.to_json() == record["chosen"] and m.tree.validate(10)
     assert m.engines.tuning.chosen == m.tree
-    t = m.engines.tuning.to_json()
+    t = m.engines.tuning.model_dump(mode="json")
     assert {"date", "machine", "target_ms", "draft_ms", "calibration", "candidates", "measured", "chosen",
             "previous"} <= set(t)
     assert t["machine"]["cpu_model"] == cpu_info().model and t["machine"]["isa"] == cpu_info().isa

@@ -204,9 +204,12 @@ def test_shape_mismatch_fails():
 def test_policy_by_dtype_and_quant():
     from eagle_deploy.contract.manifest import GraphEntry
 
-    assert compare.policy_for(GraphEntry("t.onnx", "float32", [], [])).kind == "elementwise"
-    assert compare.policy_for(GraphEntry("t.onnx", "float16", [], [])).rel == 2e-2
-    assert compare.policy_for(GraphEntry("t.onnx", "float32", [], [], quant="int4")).kind == "top1"
+    def entry(dtype: str, quant=None) -> GraphEntry:
+        return GraphEntry(path="t.onnx", dtype=dtype, inputs=(), outputs=(), quant=quant)
+
+    assert compare.policy_for(entry("float32")).kind == "elementwise"
+    assert compare.policy_for(entry("float16")).rel == 2e-2
+    assert compare.policy_for(entry("float32", "int4")).kind == "top1"
 
 
 # --------------------------------------------------------------------------- quantised exports
@@ -216,7 +219,7 @@ def test_quantised_topk_ids_are_judged_by_the_first_id_only():
     """A quantised draft graph may reorder its lower top-k ids (their log-probs moved by the
     quantisation); the first id is held to the top-1 rule, as logits' argmax is."""
     p = compare.policy_for(__import__("eagle_deploy.contract.manifest", fromlist=["GraphEntry"]).GraphEntry(
-        "d.onnx", "float32", [], [], quant="int4"))
+        path="d.onnx", dtype="float32", inputs=(), outputs=(), quant="int4"))
     lp = np.array([[[-0.1, -1.0, -1.3, -3.0], [-0.2, -2.0, -2.5, -4.0]]], np.float32)
     ids = np.array([[[7, 3, 5, 9], [4, 1, 2, 8]]])
     reordered = np.array([[[7, 5, 3, 11], [4, 2, 1, 8]]])

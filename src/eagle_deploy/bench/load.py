@@ -12,7 +12,10 @@ measured from sending the request to the first non-empty text chunk (queue wait 
 time per output token is (last chunk - first text chunk) / (completion tokens - 1) per
 request. Before the cells, each mode is warmed up with as many short requests at once as the
 highest concurrency (the first batched forwards of each shape are slow; --no-warmup skips
-this). Standard library + numpy only.
+this). A server with a prefix cache (eagle-serve's default) answers a prompt it has seen from
+its cache: each cell counts those prompt tokens (`cached_tokens`) and the table ends with a
+note; run the server with --prefix-cache-mb 0 to measure every prefill. Standard library +
+numpy only.
 
 Columns: `conc`, requests in flight; `ok`, requests completed; `tokens`, completion tokens;
 `TPOT`, time per output token; `same`, greedy texts equal to the same prompt's in the mode's
@@ -77,6 +80,7 @@ class Sample:
     rounds: int = 0
     text: str = ""
     dropped: bool = False  # the client hung up after the first text chunk (--disconnect)
+    cached_tokens: int = 0  # prompt tokens the server read from its prefix cache (usage.prompt_tokens_details)
 
     @property
     def tpot(self) -> float | None:
@@ -143,6 +147,7 @@ class Client:
                     break
                 if event.get("usage"):
                     sample.completion_tokens = event["usage"]["completion_tokens"]
+                    sample.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 for choice in event.get("choices") or ():
                     text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
                     if text:
@@ -244,7 +249,9 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def summarize(mode: str, concurrency: int, samples: list[Sample], wall: float) -> dict:
     """One cell: counts (requests; ok; dropped: abandoned by the client on purpose; lost:
-    neither), total tokens/s, TTFT and time per output token p50/p99 (ms), tau."""
+    neither), total tokens/s, TTFT and time per output token p50/p99 (ms), tau, and the prompt
+    tokens the server's prefix cache gave (cached_tokens: a repeated prompt's TTFT is then not a
+    full prefill's)."""
     ok = [s for s in samples if s.ok]
     tokens = sum(s.completion_tokens for s in ok)
     ttft = [s.ttft for s in ok if s.ttft is not None]
@@ -258,7 +265,7 @@ def summarize(mode: str, concurrency: int, samples: list[Sample], wall: float) -
             "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
             "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p99": _pct(tpot, 99),
             "latency_ms_p50": _pct([s.latency for s in ok], 50),
-            "tau": round(tau, 3) if tau is not None else None}
+            "tau": round(tau, 3) if tau is not None else None, "cached_tokens": sum(s.cached_tokens for s in ok)}
 
 
 def repeated(prompts: list[dict], times: int) -> list[dict]:
@@ -351,6 +358,11 @@ def format_table(result: dict) -> str:
             lg = c["long"]
             lines.append(f"long prompts during {c['mode']}/{c['concurrency']}: {lg['ok']}/{lg['requests']} done, "
                          f"TTFT p50 {lg['ttft_ms_p50']} ms, p99 {lg['ttft_ms_p99']} ms")
+    cached = sum(c.get("cached_tokens", 0) for c in result["cells"])
+    if cached:
+        lines.append(f"note: {cached:,} prompt tokens came from the server's prefix cache (the cells send the same "
+                     "prompts), so TTFT is not every prompt's full prefill: run eagle-serve --prefix-cache-mb 0 "
+                     "to measure that")
     return "\n".join(lines)
 
 

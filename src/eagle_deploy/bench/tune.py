@@ -23,7 +23,7 @@ from __future__ import annotations
 import datetime as _dt
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -350,7 +350,7 @@ def tune(cfg: TuneConfig, log: Callable = print) -> dict:
     if cfg.save:
         manifest = Manifest.load(cfg.engines)
         tuning = TuningRecord.from_json(_json_keys(record))
-        replace(manifest, tree=tuning.chosen, engines=replace(manifest.engines, tuning=tuning)).save(cfg.engines)
+        manifest.replace(tree=tuning.chosen, engines=manifest.engines.replace(tuning=tuning)).save(cfg.engines)
     return _json_keys(record)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import errno
 import importlib
 import os
+import stat
+from pathlib import Path
 
 
 class SettingError(ValueError):
@@ -21,6 +23,30 @@ class SettingError(ValueError):
     def named(self, name: str) -> str:
         """The message with the field called `name` ("--top-p must be in (0, 1], got 2.0")."""
         return f"{name} {self.rule}"
+
+
+class ManifestError(ValueError):
+    """An export folder or its manifest is missing, malformed or of another format version."""
+
+
+def unreadable(path: Path) -> str | None:
+    """Why `path` cannot be read as a file, in words that follow its name ("is missing", "is a
+    symlink loop ...", "is a symlink to X, which does not exist", "is a folder, not a file",
+    "cannot be read (...)"), or None for a file (symlinks followed). Path.exists and
+    Path.is_file say False for all of these alike, so a loop read as "missing"."""
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "is a symlink loop (a link that leads back to itself, not a file)"
+        if os.path.islink(path):
+            return f"is a symlink to {os.readlink(path)}, which does not exist"
+        if isinstance(err, FileNotFoundError):
+            return "is missing"
+        return f"cannot be read ({err.strerror or err})"
+    if stat.S_ISDIR(st.st_mode):
+        return "is a folder, not a file"
+    return None
 
 
 def first_line(err: BaseException) -> str:

@@ -122,6 +122,12 @@ session (ManifestError naming the file and the tensors).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, Literal, Union
+
+from annotated_types import Ge, MinLen
+
+from .dtypes import NAMES
+from .field_errors import Expect
 
 TARGET_FILE = "target.onnx"
 DRAFT_FILE = "draft.onnx"
@@ -161,13 +167,20 @@ def kv_names(num_layers: int) -> list[tuple[str, str]]:
     return [(past_name(i, k), present_name(i, k)) for i in range(num_layers) for k in ("key", "value")]
 
 
+# a shape dimension: a size or a symbol (`batch`, `seq`, ...)
+Dim = Annotated[Union[Annotated[int, Ge(0)], Annotated[str, MinLen(1)]],
+                Expect("a dimension (integer >= 0 or a symbol)", whole=True)]
+
+
 @dataclass(frozen=True)
 class TensorSpec:
-    """One graph input or output: name, dtype (numpy name) and shape (ints or symbols)."""
+    """One graph input or output: name, dtype (numpy name) and shape (ints or symbols). The
+    field types are what the manifest may hold (pydantic reads them; no check on construction)."""
 
-    name: str
-    dtype: str
-    shape: tuple
+    __pydantic_config__ = {"extra": "forbid"}
+    name: Annotated[str, MinLen(1)]
+    dtype: Literal[NAMES]
+    shape: tuple[Dim, ...]
 
     def to_json(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}

@@ -8,9 +8,12 @@ TensorRT backend (`eagle_deploy.runtime.backends.trt`) so both agree on every bo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Annotated, Sequence
+
+from annotated_types import Ge, MinLen
 
 from . import onnx_io as c
+from .field_errors import Expect
 from .tree_config import TreeConfig, TreeConfigError
 
 Shape = tuple[int, ...]
@@ -18,12 +21,18 @@ Bounds = dict[str, tuple[Shape, Shape, Shape]]  # input name -> (min, opt, max)
 NamedBounds = Sequence[tuple[str, Bounds]]  # one (profile name, bounds) per profile, in engine order
 
 
+_Size = Annotated[int, Ge(0)]
+_MinOptMax = Annotated[tuple[tuple[_Size, ...], tuple[_Size, ...], tuple[_Size, ...]],
+                       Expect("[min, opt, max] shapes (lists of integers >= 0)", whole=True)]
+
+
 @dataclass(frozen=True)
 class ProfileSpec:
-    """One optimization profile: a name and {input name: (min, opt, max) shapes}."""
+    """One optimization profile: a name and {input name: (min, opt, max) shapes}. The field
+    types are what the manifest may hold (pydantic reads them; other keys are ignored)."""
 
-    name: str
-    shapes: Bounds = field(default_factory=dict)
+    name: Annotated[str, MinLen(1)]
+    shapes: dict[str, _MinOptMax] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"name": self.name, "shapes": {n: [list(s) for s in mom] for n, mom in self.shapes.items()}}

@@ -10,6 +10,11 @@ holds `total_tokens - 1` draft tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, Literal, Optional
+
+from annotated_types import Ge, MinLen
+
+from .field_errors import Expect
 
 # A static EAGLE-1-style tree (arXiv 2401.15077 §3.2): 25 draft nodes, depth 5, 4/8/8/3/2
 # nodes per depth; each path lists child ranks in the head's top-k, root excluded.
@@ -44,14 +49,17 @@ class TreeConfig:
     log-probability, expand each by `top_k` children, finally keep the best
     `total_tokens - 1` nodes) or "static" (EAGLE-1: the fixed `choices`).
     depth: draft steps per round (the deepest node's depth). top_k: children per expanded
-    node. total_tokens: verification tokens per round, root included.
+    node. total_tokens: verification tokens per round, root included. The field types are
+    what the manifest may hold (pydantic reads them); `validate` checks a tree built in Python.
     """
 
-    kind: str = "dynamic"
-    total_tokens: int = 16
-    depth: int = 4
-    top_k: int = 4
-    choices: tuple[tuple[int, ...], ...] | None = None
+    __pydantic_config__ = {"extra": "forbid"}
+    kind: Literal["dynamic", "static"] = "dynamic"
+    total_tokens: Annotated[int, Ge(1)] = 16
+    depth: Annotated[int, Ge(1)] = 4
+    top_k: Annotated[int, Ge(1)] = 4
+    choices: Annotated[Optional[tuple[Annotated[tuple[Annotated[int, Ge(0)], ...], MinLen(1)], ...]],
+                       Expect("null or a list of paths (non-empty lists of child ranks >= 0)", whole=True)] = None
 
     @classmethod
     def static(cls, name_or_choices) -> "TreeConfig":

@@ -15,9 +15,8 @@ eagle-serve, the Triton model, eagle-validate), at one of three levels (`VERIFY_
   folder instead).
 
 What is compared is the manifest's `files` record (`FileRecord`: size, sha256, sampled
-sha256 of every file, written by eagle-export). Exports made before it was recorded have only
-the graphs' sha256 and the shared weights' size and sha256: "fast" then hashes only files up
-to SMALL_FILE bytes and `VerifyReport.note` says what was left to "full".
+sha256 of every file, written by eagle-export). A large file recorded without a sampled sha256
+is hashed whole at "fast" too.
 
 Every mismatch is one ManifestError line naming the file and what to do (re-export), e.g.
 
@@ -47,22 +46,11 @@ DIFFERENT = ("the folder's files are not the ones its manifest describes (a mani
 
 @dataclass(frozen=True)
 class VerifyReport:
-    """What verify_export checked: level, files compared (`files`), bytes hashed, and the
-    files whose content this level could not compare (`unchecked`: exports made before
-    eagle-export recorded every file's size and sampled digest)."""
+    """What verify_export checked: level, files compared (`files`), bytes hashed."""
 
     level: str
     files: int = 0
     hashed_bytes: int = 0
-    unchecked: tuple[str, ...] = ()
-
-    @property
-    def note(self) -> str | None:
-        """One line for the CLIs to print when some content was left unchecked, else None."""
-        if not self.unchecked:
-            return None
-        return (f"{', '.join(self.unchecked)}: present but not compared (this export predates the manifest's file "
-                "record); `--verify full` compares their sha256, or re-export")
 
 
 def sha256_file(path: Path, bar=None) -> str:
@@ -101,7 +89,8 @@ def file_records(folder: Path) -> dict[str, FileRecord]:
         if rel.startswith(MANIFEST_FILE):  # the manifest and its temporary copy
             continue
         size = path.stat().st_size
-        records[rel] = FileRecord(size, sha256_file(path), sampled_digest(path) if size > SMALL_FILE else None)
+        records[rel] = FileRecord(size=size, sha256=sha256_file(path),
+                                  sampled_sha256=sampled_digest(path) if size > SMALL_FILE else None)
     return records
 
 
@@ -109,9 +98,7 @@ def rerecord_files(folder: Path) -> Manifest:
     """Re-write the manifest's `files` record from what `folder` holds now, and return the
     manifest: for a tool (or test) that changes an export's files on purpose. Raises
     ManifestError as Manifest.load."""
-    from dataclasses import replace
-
-    manifest = replace(Manifest.load(folder), files=file_records(folder))
+    manifest = Manifest.load(folder).replace(files=file_records(folder))
     manifest.save(folder)
     return manifest
 
@@ -231,17 +218,6 @@ def graph_io(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
 # The check
 
 
-def _expected(manifest: Manifest) -> dict[str, FileRecord | tuple[int | None, str | None]]:
-    """The manifest's record of each file: its `files`, else (older exports) the graphs'
-    sha256 and the shared weights' size and sha256 as (size, sha256) pairs."""
-    if manifest.files:
-        return dict(manifest.files)
-    legacy = {getattr(manifest, w).path: (None, getattr(manifest, w).sha256) for w in GRAPHS}
-    if manifest.shared_weights is not None:
-        legacy[manifest.shared_weights.file] = (manifest.shared_weights.size, manifest.shared_weights.sha256)
-    return legacy
-
-
 def _mismatch(path: Path, source: Path, what: str) -> ManifestError:
     return ManifestError(f"{path} does not match {source} ({what}): {DIFFERENT}; re-export")
 
@@ -276,7 +252,7 @@ def verify_export(folder: Path, manifest: Manifest, level: str = "fast", progres
                        source=str(source))
     if manifest.shared_weights is not None:
         manifest.shared_weights.check(folder, "target")  # missing or short: names the tensors it holds
-    expected, sizes = _expected(manifest), {}
+    expected, sizes = manifest.files, {}
     _no_unlisted_tokenizer_files(folder, manifest, source)
     for rel, record in expected.items():
         path = folder / rel
@@ -285,9 +261,8 @@ def verify_export(folder: Path, manifest: Manifest, level: str = "fast", progres
             raise ManifestError(f"{path} {problem} ({source} lists it); copy the whole export folder or "
                                 "re-export")
         sizes[rel] = path.stat().st_size
-        want = record.size if isinstance(record, FileRecord) else record[0]
-        if want is not None and sizes[rel] != want:
-            raise ManifestError(f"{path} is {sizes[rel]:,} bytes but {source} records {want:,}: {DIFFERENT}; "
+        if sizes[rel] != record.size:
+            raise ManifestError(f"{path} is {sizes[rel]:,} bytes but {source} records {record.size:,}: {DIFFERENT}; "
                                 "re-export")
     return _compare_content(folder, source, expected, sizes, level, progress)
 
@@ -295,7 +270,7 @@ def verify_export(folder: Path, manifest: Manifest, level: str = "fast", progres
 def _no_unlisted_tokenizer_files(folder: Path, manifest: Manifest, source: Path) -> None:
     """The tokenizer folder holds only recorded files: transformers reads whatever is there
     (a chat_template.jinja added later changes every chat prompt)."""
-    if not manifest.files or not manifest.tokenizer or not (folder / manifest.tokenizer).is_dir():
+    if not manifest.tokenizer or not (folder / manifest.tokenizer).is_dir():
         return
     for path in sorted((folder / manifest.tokenizer).rglob("*")):
         if path.is_file() and path.relative_to(folder).as_posix() not in manifest.files:
@@ -303,20 +278,16 @@ def _no_unlisted_tokenizer_files(folder: Path, manifest: Manifest, source: Path)
                                 "remove it or re-export")
 
 
-def _compare_content(folder: Path, source: Path, expected: dict, sizes: dict, level: str,
+def _compare_content(folder: Path, source: Path, expected: dict[str, FileRecord], sizes: dict, level: str,
                      progress: bool | None) -> VerifyReport:
     """The content half of verify_export: sha256 (whole files) or sampled digests."""
-    whole = [rel for rel, r in expected.items() if (r.sha256 if isinstance(r, FileRecord) else r[1])
-             and (level == "full" or sizes[rel] <= SMALL_FILE)]
-    sampled = [rel for rel, r in expected.items() if rel not in whole and isinstance(r, FileRecord)
-               and r.sampled_sha256]
-    unchecked = tuple(rel for rel in expected if rel not in whole and rel not in sampled)
+    whole = [rel for rel, r in expected.items() if level == "full" or sizes[rel] <= SMALL_FILE or not r.sampled_sha256]
+    sampled = [rel for rel in expected if rel not in whole]
     hashed = sum(sizes[rel] for rel in whole)
     bar = _bar(hashed, progress)
     try:
         for rel in whole:
-            record = expected[rel]
-            want = record.sha256 if isinstance(record, FileRecord) else record[1]
+            want = expected[rel].sha256
             try:
                 found = sha256_file(folder / rel, bar)
             except OSError as err:
@@ -329,4 +300,4 @@ def _compare_content(folder: Path, source: Path, expected: dict, sizes: dict, le
     for rel in sampled:
         if sampled_digest(folder / rel) != expected[rel].sampled_sha256:
             raise _mismatch(folder / rel, source, f"{SAMPLE_BLOCKS} sampled blocks differ from the recorded ones")
-    return VerifyReport(level, len(expected), hashed + len(sampled) * SAMPLE_BLOCKS * SAMPLE_BLOCK, unchecked)
+    return VerifyReport(level, len(expected), hashed + len(sampled) * SAMPLE_BLOCKS * SAMPLE_BLOCK)

@@ -308,12 +308,12 @@ def build_graphs(plan: ExportPlan, models: LoadedModels, options: ExportOptions,
     baked = None if taps else models.vocab_ids  # an EAGLE-3 graph maps its ids itself (d2t)
     draft_step = DraftOnnxFromHead(plan.dtype, options.graph_top_k, baked, options.external_data, layout)
     draft_entry = draft_step(models.head, tmp)
-    draft_entry = replace(draft_entry, trained=plan.head_dir is not None)
+    draft_entry = draft_entry.replace(trained=plan.head_dir is not None)
     if models.vocab_ids is not None:  # the ids baked into the draft graph, for references and tools
         import numpy as np
 
         np.save(tmp / DRAFT_VOCAB_FILE, models.vocab_ids.numpy())
-        draft_entry = replace(draft_entry, draft_vocab_file=DRAFT_VOCAB_FILE, draft_vocab_source=models.vocab_source)
+        draft_entry = draft_entry.replace(draft_vocab_file=DRAFT_VOCAB_FILE, draft_vocab_source=models.vocab_source)
     tokenizer = TokenizerFromHF()(plan.checkpoint.hf_dir, tmp)
     return target_entry, draft_entry, tokenizer
 
@@ -368,15 +368,14 @@ def write_manifest(plan: ExportPlan, models: LoadedModels, target_entry: GraphEn
         target=SourceRecord(spec=plan.model, path=str(checkpoint.source), sha256=weight_digests(checkpoint.source)),
         draft=SourceRecord(spec=plan.draft or checkpoint.default_draft, path=str(head_dir) if head_dir else None,
                            sha256={n: sha256_file(head_dir / n) for n in HEAD_WEIGHT_FILES
-                                   if head_dir and (head_dir / n).exists()},
-                           trained=head_dir is not None))
+                                   if head_dir and (head_dir / n).exists()}))
     files = file_records(tmp)
     if head_dir is None:
         notes = ["draft head is RANDOMLY INITIALISED (untrained): expect acceptance near 1 token per round", *notes]
     manifest = Manifest(
         name=plan.out.name, dims=models.dims, max_length=models.max_length,
-        target=replace(target_entry, sha256=files[target_entry.path].sha256),
-        draft=replace(draft_entry, sha256=files[draft_entry.path].sha256),
+        target=target_entry.replace(sha256=files[target_entry.path].sha256),
+        draft=draft_entry.replace(sha256=files[draft_entry.path].sha256),
         tree=plan.tree, eos_token_ids=tuple(eos_ids(checkpoint.hf_dir, models.hf.config, tokenizer)),
         tokenizer=TOKENIZER_DIR if tokenizer is not None else None,
         chat_template=bool(getattr(tokenizer, "chat_template", None)), sources=sources,

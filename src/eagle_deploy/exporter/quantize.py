@@ -51,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -282,8 +281,8 @@ def quantize_graph(folder: Path, entry: GraphEntry, kind: str, external_data: st
         raise RuntimeError(f"{entry.path}: {len(left)} weight MatMul(s) were not quantised, e.g. {sorted(left)[:3]}")
     n_quant = len(quantised_nodes(quantised))
     info = QuantRecord(kind=kind, method=method, tool="onnxruntime.quantization", quantised_matmuls=n_quant,
-                       batch_invariant=batch_invariant(method, settings), settings=settings)
-    return replace(entry, quant=kind, quant_info=info)
+                       batch_invariant=batch_invariant(method, settings), **settings)
+    return entry.replace(quant=kind, quant_info=info)
 
 
 def dequantised_weights(model, folder: Path | None = None) -> list[tuple]:

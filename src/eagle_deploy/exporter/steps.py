@@ -118,7 +118,7 @@ class TargetOnnxFromHF:
             fill_weights(model, params, read or (lambda p: p.detach().to(dtype=dtype, copy=True)), out,
                          last_dim=module.dims.vocab)
         place_graph(model, path, path.parent, self.external_data)  # weights in <graph>.data, or inline if small
-        return GraphEntry(c.TARGET_FILE, self.dtype, tuple(inputs), tuple(outputs),
+        return GraphEntry(path=c.TARGET_FILE, dtype=self.dtype, inputs=inputs, outputs=outputs,
                           feature_layers=tuple(self.feature_layers) if self.feature_layers else None,
                           ragged_batch=self.kv_layout == c.KV_SHARED)
 
@@ -145,16 +145,17 @@ class DraftOnnxFromHead:
             tapped = record.tapped_width(head.cfg.target_hidden)
         else:
             module = ExportableDraft(head, self.top_k, self.draft_vocab, self.kv_layout).eval()
-            record = HeadRecord("eagle")
+            record = HeadRecord(kind="eagle")
             vocab_size = int(len(self.draft_vocab)) if self.draft_vocab is not None else head.dims.vocab
             tapped = None
         inputs, outputs = c.draft_io(self.dtype, self.top_k, self.kv_layout, tapped)
         args = trace_inputs(head.dims, TORCH_DTYPES[self.dtype], 1, hidden_input=True, kv_layout=self.kv_layout,
                             tapped_width=tapped)
         OnnxFromModule(self.external_data)(module, args, inputs, outputs, Path(folder) / c.DRAFT_FILE)
-        return DraftEntry(c.DRAFT_FILE, self.dtype, tuple(inputs), tuple(outputs), graph_top_k=self.top_k,
-                          draft_vocab_size=vocab_size, max_position_embeddings=head.dims.max_position_embeddings,
-                          head=record, ragged_batch=self.kv_layout == c.KV_SHARED)
+        return DraftEntry(path=c.DRAFT_FILE, dtype=self.dtype, inputs=inputs, outputs=outputs,
+                          graph_top_k=self.top_k, trained=True, draft_vocab_size=vocab_size,
+                          max_position_embeddings=head.dims.max_position_embeddings, head=record,
+                          ragged_batch=self.kv_layout == c.KV_SHARED)
 
 
 @dataclass

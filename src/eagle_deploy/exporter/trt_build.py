@@ -24,7 +24,7 @@ import argparse
 import contextlib
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -320,7 +320,7 @@ def build_engines(export_folder, progress=None, options: TrtBuildOptions | None 
                        strongly_typed=True, max_length=manifest.max_length,
                        draft_capacity=draft_capacity(manifest, options) if "draft" in graphs else None,
                        onnx_sha256={w: g.sha256 for w, g in graphs.items()}, device=_device_name())
-    replace(manifest, engines=replace(manifest.engines, trt=record)).save(folder)
+    manifest.replace(engines=manifest.engines.replace(trt=record)).save(folder)
     return record
 
 

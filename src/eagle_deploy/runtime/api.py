@@ -7,6 +7,16 @@ stream as many requests as you like.
     for delta in s:
         print(delta, end="")
     print(s.result.stats.mean_accept_len)
+
+With a prefix cache (`prefix_cache_mb`, runtime/prefix_cache.py) a request that starts with an
+earlier request's tokens, its answer included, reuses their KV: a chat's next turn prefills
+only what is new (`result.stats.cached_tokens` says how many tokens were reused).
+
+    rt = EagleRuntime.load("engines/smollm2-135m", prefix_cache_mb=256)
+    chat = [{"role": "user", "content": "Name a colour."}]
+    chat.append({"role": "assistant", "content": rt.generate(chat).text})
+    chat.append({"role": "user", "content": "And another one?"})
+    rt.generate(chat).stats.cached_tokens   # the first turn, answer included
 """
 from __future__ import annotations
 
@@ -24,7 +34,7 @@ from eagle_deploy.contract.cache import cache_root
 from eagle_deploy.contract.cpu import cpu_info
 from eagle_deploy.contract.errors import SettingError, prompt_too_long
 from eagle_deploy.contract.manifest import Manifest, ManifestError
-from eagle_deploy.contract.onnx_io import MANIFEST_FILE
+from eagle_deploy.contract.onnx_io import KV_SHARED, MANIFEST_FILE
 from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.contract.verify import VerifyReport, sha256_file, verify_export
 
@@ -35,6 +45,7 @@ from .grammar import Grammar, GrammarState, GrammarTokenizer
 from .hybrid import ALTERNATE_LEN, ALTERNATES, MAX_LOOKUP, head_of, make_drafter, uses_draft_graph
 from .options import EngineOptions
 from .planner import CostModel, measure_costs
+from .prefix_cache import PrefixCache
 from .request import Prompt, Request
 from .shaping import TokenLogprob
 from .text import TextStream, encode_prompt
@@ -65,19 +76,25 @@ class Generation:
         for delta in s:
             print(delta, end="")
         s.result.stats.mean_accept_len
+
+    With a prefix cache, the iteration's end also settles the request into it
+    (`EagleRuntime.settle`) unless `defer_settle()` was called.
     """
 
     def __init__(self, deltas: Generator[str, None, GenerationResult], logprobs: list[TokenLogprob] | None = None,
-                 stop: threading.Event | None = None, tokens: list[int] | None = None):
+                 stop: threading.Event | None = None, tokens: list[int] | None = None,
+                 settle: Callable[[], float] | None = None):
         """logprobs: the list the request fills as tokens are committed (Request.logprobs), or
         None; read it while streaming through `logprobs`. stop: set by `cancel`; tokens: the
-        list the request fills with its committed tokens."""
+        list the request fills with its committed tokens; settle: the runtime's `settle`."""
         self._deltas = deltas
         self._result: GenerationResult | None = None
         self.logprobs = logprobs  # one TokenLogprob per token committed so far (a text delta may lag behind)
         self._stop = stop or threading.Event()
         self._tokens = tokens if tokens is not None else []
         self._stepping = threading.Lock()  # held while a step runs: cancel closes only a paused stream
+        self._settle = settle
+        self._settle_at_end = True
 
     def cancel(self) -> None:
         """Stop the request before its next verification round: the iteration then ends and
@@ -112,7 +129,23 @@ class Generation:
         except StopIteration as done:
             if self._result is None:
                 self._result = done.value
+            if self._settle_at_end:
+                self.settle()
             raise
+
+    def defer_settle(self) -> None:
+        """Do not settle when the iteration ends: the caller calls `settle()` itself (eagle-serve
+        sends the response first, then settles)."""
+        self._settle_at_end = False
+
+    def settle(self, answer: bool = True) -> float:
+        """Settle the finished request into its runtime's prefix cache (EagleRuntime.settle;
+        answer=False: its prompt alone, no forward), once; -> seconds spent (0.0 before the
+        end, when done already, or with no cache)."""
+        if self._result is None or self._settle is None:
+            return 0.0
+        settle, self._settle = self._settle, None
+        return settle(answer)
 
     @property
     def result(self) -> GenerationResult:
@@ -231,10 +264,13 @@ class EagleRuntime:
 
     def __init__(self, folder: Path, manifest: Manifest, target, draft, tokenizer,
                  options: EngineOptions | None = None, drafter: Drafter | None = None,
-                 round_observers: Sequence[RoundObserver] = (), costs: CostModel | None = None):
+                 round_observers: Sequence[RoundObserver] = (), costs: CostModel | None = None,
+                 prefix_cache: PrefixCache | None = None):
         """target / draft: Backends (draft None with a custom `drafter`); options: how to
         decode (EngineOptions; its tree None: the manifest's); round_observers: see Decoder;
-        costs: the device's CostModel for a planned drafter (default: `device_costs`).
+        costs: the device's CostModel for a planned drafter (default: `device_costs`);
+        prefix_cache: a cache to share (BatchEngine: one for every slot; default: a new one of
+        options.prefix_cache_mb, None when that is 0).
         Raises SettingError (a ValueError) on options the export cannot take."""
         options = EngineOptions.of(options)
         self.folder, self.manifest, self.tokenizer = Path(folder), manifest, tokenizer
@@ -242,8 +278,15 @@ class EagleRuntime:
         row_exact = row_exact_default(manifest) if options.row_exact is None else options.row_exact
         self.options = options.replace(tree=self.tree, row_exact=row_exact)
         self.costs = costs
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache.of_mb(options.prefix_cache_mb)
+        if self.prefix_cache is not None and manifest.target.kv_layout != KV_SHARED:
+            raise SettingError("prefix_cache_mb", f"needs the fused target graph (KV layout {KV_SHARED!r}); this "
+                                                  f"export's has {manifest.target.kv_layout!r} (--graph standard), "
+                                                  "whose rows differ in the last bit when a prompt runs in parts: "
+                                                  "set it to 0 or re-export without --graph standard")
         self.decoder = Decoder(target, None, manifest.max_length, options.acceptance, options.threshold_or_zero,
-                               round_observers, row_exact, options.prefill_chunk, manifest.length_limit)
+                               round_observers, row_exact, options.prefill_chunk, manifest.length_limit,
+                               self.prefix_cache)
         if drafter is None and (draft is not None or not uses_draft_graph(options.drafter_kind)):
             drafter = self._drafter(draft)
         self.decoder.drafter = drafter
@@ -385,7 +428,8 @@ class EagleRuntime:
         text = TextStream(self.tokenizer, self.eos_ids, request.stop) if self.tokenizer is not None else None
         logprobs = None if request.logprobs is None else []
         stop, tokens = threading.Event(), []
-        return Generation(self._stream(ids, request, text, logprobs, stop, grammar, tokens), logprobs, stop, tokens)
+        return Generation(self._stream(ids, request, text, logprobs, stop, grammar, tokens), logprobs, stop, tokens,
+                          self.settle if self.prefix_cache is not None else None)
 
     def grammar_for(self, request: Request) -> Grammar | None:
         """The grammar a request's output follows, compiled for this export's tokenizer: its
@@ -462,6 +506,21 @@ class EagleRuntime:
             if self._requests == me:  # still the latest request: the buffers are free
                 self._owner = None
                 self._free.notify_all()
+
+    def settle(self, answer: bool = True) -> float:
+        """Store the last finished request, prompt and answer (answer=False: its prompt alone,
+        no forward), in the prefix cache
+        (Decoder.settle: its answer's rows run again as a prefill), so a request that starts
+        with them reuses them exactly. `generate` and a `Generation` iterated to its end call it;
+        a request started first drops it. Waits, as a request does, while another thread's
+        request holds the KV buffers. -> seconds spent (0.0: no cache, or nothing to settle)."""
+        if self.prefix_cache is None or self.decoder.unsettled is None:
+            return 0.0
+        me = self._claim()
+        try:
+            return self.decoder.settle(answer)
+        finally:
+            self._release(me)
 
     def generate(self, prompt: Prompt | Request, max_new_tokens: int | None = None, **settings) -> GenerationResult:
         """Generate to completion; see `stream` for the arguments."""

@@ -5,8 +5,10 @@ A `BatchEngine` holds `slots` sequences. Each slot is an ordinary `EagleRuntime`
 `SlotBackend`s: a slot's forward is handed to the engine, which waits until every busy slot
 has handed in its next forward and then runs them together:
 
-1. a forward with an empty past (a prefill, or the drafter's first extension) runs alone, on
-   the slot's own rows (large and rare; batching it would pad every other slot to its length);
+1. a prefill (a prompt's rows, `StepInputs.prefill`: from row 0, or from the rows a prefix-cache
+   hit copied in, or an answer being settled) and any other forward with an empty past (the
+   drafter's first extension) runs alone, on the slot's own rows (large and rare; batching it
+   would pad every other slot to its length);
 2. otherwise the draft forwards first (those with the same feature inputs together: an
    EAGLE-3 extension and an expansion fill different inputs), so every slot finishes drafting
    its tree, then all the target forwards (tree verifications, vanilla steps) as one.
@@ -20,7 +22,8 @@ prefill_chunk + 2 tokens or more is run in chunks of
 prefill_chunk rows ([a, b) at past a on its own slot's rows; the last one 2 to
 prefill_chunk + 1 rows, never one), with one forward of the other slots between two chunks,
 so a ~1k-token prompt no longer stalls every stream for its whole prefill (vLLM, SGLang and
-TensorRT-LLM chunk prefills for the same reason). Prefills waiting together go shortest
+TensorRT-LLM chunk prefills for the same reason; a prefill after a prefix-cache hit is chunked
+from its first uncached row). Prefills waiting together go shortest
 remaining first, so a short prompt (one chunk or less, run whole) never waits for a long one's
 chunks. A long prompt with no other slot decoding is chunked too: its chunks run back to
 back, which on a CPU is also faster than one forward (attention over fewer query rows at
@@ -61,6 +64,12 @@ row-exact.
 Seeded tokens also need the same tree: they match alone with `shrink_trees=False`, or while at
 most two slots are busy.
 
+Prefix cache (`prefix_cache_mb`, runtime/prefix_cache.py): one cache for all slots, so a
+conversation's next turn reuses its KV on whichever slot it lands. A hit's rows are copied into
+the slot's block by the slot's thread before its first forward, while no forward runs (every
+busy slot must hand one in first); a request is settled inside its busy() block, and on exit
+what was not is dropped (the slot's rows are released).
+
 Needs the fused graphs (KV layout "shared", manifest `extra.ragged_batch`: the default
 onnxruntime export; each slot's rows are one contiguous block, so a prefill binds that block
 alone) and a backend whose `allocate_kv` takes a batch (onnxruntime CPU). KV is allocated once
@@ -94,6 +103,7 @@ from .hybrid import make_drafter, uses_draft_graph
 from .kv import KVBuffer
 from .memory import available_mb
 from .options import EngineOptions
+from .prefix_cache import PrefixCache
 from .request import Prompt
 
 # output fields whose axis 1 follows logits_indices (N); every other output follows the new tokens (S)
@@ -314,8 +324,10 @@ class BatchEngine:
                 eagle = _LoadTrees(eagle, self) if shrink_trees else eagle
             return wrap(b, make_drafter(drafter_kind, eagle, tree, planned, self.costs, self._row_exact))
 
+        self.prefix_cache = PrefixCache.of_mb(options.prefix_cache_mb)  # one for every slot (module doc)
         self.runtimes = [EagleRuntime(folder, manifest, SlotBackend(self, "target", b), None, tokenizer, slot_options,
-                                      drafter(b), observers(b), self.costs)  # prefills chunked here (_run_chunk)
+                                      drafter(b), observers(b), self.costs,  # prefills chunked here (_run_chunk)
+                                      prefix_cache=self.prefix_cache)
                          for b in range(slots)]
 
     @classmethod
@@ -387,7 +399,8 @@ class BatchEngine:
     def busy(self, slot: int) -> Iterator[EagleRuntime]:
         """Mark `slot` busy while its thread decodes a request with the yielded runtime; the
         engine waits for a forward from every busy slot before it runs a batch, so a busy slot
-        must be driven without pause. On exit the slot's rows are released."""
+        must be driven without pause. On exit the slot's rows are released (and a request
+        not settled into the prefix cache by then is dropped: module doc)."""
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.slots:
             raise IndexError(f"slot {slot!r}: this engine has slots 0 .. {self.slots - 1}")
         with self._cond:
@@ -398,6 +411,7 @@ class BatchEngine:
         try:
             yield self.runtimes[slot]
         finally:
+            self.runtimes[slot].decoder.unsettled = None  # its rows may hold other slots' padding from now on
             with self._cond:
                 self._busy.discard(slot)
                 self._pending.pop(slot, None)
@@ -412,11 +426,14 @@ class BatchEngine:
         with self._cond:
             if call.slot not in self._busy:
                 raise RuntimeError(f"slot {call.slot} ran a forward outside BatchEngine.busy()")
-            if call.role == "target" and call.past == 0:  # a prefill starts the slot's request
+            if call.role == "target" and (call.past == 0 or call.inputs.prefill):  # a prefill starts the request
                 self._started[call.slot] = self._session[call.slot]
             elif self._started[call.slot] != self._session[call.slot]:
                 raise RuntimeError(f"slot {call.slot}'s request was started in an earlier busy() session and its KV "
                                    "rows have been released since: finish a request inside one busy() block")
+            # the call reads rows [0, past) of its slot (a prefix-cache hit copied some in): a
+            # batched forward without it pads the slot from there on
+            self._held[call.role][call.slot] = call.past
             self._pending[call.slot] = call
             self._dispatch()
             while not call.done:
@@ -433,8 +450,8 @@ class BatchEngine:
 
     def _step(self) -> None:
         calls = sorted(self._pending.values(), key=lambda c: c.slot)
-        first = [c for c in calls if c.past == 0]
-        rest = [c for c in calls if c.past != 0]
+        first = [c for c in calls if c.past == 0 or c.inputs.prefill]
+        rest = [c for c in calls if not (c.past == 0 or c.inputs.prefill)]
         if not first or (rest and self._decode_turn):  # decoding slots' turn (after a prefill chunk)
             self._decode_turn = False
             self._run_group(self._group(rest))
@@ -482,20 +499,20 @@ class BatchEngine:
                 and (x.features is None or x.features.shape[1] == call.seq))
 
     def _run_chunk(self, call: _Call) -> None:
-        """The next chunk of a chunked prefill on its slot's rows: rows [a, a + prefill_chunk) at
-        past a, or the rest at once when at most prefill_chunk + 1 rows remain, so no chunk is
-        one row (onnxruntime's one-row kernels round differently). The call completes with its
-        chunks' outputs joined (`_join_chunks`) after the last. Lock held."""
+        """The next chunk of a chunked prefill on its slot's rows: its rows [a, a + prefill_chunk)
+        at past call.past + a, or the rest at once when at most prefill_chunk + 1 rows remain,
+        so no chunk is one row (onnxruntime's one-row kernels round differently). The call
+        completes with its chunks' outputs joined (`_join_chunks`) after the last. Lock held."""
         a, S = call.rows_done, call.seq
         b = chunk_end(a, S, self.prefill_chunk)
         x = call.inputs
         want = x.logits_indices[0]
         inside = [int(i) for i in want if a <= i < b]
-        chunk = StepInputs(x.input_ids[:, a:b], x.position_ids[:, a:b], x.attention_mask[:, a:b, :b],
+        chunk = StepInputs(x.input_ids[:, a:b], x.position_ids[:, a:b], x.attention_mask[:, a:b, :call.past + b],
                            np.array([[i - a for i in inside] or [0]], np.int64),
-                           None if x.features is None else x.features[:, a:b], x.tapped_features)
+                           None if x.features is None else x.features[:, a:b], x.tapped_features, x.prefill)
         try:
-            part = _Call(call.slot, call.role, chunk, a)
+            part = _Call(call.slot, call.role, chunk, call.past + a)
             self._run_solo(part)
             call.parts.append((a, b, _copied(part.result), inside))
             self.prefill_chunks += 1

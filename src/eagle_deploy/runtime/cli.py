@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print one JSON object instead of text; its 'memory' holds resident memory by stage and peak "
                         "(vanilla's measured before the draft graph is opened), GPU memory on device backends, and "
                         "the export folder's size by file")
+    p.add_argument("--prefix-cache-mb", type=float, default=0.0, metavar="MB",
+                   help="MiB of KV kept from earlier requests (prompt and answer) and reused, bit for bit, by later "
+                        "ones that start with the same tokens (here: the warm-up's prompt); --backend ort only; 0: off")
     add_tree_args(p, "the export's manifest")
     p.set_defaults(drafter=None)  # unset -> EngineOptions' default, after _check_no_effect
     return p
@@ -160,7 +163,7 @@ def main(argv=None) -> int:
         rt.grammar_for(request)  # and a schema the grammar engine refuses
         draft_graph = mode == "eagle" and uses_draft_graph(options.drafter_kind)  # --vanilla never opens it either
         notes = manifest.notes_for(draft_graph)
-        for note in (*notes, *filter(None, [rt.verification.note])):
+        for note in notes:
             print(f"note: {note}", file=sys.stderr)
         if args.acceptance != "lossless":
             print(f"note: --acceptance {args.acceptance} is {LOSSY}: output does not follow the target distribution",
@@ -215,6 +218,11 @@ def _run(rt, args, request):
     return request.result
 
 
+def _cached(stats) -> str:
+    """", N of M prompt tokens from the prefix cache" after a hit, else ""."""
+    return f" ({stats.cached_tokens} of {stats.prompt_tokens} prompt tokens cached)" if stats.cached_tokens else ""
+
+
 def _summary(result, comparison: dict, manifest, draft_graph: bool) -> str:
     s = result.stats
     tag = s.mode  # which drafter ran (None for vanilla), and how many rounds it drafted (a cost-aware one skips some)
@@ -222,7 +230,7 @@ def _summary(result, comparison: dict, manifest, draft_graph: bool) -> str:
         tag += f": {s.drafter} drafter, {s.draft_rounds} of {s.rounds} rounds drafted"
     line = (f"[{tag}] {s.new_tokens} new tokens, {s.tokens_per_s:.1f} tokens/s, "
             f"tau {s.mean_accept_len:.2f} tokens/forward, {s.target_forwards} target forwards, "
-            f"TTFT {s.t_prefill * 1e3:.0f} ms, finish: {result.finish_reason}")
+            f"TTFT {s.t_prefill * 1e3:.0f} ms{_cached(s)}, finish: {result.finish_reason}")
     if s.limited_by == "capacity":
         hint = max_length_hint(manifest.max_length, manifest.length_limit)
         line += (f" (the export's KV capacity, max_length {manifest.max_length}, ran out before --max-new-tokens; "

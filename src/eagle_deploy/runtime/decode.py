@@ -15,9 +15,10 @@ import numpy as np
 from eagle_deploy.contract.errors import prompt_too_long
 
 from .acceptance import SpecCounts, tau
-from .backends.base import Backend, StepInputs
+from .backends.base import Backend, StepInputs, TargetOutputs
 from .drafter import Drafter, DraftRequest, causal_mask
 from .grammar import GrammarRows, GrammarState, mask_first
+from .prefix_cache import PrefixCache, PrefixEntry
 from .sampling import SamplingParams, finite_number, greedy_token, sample, target_probs
 from .shaping import LogitShaper, TokenLogprob, token_logprob
 from .tree import DraftTree
@@ -50,6 +51,7 @@ class Stats:
     acceptance: str = "lossless"
     row_exact: bool = False  # decoded row-exact (Decoder, row_exact)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those whose KV and features came from the prefix cache
     new_tokens: int = 0
     finish_reason: str | None = None
     # which limit ended a "length" finish: "max_new_tokens", or "capacity" (the export's KV
@@ -113,7 +115,8 @@ class Stats:
         """Plain-JSON form: counters, tau ("mean_accept_len"), speeds, times in ms."""
         decode_time = max(self.decode_seconds, 1e-9)
         return {
-            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens, "new_tokens": self.new_tokens,
+            "finish_reason": self.finish_reason,
             "limited_by": self.limited_by,
             "target_forwards": self.target_forwards, "prefill_forwards": self.prefill_forwards,
             "draft_forwards": self.draft_forwards,
@@ -145,6 +148,17 @@ class _State:
     generated: int = 0
     finish_reason: str | None = None
     limited_by: str | None = None  # with finish_reason "length": "max_new_tokens" | "capacity"
+
+
+@dataclass(frozen=True)
+class _Unsettled:
+    """A finished request whose answer is still to be settled into the prefix cache
+    (Decoder.settle): every committed token, the prompt's length, and the prompt's features
+    [prompt_len, F] (its KV rows are still in the buffer)."""
+
+    tokens: list[int]
+    prompt_len: int
+    features: np.ndarray
 
 
 PREFILL_CHUNK = 256  # EagleRuntime's default rows per prefill forward (Decoder, prefill_chunk)
@@ -209,11 +223,16 @@ class Decoder:
 
     length_limit: the largest max_length a re-export of the model may have
     (Manifest.length_limit), named in the error for a prompt that does not fit (None: unknown).
+
+    prefix_cache: reuse the KV and features of earlier sequences that share the prompt's
+    first tokens (runtime/prefix_cache.py: bit-identical to a fresh prefill); a finished
+    request is kept `unsettled` until `settle` stores it (None: no cache).
     """
 
     def __init__(self, target: Backend, drafter: Drafter | None, max_length: int,
                  acceptance: str = "lossless", threshold: float = 0.0, round_observers: Sequence[RoundObserver] = (),
-                 row_exact: bool = False, prefill_chunk: int = 0, length_limit: int | None = None):
+                 row_exact: bool = False, prefill_chunk: int = 0, length_limit: int | None = None,
+                 prefix_cache: PrefixCache | None = None):
         check_acceptance(acceptance, threshold)  # fail at load, not after the first forward
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self.target, self.drafter = target, drafter
@@ -223,6 +242,8 @@ class Decoder:
         self.kv = target.allocate_kv(target_kv_capacity(max_length, row_exact))
         self.acceptance, self.threshold = acceptance, threshold
         self.round_observers = tuple(round_observers)
+        self.prefix_cache = prefix_cache
+        self.unsettled: _Unsettled | None = None  # the last request, finished and still to settle
 
     def decode(self, prompt: Sequence[int], max_new_tokens: int, params: SamplingParams,
                stopper: Stopper, vanilla: bool = False, stats: Stats | None = None,
@@ -242,6 +263,7 @@ class Decoder:
         shaper = LogitShaper.of(params, prompt)
         t0 = time.perf_counter()
         state, first_logits = self.prefill(prompt, params, rng, stats, shaper, grammar)
+        prompt_features = state.features
         first = self.commit_tokens(state, [state.committed.pop()], max_new_tokens, stopper)
         if shaper is not None:
             shaper.push(first)
@@ -287,6 +309,8 @@ class Decoder:
             yield chunk
         stats.new_tokens = state.generated
         stats.finish_reason, stats.limited_by = state.finish_reason, state.limited_by
+        if self.prefix_cache is not None:  # ended, not closed early (a cancelled request is not kept)
+            self.unsettled = _Unsettled(list(state.committed), len(prompt), prompt_features)
         stats.draft_forwards = drafter.forwards if drafter is not None else 0
         stats.t_total = time.perf_counter() - t0
         if grammar is not None:
@@ -294,23 +318,26 @@ class Decoder:
 
     def prefill(self, prompt: Sequence[int], params: SamplingParams, rng, stats: Stats,
                 shaper: LogitShaper | None = None, grammar: GrammarState | None = None) -> tuple[_State, np.ndarray]:
-        """Run the prompt; -> (the state with its first token chosen, that token's [V] row of
-        target logits, a copy)."""
+        """Run the prompt (its first rows copied from the prefix cache when it holds them);
+        -> (the state with its first token chosen, that token's [V] row of target logits, a
+        copy)."""
         n = len(prompt)
         if n == 0:
             raise ValueError("the prompt is empty")
         if n >= self.max_length:
             raise ValueError(prompt_too_long(n, self.max_length, self.length_limit))
         stats.prompt_tokens = n
-        ids, a, features = np.asarray(prompt, np.int64)[None], 0, []
-        stats.prefill_forwards = 0
-        while a < n:  # one forward, or chunks of prefill_chunk rows (see the class doc)
-            b = chunk_end(a, n, self.prefill_chunk) if self.prefill_chunk else n
-            out = self.run_target(StepInputs(ids[:, a:b], np.arange(a, b)[None], causal_mask(a, b - a),
-                                             np.array([[b - a - 1]])), a)
-            features.append(out.draft_features[0].copy())  # the backend reuses its output arrays
-            stats.prefill_forwards += 1
-            a = b
+        self.unsettled = None  # this request's rows overwrite the last one's
+        cached, features = 0, []
+        if self.prefix_cache is not None and n >= 2:  # the rest, n - cached >= 2 rows, is prefilled (module doc)
+            cached, entry = self.prefix_cache.match(prompt, n - 2)
+            if entry is not None:
+                entry.load(self.kv, cached)
+                features.append(entry.features[:cached])
+        stats.cached_tokens = cached
+        out, computed = self.prefill_rows(prompt, cached)
+        stats.prefill_forwards = len(computed)
+        features += computed
         logits = out.logits[0, 0].copy()
         shaped = logits if shaper is None else shaper.row(logits)
         if grammar is not None:
@@ -318,6 +345,53 @@ class Decoder:
         token = greedy_token(shaped) if params.greedy else sample(target_probs(shaped, params), rng)
         state = _State(list(prompt) + [token], n, features[0] if len(features) == 1 else np.concatenate(features))
         return state, logits
+
+    def prefill_rows(self, tokens: Sequence[int], start: int) -> tuple[TargetOutputs, list[np.ndarray]]:
+        """Run tokens[start:] at past `start` as a prompt is run: one forward, or forwards of
+        prefill_chunk rows (chunk_end: the last 2 to prefill_chunk + 1, never one; see the
+        class doc). -> (the last forward's outputs, holding its last row's logits; each
+        forward's draft features [rows, F], copies)."""
+        ids, a, features = np.asarray(tokens, np.int64)[None], start, []
+        n = ids.shape[1]
+        while a < n:
+            b = chunk_end(a, n, self.prefill_chunk) if self.prefill_chunk else n
+            out = self.run_target(StepInputs(ids[:, a:b], np.arange(a, b)[None], causal_mask(a, b - a),
+                                             np.array([[b - a - 1]]), prefill=True), a)
+            features.append(out.draft_features[0].copy())  # the backend reuses its output arrays
+            a = b
+        return out, features
+
+    def settle(self, answer: bool = True) -> float:
+        """Store the last finished request (`unsettled`), prompt and answer, in the prefix
+        cache: the answer's rows, computed by verification and one-token forwards, are run
+        again as prefill forwards at past = the prompt's length, so every stored row is a
+        prefill row (runtime/prefix_cache.py). answer=False stores the prompt's rows alone, with
+        no forward (what a busy server can afford: a shared system prompt still hits). Call it
+        before the next request (whose prefill drops what is unsettled); an answer that would
+        not fit the budget is not run. -> seconds spent (0.0: nothing to settle, or no cache)."""
+        done, self.unsettled = self.unsettled, None
+        if done is None or self.prefix_cache is None:
+            return 0.0
+        t0 = time.perf_counter()
+        if not answer:
+            if done.prompt_len < 2:  # a one-token prompt's row came from a one-row forward
+                return 0.0
+            prompt = done.tokens[: done.prompt_len]
+            self.prefix_cache.store(PrefixEntry.of(prompt, self.kv, done.features[: done.prompt_len]))
+            return time.perf_counter() - t0
+        tokens = done.tokens[: self.max_length]  # the last token of a full buffer has no row
+        row_bytes = 8 + done.features[0].nbytes + sum(self.kv.rows(i)[0].nbytes for i in range(len(self.kv.arrays)))
+        if len(tokens) * row_bytes > self.prefix_cache.budget:
+            return 0.0
+        # the prompt's rows are prefill rows already (a one-token prompt's came from a one-row
+        # forward: run it again); the last forward has two rows or more
+        start = min(done.prompt_len, len(tokens) - 2) if done.prompt_len >= 2 else 0
+        _, computed = self.prefill_rows(tokens, start)
+        features = np.concatenate([done.features[:start], *computed])
+        self.prefix_cache.store(PrefixEntry.of(tokens, self.kv, features))
+        seconds = time.perf_counter() - t0
+        self.prefix_cache.settled(seconds)
+        return seconds
 
     def expand_tree(self, state: _State, drafter: Drafter | None, max_new_tokens: int,
                     grammar: GrammarState | None = None, draft_forced: bool = True) -> DraftTree:

@@ -26,7 +26,7 @@ from .sampling import finite_number, whole_number
 # option -> the flag that sets it (eagle-run, eagle-serve): errors name the flag on the command line
 FLAGS = {"backend": "--backend", "tree": "--tree", "threads": "--threads", "drafter_kind": "--drafter",
          "planned": "--always-draft", "acceptance": "--acceptance", "threshold": "--threshold",
-         "verify": "--verify", "prefill_chunk": "--prefill-chunk"}
+         "verify": "--verify", "prefill_chunk": "--prefill-chunk", "prefix_cache_mb": "--prefix-cache-mb"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,11 @@ class EngineOptions:
     prefill_chunk: rows per prefill forward of a long prompt (0: the whole prompt in one
     forward; same bits either way). draft_forced: under a request's grammar
     (response_format), draft the tokens it forces as a chain (False: only the drafter's
-    proposals, pruned to the grammar; for measuring what forced drafts add)."""
+    proposals, pruned to the grammar; for measuring what forced drafts add).
+    prefix_cache_mb: MiB of target KV and features of earlier requests kept for later requests
+    that start with the same tokens (runtime/prefix_cache.py: exact, least recently used
+    evicted first; backend "ort" only); 0: off, the default here and in eagle-run (a process
+    of one request gains nothing), while eagle-serve keeps serve.cli.SERVE_PREFIX_CACHE_MB."""
 
     backend: str = "ort"
     tree: TreeConfig | None = None
@@ -65,6 +69,7 @@ class EngineOptions:
     row_exact: bool | None = None
     prefill_chunk: int = PREFILL_CHUNK
     draft_forced: bool = True
+    prefix_cache_mb: float = 0
 
     def __post_init__(self):
         _one_of("backend", self.backend, BACKEND_NAMES)
@@ -79,6 +84,13 @@ class EngineOptions:
             if not isinstance(getattr(self, name), bool):
                 raise SettingError(name, f"must be True or False, got {getattr(self, name)!r}")
         object.__setattr__(self, "prefill_chunk", whole_number(self.prefill_chunk, "prefill_chunk", 0))
+        cache = finite_number(self.prefix_cache_mb, "prefix_cache_mb")
+        if cache < 0:
+            raise SettingError("prefix_cache_mb", f"must be >= 0 (0: off), got {cache:g}")
+        if cache and self.backend != "ort":
+            raise SettingError("prefix_cache_mb", f"needs the onnxruntime CPU backend (ort), not {self.backend!r}: "
+                                                  "its copies are host arrays; set it to 0")
+        object.__setattr__(self, "prefix_cache_mb", cache)
         if self.acceptance == "lossless":
             if self.threshold is not None:
                 raise SettingError("threshold", "has no effect with lossless acceptance (it takes no threshold)")
@@ -112,10 +124,12 @@ class EngineOptions:
     @classmethod
     def from_args(cls, args, tree: TreeConfig | None = None, **changes) -> "EngineOptions":
         """The options of `contract.cli_args.add_engine_args`' flags (eagle-run, eagle-serve):
-        --backend, --threads, --drafter, --always-draft, --acceptance, --threshold, --verify;
+        --backend, --threads, --drafter, --always-draft, --acceptance, --threshold, --verify,
+        and the command's --prefix-cache-mb where it has one;
         `tree` (the tree flags resolved against the manifest) and `changes` on top. Raises
         SettingError; `cli_message` words it with the flag."""
         drafter = getattr(args, "drafter", None) or DEFAULT_DRAFTER
+        changes.setdefault("prefix_cache_mb", getattr(args, "prefix_cache_mb", None) or 0)
         return cls(backend=args.backend, tree=tree, threads=args.threads, drafter_kind=drafter,
                    planned=not args.always_draft, acceptance=args.acceptance, threshold=args.threshold,
                    verify=args.verify, **changes)

@@ -389,7 +389,10 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
         return JSONResponse(body)
 
     def _usage(prompt_tokens: int, result) -> dict:
+        """OpenAI's usage (prompt_tokens_details.cached_tokens: prompt tokens read from the
+        prefix cache) and the speculative-decoding counts."""
         return {**usage(prompt_tokens, len(result.token_ids)),
+                "prompt_tokens_details": {"cached_tokens": result.stats.cached_tokens},
                 "speculative": result.stats.to_json()["speculative"]}
 
     async def _next(job: Job, request: Request, deadline: tuple[float, float] | None) -> Event | None:

@@ -47,6 +47,10 @@ DEFAULT_PREFILL_CHUNK = 128
 # --verify's default here: a server loads once and then answers for every response it signs
 # "lossless", so it hashes every file (contract/verify.py; eagle-run keeps "fast")
 SERVE_VERIFY = "full"
+# --prefix-cache-mb's default here with --backend ort (0, off, with the others): a server's
+# requests share prefixes (a conversation's earlier turns, a system prompt) and it keeps the
+# KV of the latest (runtime/prefix_cache.py); eagle-run and the Python API default to 0
+SERVE_PREFIX_CACHE_MB = 256
 # seconds uvicorn waits past --shutdown-timeout-s before it cancels what is left (a request still
 # uploading its body); the app itself ends the running requests at --shutdown-timeout-s
 SHUTDOWN_GRACE_S = 2.0
@@ -71,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --slots > 1, a prompt of N + 2 tokens or more is prefilled N tokens at a time (the "
                         "last chunk 2 to N + 1), between the forwards of the requests decoding meanwhile, so long "
                         "prompts do not stall the other streams (output unchanged); 0: every prefill in one forward")
+    p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
+                   help="MiB of KV kept from earlier requests (their prompts and answers) and reused, bit for bit, by "
+                        "later ones that start with the same tokens: a chat's next turn, a shared system prompt "
+                        "(usage.prompt_tokens_details.cached_tokens); least recently used dropped first; 0: off "
+                        f"(default: {SERVE_PREFIX_CACHE_MB} with --backend ort, else 0)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for the engine at most; more get HTTP 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -107,6 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "503 server_busy; /health and /metrics are not counted (default: no limit)")
     add_tree_args(p, "the export's manifest")
     return p
+
+
+def engine_options(args, manifest=None):
+    """The EngineOptions of eagle-serve's engine flags (EngineOptions.from_args), its
+    --prefix-cache-mb unset: SERVE_PREFIX_CACHE_MB where the cache is exact (--backend ort and,
+    given the export's `manifest`, its fused target graph), else 0. Raises SettingError."""
+    from eagle_deploy.contract.onnx_io import KV_SHARED
+    from eagle_deploy.runtime.options import EngineOptions
+
+    cache = args.prefix_cache_mb
+    if cache is None:
+        fused = manifest is None or manifest.target.kv_layout == KV_SHARED
+        cache = SERVE_PREFIX_CACHE_MB if args.backend == "ort" and fused else 0
+    return EngineOptions.from_args(args, prefix_cache_mb=cache)
 
 
 def build_server(args, app):
@@ -167,7 +190,7 @@ def main(argv=None) -> int:
     from eagle_deploy.contract.manifest import Manifest, ManifestError
     from eagle_deploy.contract.tree_config import TreeConfigError
     from eagle_deploy.runtime.hybrid import uses_draft_graph
-    from eagle_deploy.runtime.options import FLAGS, EngineOptions
+    from eagle_deploy.runtime.options import FLAGS
 
     try:
         check_at_least((flag, value, 1) for flag, value in (
@@ -184,8 +207,9 @@ def main(argv=None) -> int:
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
         threshold_of(args)  # --threshold without --acceptance threshold, worded with both flags
-        options = EngineOptions.from_args(args)
+        engine_options(args)  # bad settings fail before the export is read
         manifest = Manifest.load(args.engines)
+        options = engine_options(args, manifest)
         # --prefill-chunk is the batched engine's (chunks interleaved with the other slots'
         # forwards); one slot keeps the runtime's default
         options = options.replace(tree=tree_from_args(args, manifest.tree),

@@ -140,6 +140,9 @@ class Scheduler(Protocol):
     @property
     def batching(self) -> dict: ...
 
+    @property
+    def prefix_cache(self): ...
+
 
 class RoundGate:
     """The round observer a scheduler installs in each slot's runtime: after every verification
@@ -236,6 +239,11 @@ class SlotScheduler:
         return sum(slot.job is not None for slot in self.slots)
 
     @property
+    def prefix_cache(self):
+        """The engine's PrefixCache (every slot's), or None when it is off."""
+        return self.runtime.prefix_cache
+
+    @property
     def batching(self) -> dict:
         """{"slots", "batched_forwards", "solo_forwards", "prefill_chunks"}: forwards the
         BatchEngine ran for two or more slots at once, and alone (prefills, or one busy slot),
@@ -318,10 +326,16 @@ class SlotScheduler:
                 slot.job, slot.gate.job = None, None
 
     def _run(self, slot: Slot, job: Job) -> None:
+        """Decode `job` on `slot`, then, with its response sent, settle it into the prefix cache
+        (EagleRuntime.settle; inside the slot's busy block, whose rows hold it): prompt and
+        answer when no request is waiting, else its prompt alone (no forward), so a queued
+        request never waits for a settle."""
         job.state, job.t_start = "running", time.perf_counter()
+        ended = False
         try:
             with slot.busy():
                 gen = job.generation = slot.runtime.stream(job.work.request)
+                gen.defer_settle()  # the response first
                 if job.cancelled:  # cancelled while the stream was being made
                     gen.cancel()
                 sent = 0
@@ -329,13 +343,20 @@ class SlotScheduler:
                     new = tuple(gen.logprobs[sent:]) if gen.logprobs is not None else ()
                     sent += len(new)
                     job.emit(Event("delta", text=delta, logprobs=new))
-            if gen.result.finish_reason == "cancelled":
-                self._end(job, "cancelled", Event("cancelled"))
-            else:
-                self._end(job, "done", Event("done", result=gen.result))
+                if gen.result.finish_reason == "cancelled":
+                    self._end(job, "cancelled", Event("cancelled"))
+                else:
+                    self._end(job, "done", Event("done", result=gen.result))
+                ended = True
+                with self._lock:
+                    idle = not self._jobs
+                gen.settle(answer=idle)
         except Exception as err:  # one request fails alone; the worker keeps serving
-            log.exception("request %s failed in the engine", job.seq)
-            self._end(job, "error", Event("error", error=err))
+            if ended:  # answered already: only its prefix-cache entry is lost
+                log.exception("settling request %s into the prefix cache failed", job.seq)
+            else:
+                log.exception("request %s failed in the engine", job.seq)
+                self._end(job, "error", Event("error", error=err))
 
     def _end(self, job: Job, state: str, event: Event) -> None:
         job.state, job.t_done = state, time.perf_counter()

@@ -17,6 +17,10 @@
     eagle_serve_solo_forwards                         gauge: forwards of a batching engine run for one slot alone
                                                       (prefills, a lone busy slot); both 0 with --slots 1
     eagle_serve_prefill_chunks                        gauge: of those, chunks of a chunked prefill (--prefill-chunk)
+    eagle_serve_prefix_cache_hits_total               finished requests whose prompt reused prefix-cache KV
+    eagle_serve_prefix_cache_cached_tokens_total      prompt tokens read from the prefix cache (their
+                                                      usage.prompt_tokens_details.cached_tokens summed)
+    eagle_serve_prefix_cache_bytes                    gauge: bytes the prefix cache holds (--prefix-cache-mb)
 
 and vLLM's speculative-decoding counters, named and labelled as vLLM names them (labels
 model_name, engine = "0"), from each finished request's `Stats` (see `SpecCounts`):
@@ -65,6 +69,11 @@ class ServeMetrics:
         self.solo = Gauge("eagle_serve_solo_forwards", "Forwards run for one slot alone", registry=r)
         self.chunks = Gauge("eagle_serve_prefill_chunks", "Prefill chunks run between other slots' forwards",
                             registry=r)
+        self.cache_hits = Counter("eagle_serve_prefix_cache_hits", "Finished requests whose prompt reused "
+                                  "prefix-cache KV", registry=r)
+        self.cached_tokens = Counter("eagle_serve_prefix_cache_cached_tokens", "Prompt tokens read from the prefix "
+                                     "cache", registry=r)
+        self.cache_bytes = Gauge("eagle_serve_prefix_cache_bytes", "Bytes the prefix cache holds", registry=r)
         vllm = ["model_name", "engine"]
         self.spec_labels = (model_name, "0")
         self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", vllm, registry=r)
@@ -86,6 +95,7 @@ class ServeMetrics:
         self.batched.set_function(lambda: scheduler.batching["batched_forwards"])
         self.solo.set_function(lambda: scheduler.batching["solo_forwards"])
         self.chunks.set_function(lambda: scheduler.batching["prefill_chunks"])
+        self.cache_bytes.set_function(lambda: cache.nbytes if (cache := scheduler.prefix_cache) is not None else 0)
 
     def finished(self, endpoint: str, job, result) -> None:
         """Record a request that ran to its end (`job`: engine.Job, `result`: GenerationResult)."""
@@ -93,6 +103,9 @@ class ServeMetrics:
         self.requests.labels(endpoint, "ok").inc()
         self.prompt_tokens.inc(s.prompt_tokens)
         self.completion_tokens.inc(len(result.token_ids))
+        if s.cached_tokens:
+            self.cache_hits.inc()
+            self.cached_tokens.inc(s.cached_tokens)
         if s.rounds:
             self.tau.labels(s.mode).observe(s.mean_accept_len)
             self.rounds.labels(s.mode).inc(s.rounds)

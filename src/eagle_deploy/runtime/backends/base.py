@@ -30,6 +30,8 @@ class StepInputs:
     logits_indices [B, N] int64; features [B, S, H] (draft graph only, the graph's dtype).
     EAGLE-3 draft graph: tapped_features [B, T, n*H_target] for the first T rows and features
     [B, S - T, H] for the rest (either may have 0 rows; contract "EAGLE-3 exports").
+    prefill: a prompt's rows (causal, at any past; Decoder.prefill_rows), which a batching
+    engine runs apart from the decoding forwards (runtime.batch); no graph input.
     """
 
     input_ids: np.ndarray
@@ -38,6 +40,7 @@ class StepInputs:
     logits_indices: np.ndarray
     features: np.ndarray | None = None
     tapped_features: np.ndarray | None = None
+    prefill: bool = False
 
     def check_single(self, backend: str) -> None:
         """ValueError unless this is one sequence (batch 1): for backends without batched forwards."""
