@@ -59,7 +59,7 @@ class TinyModel:
 
     def head(self):
         """The draft head as the exporter loads it (torch, bound to `hf`)."""
-        from eagle_deploy.exporter.heads import load_head
+        from eagle_deploy.heads.api import load_head
 
         return load_head(self.head_dir, self.hf)
 

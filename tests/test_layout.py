@@ -1,6 +1,6 @@
-"""The package layout shows the architecture: `exporter` and `runtime` never import each
-other, `contract` imports neither (nor anything heavy), and nothing imports the package
-under a second name."""
+"""The package layout shows the architecture: `exporter` (with the draft heads, `heads`) and
+`runtime` never import each other, `contract` imports none of them (nor anything heavy), and
+nothing imports the package under a second name."""
 from __future__ import annotations
 
 import ast
@@ -37,7 +37,9 @@ def sources(subpackage: str) -> list[Path]:
 
 
 @pytest.mark.parametrize("src, forbidden", [("exporter", "runtime"), ("runtime", "exporter"),
-                                            ("contract", "runtime"), ("contract", "exporter")])
+                                            ("heads", "runtime"), ("runtime", "heads"),
+                                            ("contract", "runtime"), ("contract", "exporter"),
+                                            ("contract", "heads")])
 def test_no_import_crosses_between_halves(src, forbidden):
     crossings = [f"{path.relative_to(PACKAGE)} imports {name}"
                  for path in sources(src) for name in imported_modules(path)
@@ -89,8 +91,8 @@ def test_design_map_names_every_module():
 
 def test_no_import_cycle_between_files_and_no_import_up_the_layers():
     """scripts/import_graph.py over the package: no two files import each other (directly or
-    round a loop) and no module imports one from a higher layer (contract < exporter, runtime <
-    validate, train < bench, serve, triton)."""
+    round a loop) and no module imports one from a higher layer (contract < exporter, heads,
+    runtime < validate, train < bench, serve, triton), nor runtime from exporter or heads."""
     import subprocess
     import sys
 

@@ -79,7 +79,7 @@ def build_tiny_head(folder: Path, target_dir: Path, seed: int = 1, fc_bias: bool
     `build_tiny_target`, applied to the head's post-attention norm)."""
     from transformers import AutoModelForCausalLM
 
-    from eagle_deploy.exporter.draft_head import random_head, save_head
+    from eagle_deploy.heads.api import random_head, save_head
 
     target = AutoModelForCausalLM.from_pretrained(str(target_dir))
     head = random_head(target, seed=seed, fc_bias=fc_bias)
@@ -105,7 +105,8 @@ def build_tiny_eagle3_head(folder: Path, target_dir: Path, seed: int = 1, layout
     of `draft_vocab` random ids including EOS, norms 1 + normal(0, 0.1)."""
     from transformers import AutoModelForCausalLM
 
-    from eagle_deploy.exporter.eagle3 import random_eagle3_head, save_eagle3_head
+    from eagle_deploy.heads.eagle3 import random_eagle3_head
+    from eagle_deploy.heads.eagle3_checkpoint import save_eagle3_head
 
     target = AutoModelForCausalLM.from_pretrained(str(target_dir))
     gen = torch.Generator().manual_seed(seed)

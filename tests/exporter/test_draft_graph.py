@@ -15,8 +15,8 @@ from onnx import numpy_helper
 
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.contract.manifest import Manifest
-from eagle_deploy.exporter.head_files import HeadCheckpointError
-from eagle_deploy.exporter.heads import load_head
+from eagle_deploy.heads.api import load_head
+from eagle_deploy.heads.files import HeadCheckpointError
 from eagle_deploy.validate.torch_backend import TorchBackend
 from tests import tiny
 from tests.helpers import causal_mask, kv_rows, run_step
@@ -305,8 +305,8 @@ def test_manifest_records_the_export(model):
 def test_reduced_draft_vocabulary_maps_ids_back_and_stays_lossless(mha, tmp_path):
     """--draft-vocab N: the head proposes only the N most frequent tokens (EOS always kept),
     top-k ids come back in the full vocabulary, and greedy EAGLE still equals the reference."""
-    from eagle_deploy.exporter.draft_head import TOKEN_COUNTS_FILE
     from eagle_deploy.exporter.export import ExportOptions, export
+    from eagle_deploy.heads.files import TOKEN_COUNTS_FILE
     from eagle_deploy.runtime.backends.ort import OrtBackend
     from tests.conftest import PROMPTS
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from eagle_deploy.exporter import cli
-from eagle_deploy.exporter.draft_head import TOKEN_COUNTS_FILE
 from eagle_deploy.exporter.draft_vocab import DEFAULT_SIZE, default_size, draft_vocab_ids, merge_rank
+from eagle_deploy.heads.files import TOKEN_COUNTS_FILE
 
 
 @pytest.mark.parametrize("vocab, size", [(256, 256), (8192, 8192), (32000, 8192), (49152, 12288),

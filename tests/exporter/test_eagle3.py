@@ -1,7 +1,8 @@
-"""EAGLE-3 heads (exporter/eagle3.py), tried against the ways they break: the two checkpoint
-layouts read differently, d2t / t2d lost or ignored, the target tapped one layer off, a tensor
-loaded but never applied, a buffer sized by the wrong hidden width, unclear checkpoint errors,
-and a manifest whose two records of the tapped layers disagree.
+"""EAGLE-3 heads (heads/eagle3*.py, their draft graph in exporter/draft.py), tried against the
+ways they break: the two checkpoint layouts read differently, d2t / t2d lost or ignored, the
+target tapped one layer off, a tensor loaded but never applied, a buffer sized by the wrong
+hidden width, unclear checkpoint errors, and a manifest whose two records of the tapped layers
+disagree.
 
 References: the exporter's own torch draft (`ExportableDraft3` through `TorchBackend`), and an
 independent one written out here from the raw safetensors and the paper (`_raw_draft`), which
@@ -20,16 +21,12 @@ import torch
 
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.contract.manifest import Manifest, ManifestError
-from eagle_deploy.exporter.eagle3 import (
-    LAYOUTS,
-    Eagle3Head,
-    default_feature_layers,
-    random_eagle3_head,
-    save_eagle3_head,
-)
 from eagle_deploy.exporter.export import DRAFT_VOCAB_FILE, ExportOptions, export
-from eagle_deploy.exporter.head_files import HeadCheckpointError
-from eagle_deploy.exporter.heads import load_head
+from eagle_deploy.heads.api import load_head
+from eagle_deploy.heads.eagle3 import Eagle3Head, random_eagle3_head
+from eagle_deploy.heads.eagle3_checkpoint import LAYOUTS, save_eagle3_head
+from eagle_deploy.heads.eagle3_config import default_feature_layers
+from eagle_deploy.heads.files import HeadCheckpointError
 from eagle_deploy.runtime.backends.base import StepInputs
 from eagle_deploy.runtime.backends.ort import OrtBackend
 from eagle_deploy.validate.torch_backend import TorchBackend
@@ -766,7 +763,7 @@ CONFIG_BROKEN = {
     "gelu": (lambda cfg: _llama(cfg).update(hidden_act="gelu"), ["hidden_act", "'gelu'"]),
     "kv heads not dividing heads": (lambda cfg: _llama(cfg).update(num_key_value_heads=4), ["num_key_value_heads"]),
     "zero intermediate size": (lambda cfg: _llama(cfg).update(intermediate_size=0), ["intermediate_size", "0"]),
-    # values the EAGLE-1/2 loader refuses (draft_head.check_head_config): each is one
+    # values the EAGLE-1/2 loader refuses (eagle12_checkpoint.check_head_config): each is one
     # HeadCheckpointError naming the key, never a raw TypeError / ValueError or a silent NaN head
     "text rms_norm_eps": (lambda cfg: _llama(cfg).update(rms_norm_eps="x"), ["rms_norm_eps", "'x'"]),
     "zero rms_norm_eps": (lambda cfg: _llama(cfg).update(rms_norm_eps=0), ["rms_norm_eps", "0"]),

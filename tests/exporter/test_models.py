@@ -292,11 +292,11 @@ def test_empty_model_and_out_that_is_a_file_are_named(tmp_path, capsys, flags, m
 def test_alias_end_of_turn_tokens_join_the_generation_config_once(tmp_path):
     """`Alias.eos_tokens` (qwen2.5-coder-0.5b: <|im_end|> and <|endoftext|>, where the GGUF keeps
     only the first) are appended to a converted folder's generation_config.json, which
-    export._eos_ids reads first; a folder that has them already is not rewritten."""
+    sources.eos_ids reads first; a folder that has them already is not rewritten."""
     import json
 
-    from eagle_deploy.exporter.export import _eos_ids
     from eagle_deploy.exporter.models import _add_eos
+    from eagle_deploy.exporter.sources import eos_ids
 
     (tmp_path / "tokenizer.json").write_text(json.dumps({
         "model": {"vocab": {"a": 0, "b": 1}},
@@ -305,7 +305,7 @@ def test_alias_end_of_turn_tokens_join_the_generation_config_once(tmp_path):
     gen.write_text(json.dumps({"eos_token_id": 9, "bos_token_id": 7}))
     _add_eos(tmp_path, ("<|im_end|>", "<|endoftext|>"))
     assert json.loads(gen.read_text())["eos_token_id"] == [9, 7]
-    assert _eos_ids(tmp_path, None, None) == [9, 7]
+    assert eos_ids(tmp_path, None, None) == [9, 7]
     before = gen.stat()
     _add_eos(tmp_path, ("<|im_end|>", "<|endoftext|>"))
     assert (gen.stat().st_ino, gen.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)

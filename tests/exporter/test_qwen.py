@@ -50,7 +50,7 @@ def test_the_converted_checkpoint_is_qwen_with_both_end_of_turn_ids():
     from transformers import AutoConfig, AutoTokenizer
 
     from eagle_deploy.contract.cache import cache_root
-    from eagle_deploy.exporter.export import _eos_ids
+    from eagle_deploy.exporter.sources import eos_ids
 
     folder = cache_root() / "gguf" / f"{SPEC.name.removesuffix('.gguf')}-{SPEC.sha256[:16]}"
     if not (folder / "model.safetensors.index.json").is_file():
@@ -64,7 +64,7 @@ def test_the_converted_checkpoint_is_qwen_with_both_end_of_turn_ids():
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(index)  # a separate LM head
     tok = AutoTokenizer.from_pretrained(folder)
-    assert _eos_ids(folder, config, tok) == [151645, 151643]
+    assert eos_ids(folder, config, tok) == [151645, 151643]
     assert tok.convert_ids_to_tokens([151645, 151643]) == ["<|im_end|>", "<|endoftext|>"]
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>user\nhi<|im_end|>\n"

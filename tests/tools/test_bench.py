@@ -143,9 +143,9 @@ def fake_llama_cpp(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", spec)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
-    from eagle_deploy.validate import reference
+    from eagle_deploy.exporter import sources
 
-    monkeypatch.setattr(reference, "target_source", lambda manifest: gguf)
+    monkeypatch.setattr(sources, "target_source", lambda manifest: gguf)
     # llama.cpp's crash probe runs a child process with the real package; here it reports no crash
     # unless a test says otherwise (test_llamacpp_crash_in_probe_falls_back)
     from eagle_deploy.bench import systems

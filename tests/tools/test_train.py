@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from eagle_deploy.exporter.draft_head import random_head, save_head
 from eagle_deploy.exporter.export import ExportOptions, export
-from eagle_deploy.exporter.heads import load_head
+from eagle_deploy.heads.api import load_head, random_head, save_head
 from eagle_deploy.train.data import BatchedGenerator, TokenData, compute_features
 from eagle_deploy.train.trainer import (
     TrainConfig,
@@ -332,7 +331,7 @@ TAPS = (0, 1)
 
 
 def _eagle3_head(gqa, seed=2):
-    from eagle_deploy.exporter.eagle3 import random_eagle3_head
+    from eagle_deploy.heads.eagle3 import random_eagle3_head
 
     return random_eagle3_head(gqa.hf, seed=seed, feature_layers=TAPS)
 
@@ -397,7 +396,7 @@ def test_eagle3_every_unrolled_step_scores_against_its_own_positions_soft_labels
 
 
 def test_eagle3_short_training_lowers_the_loss_and_the_head_decodes_losslessly(gqa, tiny_data, tmp_path):
-    from eagle_deploy.exporter.eagle3 import save_eagle3_head
+    from eagle_deploy.heads.eagle3_checkpoint import save_eagle3_head
 
     data, _ = tiny_data
     feats = compute_features(gqa.hf, data, "cpu", batch_tokens=1024, feature_layers=TAPS)

@@ -174,8 +174,8 @@ def test_training_prompts_are_disjoint_from_the_evaluation_sets():
 def test_eagle3_arch_writes_a_loadable_eagle3_head(gqa, prompts, tmp_path, capsys):
     """--arch eagle3: the taps are cached with the features, the head is written in the
     yuhuili/SpecForge layout with its draft vocabulary (d2t/t2d), and loads back as EAGLE-3."""
-    from eagle_deploy.exporter.eagle3 import Eagle3Head
-    from eagle_deploy.exporter.heads import load_head
+    from eagle_deploy.heads.api import load_head
+    from eagle_deploy.heads.eagle3 import Eagle3Head
 
     out, work = tmp_path / "head3", tmp_path / "work3"
     _train(gqa, prompts, out, work, capsys, "--arch", "eagle3", "--feature-layers", "0,1", "--draft-vocab", "64",

@@ -134,7 +134,7 @@ def load_systems(cfg: BenchConfig, manifest, result: dict, log: Callable) -> _Lo
         before = rss_mb()
         try:
             if name.startswith("hf") and hf_model is None:
-                from eagle_deploy.validate.reference import load_reference_target
+                from eagle_deploy.exporter.sources import load_reference_target
 
                 hf_model = load_reference_target(manifest)
             system = make_baseline(name, manifest, cfg.threads, hf_model, log, cfg.eagle3_head)

@@ -198,7 +198,7 @@ def llamacpp_crash(gguf: Path, threads: int, extra_buffers: bool, timeout_s: flo
 def baseline_unavailable(name: str, manifest, eagle3_head: Path | None = None) -> str | None:
     """Why baseline `name` cannot run here (None when it can). eagle3_head: the EAGLE-3 head
     the openvino-eagle3-* peers draft with (bench --eagle3-head)."""
-    from eagle_deploy.validate.reference import target_source
+    from eagle_deploy.exporter.sources import target_source
 
     if name.startswith("llamacpp"):
         if importlib.util.find_spec("llama_cpp") is None:
@@ -208,7 +208,7 @@ def baseline_unavailable(name: str, manifest, eagle3_head: Path | None = None) -
         if src is None or src.suffix != ".gguf" or not src.is_file():
             return f"the export's target ({src}) is not a GGUF file llama.cpp can load: skipped"
     if name.startswith(tuple(PEERS)):
-        from eagle_deploy.validate.reference import ReferenceLoadError, target_checkpoint_dir
+        from eagle_deploy.exporter.sources import ReferenceLoadError, target_checkpoint_dir
 
         from . import peers
 
@@ -227,7 +227,7 @@ def make_baseline(name: str, manifest, threads: int, hf_model=None, log=lambda m
     """A baseline system by name (see BASELINES). `hf_model` is loaded once and shared. A peer
     (bench/peers.py) is converted on first use and carries its JSON record as `.record`;
     the openvino-eagle3-* peers draft with `eagle3_head`."""
-    from eagle_deploy.validate.reference import target_checkpoint_dir, target_source
+    from eagle_deploy.exporter.sources import target_checkpoint_dir, target_source
 
     eos = list(manifest.eos_token_ids)
     if name == "hf":

@@ -24,7 +24,7 @@ GRAPHS = ("target", "draft")
 # how a reduced draft vocabulary was ranked: the head's token_counts.npy (response-token
 # frequencies from eagle-train), the tokenizer's merge rank (BPE merge order; no data needed),
 # or token id order (tokenizers without merges), see exporter/draft_vocab.py; or an EAGLE-3
-# head's own draft vocabulary (its d2t table), see exporter/eagle3.py
+# head's own draft vocabulary (its d2t table), see heads/eagle3_checkpoint.py
 DRAFT_VOCAB_SOURCES = ("token_counts", "merge_rank", "token_id", "head_d2t")
 SHARED_ROLES = ("embedding", "lm_head")  # SharedTensor.role
 HEAD_KINDS = ("eagle", "eagle3")  # HeadRecord.kind: EAGLE-1/2 heads, EAGLE-3 heads
@@ -78,7 +78,7 @@ class HeadRecord(Record):
     2503.01840): fed the hidden states entering the target's decoder layers `feature_layers`
     (the target graph's `tapped_features`), with its own hidden width, heads and head dim
     (which may differ from the target's), its own norm, LM head and draft vocabulary.
-    `layout`: the checkpoint layout it was read from (exporter/eagle3.py), for the record."""
+    `layout`: the checkpoint layout it was read from (heads/eagle3_checkpoint.py), for the record."""
 
     kind: Literal[HEAD_KINDS]
     hidden: Optional[at_least(1)] = omitted(None)

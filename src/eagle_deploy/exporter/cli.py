@@ -125,8 +125,9 @@ def triton_repo(export: Path, repo: Path, instances: int) -> str:
 @interruptible("eagle-export")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from eagle_deploy.heads.files import HeadCheckpointError
+
     from .export import ExportOptions, export
-    from .head_files import HeadCheckpointError
     from .models import ModelNotAvailableError
     from .target import UnsupportedModelError
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .draft_head import TOKEN_COUNTS_FILE
+from eagle_deploy.heads.files import TOKEN_COUNTS_FILE
 
 DEFAULT_SIZE = 8192
 

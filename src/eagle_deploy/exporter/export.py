@@ -12,7 +12,6 @@ from pathlib import Path
 
 from eagle_deploy.contract.dtypes import CLI_NAMES as CLI_DTYPES
 from eagle_deploy.contract.dtypes import canonical as canonical_dtype
-from eagle_deploy.contract.errors import first_line
 from eagle_deploy.contract.manifest import (
     DRAFT_GRAPH_NOTE,
     DRAFT_QUANTS,
@@ -27,17 +26,17 @@ from eagle_deploy.contract.manifest import (
 from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR, KV_SHARED, MANIFEST_FILE, TOKENIZER_DIR
 from eagle_deploy.contract.tree_config import TreeConfig, default_tree
 from eagle_deploy.contract.verify import file_records, sha256_file
+from eagle_deploy.heads.api import load_head, random_head
+from eagle_deploy.heads.eagle3 import Eagle3Head
+from eagle_deploy.heads.files import HEAD_WEIGHT_FILES
 
-from .draft_head import random_head
 from .draft_vocab import default_size as default_draft_vocab
 from .draft_vocab import draft_vocab_ids
-from .eagle3 import Eagle3Head
-from .head_files import HEAD_WEIGHT_FILES
-from .heads import load_head
 from .models import Checkpoint, resolve_draft, resolve_model
 from .publish import destination_lock, partial_prefix, publish_folder, remove_stale_partials
+from .sources import eos_ids, weight_digests
 from .steps import TORCH_DTYPES, DraftOnnxFromHead, TargetOnnxFromHF, TokenizerFromHF
-from .target import UnsupportedModelError, dims_of, supported_families
+from .target import dims_of
 from .weights import skeleton_target
 
 DRAFT_VOCAB_FILE = "draft_vocab.npy"
@@ -124,14 +123,6 @@ def _say(progress, msg: str) -> None:
         progress(msg)
 
 
-def weight_digests(path: Path) -> dict:
-    """sha256 of a checkpoint file, or of each weight file of a folder."""
-    if path.is_file():
-        return {path.name: sha256_file(path)}
-    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf") and p.is_file())
-    return {p.name: sha256_file(p) for p in files}
-
-
 def _tool_versions() -> dict:
     import onnx
     import onnxruntime
@@ -146,36 +137,6 @@ def _tool_versions() -> dict:
         own = "unknown"
     return {"eagle_deploy": own, "torch": torch.__version__, "transformers": transformers.__version__,
             "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__, "python": platform.python_version()}
-
-
-def _eos_ids(hf_dir: Path, config, tokenizer) -> list[int]:
-    from transformers import GenerationConfig
-
-    ids: list[int] = []
-    try:
-        gen = GenerationConfig.from_pretrained(str(hf_dir)).eos_token_id
-    except OSError:
-        gen = None
-    for value in (gen, getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(v, int) and v not in ids:
-                ids.append(v)
-    return ids
-
-
-def load_target(checkpoint: Checkpoint):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(checkpoint.hf_dir), dtype=torch.float32,
-                                                     trust_remote_code=False)
-    except Exception as err:  # missing, truncated or corrupt weights: one clear message
-        raise UnsupportedModelError(
-            f"cannot load the checkpoint in {checkpoint.hf_dir} ({type(err).__name__}: {first_line(err)}); "
-            f"expected a complete "
-            f"Hugging Face checkpoint (config.json + weights) of a supported family: {supported_families()}") from None
-    return model.eval()
 
 
 def check_export_name(name: str) -> str:
@@ -321,7 +282,7 @@ def _reduced_vocab(checkpoint: Checkpoint, head_dir, hf, dims: Dims, options: Ex
     if draft_vocab and not options.graph_top_k <= draft_vocab <= dims.vocab:
         raise ValueError(f"--draft-vocab {draft_vocab} must be 'full' (or 0) or in "
                          f"[--graph-top-k {options.graph_top_k}, vocabulary size {dims.vocab}]")
-    eos = _eos_ids(checkpoint.hf_dir, hf.config, None)
+    eos = eos_ids(checkpoint.hf_dir, hf.config, None)
     return draft_vocab_ids(head_dir, draft_vocab, dims.vocab, eos, tokenizer_dir=checkpoint.hf_dir)
 
 
@@ -415,7 +376,7 @@ def write_manifest(plan: ExportPlan, models: LoadedModels, target_entry: GraphEn
         name=plan.out.name, dims=models.dims, max_length=models.max_length,
         target=target_entry.replace(sha256=files[target_entry.path].sha256),
         draft=draft_entry.replace(sha256=files[draft_entry.path].sha256),
-        tree=plan.tree, eos_token_ids=tuple(_eos_ids(checkpoint.hf_dir, models.hf.config, tokenizer)),
+        tree=plan.tree, eos_token_ids=tuple(eos_ids(checkpoint.hf_dir, models.hf.config, tokenizer)),
         tokenizer=TOKENIZER_DIR if tokenizer is not None else None,
         chat_template=bool(getattr(tokenizer, "chat_template", None)), sources=sources,
         tools=_tool_versions(), notes=tuple(notes), shared_weights=shared, files=files)

@@ -81,7 +81,7 @@ ALIASES = {
     "llama2-7b": Alias("meta-llama/Llama-2-7b-chat-hf", "yuhuili/EAGLE-llama2-chat-7B", 4096),
     "vicuna-7b": Alias("lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", 2048),
     "llama3-8b": Alias("meta-llama/Meta-Llama-3-8B-Instruct", "yuhuili/EAGLE-LLaMA3-Instruct-8B", 4096),
-    # EAGLE-3 heads (exporter/eagle3.py; they bring their own draft vocabulary)
+    # EAGLE-3 heads (heads/eagle3.py; they bring their own draft vocabulary)
     "llama3.1-8b": Alias("meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", 4096),
     "llama3.1-8b-speculators": Alias("meta-llama/Llama-3.1-8B-Instruct",
                                      "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3", 4096),
@@ -148,7 +148,7 @@ def _check_hf_dir(path: Path) -> None:
 
 def _add_eos(folder: Path, eos_tokens: tuple[str, ...]) -> None:
     """Append the ids of `eos_tokens` (looked up in the folder's tokenizer.json) to
-    generation_config.json's eos_token_id, which every tool reads first (export._eos_ids).
+    generation_config.json's eos_token_id, which every tool reads first (sources.eos_ids).
     Rewritten with one atomic replace, and only when something is missing."""
     from .target import UnsupportedModelError
 

@@ -19,9 +19,10 @@ import torch
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.contract.dtypes import FLOAT_NAMES
 from eagle_deploy.contract.manifest import DraftEntry, GraphEntry, HeadRecord
+from eagle_deploy.heads.eagle3 import Eagle3Head
+from eagle_deploy.heads.eagle12 import EagleHead
 
-from .draft_head import EagleHead, ExportableDraft
-from .eagle3 import Eagle3Head, ExportableDraft3
+from .draft import ExportableDraft, ExportableDraft3
 from .external_data import TensorFile, data_file_of, place_graph, use_external_data
 from .fused import drop_unused_norm_statistics
 from .streamed import fill_weights, onnx_with_weight_inputs

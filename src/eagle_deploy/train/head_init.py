@@ -11,10 +11,11 @@ import numpy as np
 import torch
 
 from eagle_deploy.contract.verify import sha256_file
-from eagle_deploy.exporter.draft_head import TOKEN_COUNTS_FILE
 from eagle_deploy.exporter.draft_vocab import best_ranked, default_size
-from eagle_deploy.exporter.eagle3 import Eagle3Head, default_feature_layers, random_eagle3_head
-from eagle_deploy.exporter.heads import load_head
+from eagle_deploy.heads.api import kind_of, load_head
+from eagle_deploy.heads.eagle3 import random_eagle3_head
+from eagle_deploy.heads.eagle3_config import default_feature_layers
+from eagle_deploy.heads.files import TOKEN_COUNTS_FILE
 
 from .settings import TrainSettings
 
@@ -30,7 +31,7 @@ class InitHead:
 
 
 def feature_layers(settings: TrainSettings, hf) -> tuple[int, ...] | None:
-    """The target layers an EAGLE-3 head taps (exporter.eagle3.default_feature_layers); None for
+    """The target layers an EAGLE-3 head taps (heads.eagle3_config.default_feature_layers); None for
     --arch eagle. Raises ValueError for --feature-layers that are not distinct ascending layers."""
     if settings.arch != "eagle3":
         return None
@@ -55,7 +56,7 @@ def load_init_head(settings: TrainSettings, hf, log) -> InitHead | None:
     if not folder.is_dir():
         raise ValueError(f"--init-head {folder} is not a folder (a trained head: config.json + model.safetensors)")
     head = load_head(folder, hf)
-    kind = "eagle3" if isinstance(head, Eagle3Head) else "eagle"
+    kind = kind_of(head)
     if kind != settings.arch:
         raise ValueError(f"--init-head {folder} is an {'EAGLE-3' if kind == 'eagle3' else 'EAGLE-1/2'} head but "
                          f"--arch is {settings.arch}")

@@ -23,10 +23,10 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from eagle_deploy.contract.manifest import Manifest
-from eagle_deploy.exporter.draft_head import TOKEN_COUNTS_FILE, random_head, save_head
-from eagle_deploy.exporter.eagle3 import Eagle3Head, save_eagle3_head
-from eagle_deploy.exporter.export import _eos_ids, load_target, weight_digests
 from eagle_deploy.exporter.models import resolve_model
+from eagle_deploy.exporter.sources import eos_ids, load_target, weight_digests
+from eagle_deploy.heads.api import random_head, save_head
+from eagle_deploy.heads.files import TOKEN_COUNTS_FILE
 
 from . import cache
 from . import data as train_data  # cpu_has_native_bf16 is looked up at call time (tests replace it)
@@ -101,7 +101,7 @@ def load_target_for_training(session: Session):
     if s.torch_dtype == "bf16" and session.device.startswith("cuda"):
         hf.to(torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint.hf_dir))
-    eos = _eos_ids(checkpoint.hf_dir, hf.config, tokenizer)
+    eos = eos_ids(checkpoint.hf_dir, hf.config, tokenizer)
     session.log(f"target {checkpoint.name} on {session.device}; arch {s.arch}; settings "
                 f"{json.dumps(s.recipe.as_dict())}"
                 + (f"; data {[str(p) for p in s.data]} (generation settings unused)" if s.data else "")
@@ -315,10 +315,9 @@ def export_stage(session: Session, checkpoint, head, counts, data, history, timi
     """Stage 4: the head in the published EAGLE layout, token counts and the training log."""
     s, out = session.settings, session.settings.out
     head.to("cpu", torch.float32)
-    if isinstance(head, Eagle3Head):
-        save_eagle3_head(head, out)
-    else:  # its config: the target's geometry (random_head), or the --init-head's own
-        save_head(head, out)
+    # an EAGLE-3 head in the "eagle3" layout; an EAGLE-1/2 head's config: the target's geometry
+    # (random_head), or the --init-head's own
+    save_head(head, out)
     np.save(out / TOKEN_COUNTS_FILE, counts)  # response-token frequencies, for `eagle-export --draft-vocab N`
     card = {"target": {"spec": s.model, "source": str(checkpoint.source),  # its sha256: hashed once, at start
                        "sha256": session.target["sha256"] if checkpoint.source.is_file() else None},

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from eagle_deploy.exporter.draft_head import EagleHead
-from eagle_deploy.exporter.eagle3 import Eagle3Head
+from eagle_deploy.heads.eagle3 import Eagle3Head
+from eagle_deploy.heads.eagle12 import EagleHead
 
 from .data import TokenData
 from .settings import MAX_SEQ_LEN

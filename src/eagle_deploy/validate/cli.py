@@ -34,9 +34,9 @@ from pathlib import Path
 
 from eagle_deploy.contract.cli_args import add_verify_arg, check_output_path, cli_error, interruptible
 from eagle_deploy.contract.manifest import ManifestError
+from eagle_deploy.exporter.sources import ReferenceLoadError
 
 from .compare import Row, collapse, format_table
-from .reference import ReferenceLoadError
 from .run import run_validation
 
 

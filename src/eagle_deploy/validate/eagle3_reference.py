@@ -27,7 +27,7 @@ class Eagle3Reference(nn.Module):
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        self.head = head  # an exporter.eagle3.Eagle3Head: only its weights are used
+        self.head = head  # a heads.eagle3.Eagle3Head: only its weights are used
         self.top_k = top_k
         cfg = head.cfg
         llama = {k: v for k, v in cfg.llama.items() if k not in ("architectures", "model_type")}

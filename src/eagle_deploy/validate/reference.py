@@ -1,44 +1,14 @@
-"""The checkpoints an export came from, read back from its manifest (`sources`): the
-transformers target (for eagle-validate's PyTorch reference and eagle-bench's HF baselines)
-and the draft head.
-
-    hf_dir = target_checkpoint_dir(manifest)          # converted HF folder (GGUF sources: cached)
-    hf = load_reference_target(manifest)              # LlamaForCausalLM, fp32, eval
-    head, note = load_reference_head(manifest, hf)    # EagleHead bound to hf
+"""eagle-validate's PyTorch reference for an export: the memory it needs, the torch modules
+that stand in for each graph (`reference_backends`), the reduced draft vocabulary baked into
+the draft graph, and a quantised graph's own weights given to the reference. The checkpoints
+it is built from are found through `exporter.sources` (which checkpoint the export came from).
 """
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-
-class ReferenceLoadError(FileNotFoundError):
-    """The checkpoint named in the manifest is not on this machine."""
-
-
-def target_source(manifest) -> Path | None:
-    """The file or folder the export was made from (a .gguf file, an HF folder), if known."""
-    path = manifest.sources.target.path
-    return Path(path) if path else None
-
-
-def target_checkpoint_dir(manifest) -> Path:
-    """The transformers folder of the export's target. GGUF sources go through
-    `exporter.models.convert_gguf` (cached after the first conversion)."""
-    from eagle_deploy.exporter.models import convert_gguf, resolve_model
-
-    src = manifest.sources.target
-    path = target_source(manifest)
-    if path is not None and path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path)
-    if path is not None and path.is_dir():
-        return path
-    if src.spec:
-        try:
-            return resolve_model(src.spec).hf_dir
-        except Exception as err:  # ModelNotAvailableError, UnsupportedModelError: one message
-            raise ReferenceLoadError(f"the export's target {src.path or src.spec} is not available: {err}") from None
-    raise ReferenceLoadError("the manifest names no target checkpoint (sources.target)")
+from eagle_deploy.exporter.sources import ReferenceLoadError, target_checkpoint_dir
 
 
 def memory_needed(manifest, folder: Path, graphs=("target", "draft")) -> tuple[int, str]:
@@ -78,65 +48,6 @@ def check_memory(manifest, folder: Path, graphs=("target", "draft")) -> None:
                              "export streamed its weights; validation holds the whole PyTorch model)")
 
 
-def load_reference_target(manifest):
-    """The export's target as a transformers model (fp32, CPU, eval mode)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf_dir = target_checkpoint_dir(manifest)
-    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-
-
-def head_dir_of(manifest) -> Path | None:
-    """The head folder named in the manifest (path, else the spec resolved again), or None
-    for a random head. Raises ReferenceLoadError when it is missing, or when its weight files are
-    not the ones the export was made from (sha256 against `sources.draft.sha256`: a head
-    retrained or replaced in place would otherwise be reported as a wrong export)."""
-    from eagle_deploy.exporter.models import resolve_draft
-
-    src = manifest.sources.draft
-    if src.path and Path(src.path).is_dir():
-        return check_head_unchanged(Path(src.path), src.sha256)
-    if not manifest.draft.trained:
-        return None
-    try:
-        found = resolve_draft(src.spec)
-    except Exception as err:
-        raise ReferenceLoadError(f"the export's draft head {src.path or src.spec} is not available: {err}") from None
-    if found is None:
-        raise ReferenceLoadError(f"the export's trained draft head {src.path or src.spec} is not on this machine")
-    return check_head_unchanged(found, src.sha256)
-
-
-def check_head_unchanged(folder: Path, recorded) -> Path:
-    """`folder` when each weight file recorded at export time ({name: sha256}) is there with
-    the same sha256; ReferenceLoadError naming the first that differs or is missing."""
-    from eagle_deploy.contract.verify import sha256_file
-
-    for name, digest in sorted(recorded.items()):
-        path = folder / name
-        if not path.is_file():
-            raise ReferenceLoadError(f"the draft head {folder} no longer has {name}, which the export was made from: "
-                                 "restore that head, or re-export from the new one")
-        if sha256_file(path) != digest:
-            raise ReferenceLoadError(f"the draft head {folder} changed since the export was made ({name} has another "
-                                 "sha256 than the manifest's sources.draft): eagle-validate compares an export with "
-                                 "the head it was made from; restore that head, or re-export from the new one")
-    return folder
-
-
-def load_reference_head(manifest, hf):
-    """(EagleHead or Eagle3Head bound to `hf`, note). An untrained export's head is
-    regenerated with random_head(seed=0), as eagle-export made it."""
-    from eagle_deploy.exporter.draft_head import random_head
-    from eagle_deploy.exporter.heads import load_head
-
-    head_dir = head_dir_of(manifest)
-    if head_dir is None:
-        return random_head(hf, seed=0), "draft head: random_head(seed=0), regenerated (the export's head is untrained)"
-    return load_head(head_dir, hf), f"draft head: {head_dir}"
-
-
 def draft_vocab_of(manifest, folder):
     """The reduced draft vocabulary ids baked into the draft graph (None = full vocabulary),
     as eagle-export saved them beside the graph."""
@@ -153,8 +64,8 @@ def reference_backends(manifest, hf, head, folder):
     """{"target": TorchBackend, "draft": TorchBackend} over the exporter's own torch modules
     (an EAGLE-3 export: the target with its taps; the draft is `Eagle3Reference`, written
     independently of the exporter's EAGLE-3 module from the same weights)."""
-    from eagle_deploy.exporter.draft_head import ExportableDraft
-    from eagle_deploy.exporter.eagle3 import Eagle3Head
+    from eagle_deploy.exporter.draft import ExportableDraft
+    from eagle_deploy.heads.eagle3 import Eagle3Head
     from eagle_deploy.validate.eagle3_reference import Eagle3Reference
     from eagle_deploy.validate.torch_backend import TorchBackend
 

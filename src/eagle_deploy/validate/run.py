@@ -14,17 +14,12 @@ import numpy as np
 from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.contract.verify import verify_export
 from eagle_deploy.exporter.quantize import dequantised_weights
+from eagle_deploy.exporter.sources import load_reference_head, load_reference_target
 from eagle_deploy.runtime.api import load_tokenizer
 
 from . import feeds as fd
 from .compare import FP32_POLICY, EagleCompareFunc, Row, policy_for
-from .reference import (
-    check_memory,
-    load_reference_head,
-    load_reference_target,
-    reference_backends,
-    with_quantised_weights,
-)
+from .reference import check_memory, reference_backends, with_quantised_weights
 from .runners import FP32_ACTIVATIONS, REFERENCE, graph_runners, torch_runner
 
 

@@ -38,8 +38,8 @@ class TorchBackend:
     @classmethod
     def draft(cls, head, top_k: int = 10) -> "TorchBackend":
         """The draft graph's forward of an EagleHead or an Eagle3Head (exporter modules)."""
-        from eagle_deploy.exporter.draft_head import ExportableDraft
-        from eagle_deploy.exporter.eagle3 import Eagle3Head, ExportableDraft3
+        from eagle_deploy.exporter.draft import ExportableDraft, ExportableDraft3
+        from eagle_deploy.heads.eagle3 import Eagle3Head
 
         module = ExportableDraft3(head, top_k) if isinstance(head, Eagle3Head) else ExportableDraft(head, top_k)
         return cls(module, 1, head.dims, name="torch-draft")

@@ -1,7 +1,7 @@
 """A draft-head folder's files, read before anyone knows which kind of head it holds: the
-error every head loader raises, the weights and config readers, and the layout detection
-that tells an EAGLE-3 head from an EAGLE-1/2 one. `draft_head` (EAGLE-1/2), `eagle3` and
-`heads.load_head` (which picks between them) import this; it imports neither."""
+error every head loader raises, the file names, the weights and config readers, and the
+layout detection that tells an EAGLE-3 head from an EAGLE-1/2 one. Every other module of
+`heads` imports this; it imports none of them."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 HEAD_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+TOKEN_COUNTS_FILE = "token_counts.npy"  # optional: response-token frequencies from eagle-train ([vocab] int64)
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
 
 
