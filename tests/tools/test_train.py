@@ -376,7 +376,8 @@ def test_eagle3_every_unrolled_step_scores_against_its_own_positions_soft_labels
 
     data, _ = tiny_data
     feats = compute_features(gqa.hf, data, "cpu", batch_tokens=1024, feature_layers=TAPS)
-    head = new_eagle3_head(gqa.hf, data.response_counts(gqa.hf.config.vocab_size), TAPS, 64, seed=5).eval()
+    counts = data.response_counts(gqa.hf.config.vocab_size)
+    head = new_eagle3_head(gqa.hf, counts, TAPS, 64, seed=5, eos_ids=[gqa.hf.config.eos_token_id]).eval()
     target_lm = gqa.hf.get_output_embeddings().weight.detach()[head.draft_to_target]
     cfg = TrainConfig(unroll=3, batch_tokens=512)
     batch = make_batch(data, feats, list(range(8)), "cpu", cfg.max_seq_len)
@@ -404,7 +405,8 @@ def test_eagle3_short_training_lowers_the_loss_and_the_head_decodes_losslessly(g
     from eagle_deploy.train.head_init import new_eagle3_head
 
     # the 128 most frequent response tokens (+ EOS)
-    head = new_eagle3_head(gqa.hf, data.response_counts(gqa.hf.config.vocab_size), TAPS, 128, seed=2)
+    counts = data.response_counts(gqa.hf.config.vocab_size)
+    head = new_eagle3_head(gqa.hf, counts, TAPS, 128, seed=2, eos_ids=[gqa.hf.config.eos_token_id])
     assert head.cfg.draft_vocab == 128 and 0 in head.draft_to_target.tolist()
     target_lm = gqa.hf.get_output_embeddings().weight.detach()[head.draft_to_target]
     cfg = TrainConfig(epochs=12, lr=3e-3, warmup_steps=5, batch_tokens=512, unroll=2, val_fraction=0.2, seed=0)

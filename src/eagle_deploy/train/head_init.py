@@ -5,6 +5,7 @@ its layer copied from a target layer (--init-from-layer)."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,13 +90,13 @@ def response_counts(data, vocab: int, init: InitHead | None = None) -> np.ndarra
     return counts + init.counts.astype(counts.dtype) if init is not None and init.counts is not None else counts
 
 
-def new_eagle3_head(hf, counts, layers, size: int | None, seed: int):
+def new_eagle3_head(hf, counts, layers, size: int | None, seed: int, eos_ids: Sequence[int]):
     """An EAGLE-3 head for `hf` with the target's geometry, tapping `layers`, over a draft
-    vocabulary of the `size` most frequent response tokens by `counts` ([vocab]; EOS ids included; default
-    draft_vocab.default_size), its LM head initialised from the target's rows of those tokens
-    and its final norm from the target's; the rest random (random_eagle3_head)."""
+    vocabulary of the `size` most frequent response tokens by `counts` ([vocab]; `eos_ids`
+    included; default draft_vocab.default_size), its LM head initialised from the target's rows
+    of those tokens and its final norm from the target's; the rest random (random_eagle3_head)."""
     vocab = hf.config.vocab_size
-    ids = draft_ids(hf, counts, size or min(default_size(vocab), vocab))
+    ids = draft_ids(counts, size or min(default_size(vocab), vocab), eos_ids)
     head = random_eagle3_head(hf, seed=seed, draft_ids=torch.from_numpy(ids), feature_layers=layers)
     with torch.no_grad():
         head.lm_head.weight.copy_(hf.get_output_embeddings().weight[torch.from_numpy(ids)])
@@ -103,16 +104,15 @@ def new_eagle3_head(hf, counts, layers, size: int | None, seed: int):
     return head
 
 
-def draft_ids(hf, counts, size: int) -> np.ndarray:
+def draft_ids(counts, size: int, eos_ids: Sequence[int]) -> np.ndarray:
     """[size] int64, sorted: the `size` most frequent response tokens by `counts` ([vocab]
-    int64, `response_counts`), the EOS ids always among them (draft_vocab.best_ranked, as
-    eagle-export ranks token_counts.npy). Raises ValueError outside [1, vocab]."""
-    vocab = hf.config.vocab_size
+    int64, `response_counts`), every id of `eos_ids` always among them (the session's EOS ids,
+    exporter.sources.eos_ids: Qwen2.5 stops on two; draft_vocab.best_ranked, as eagle-export
+    ranks token_counts.npy). Raises ValueError outside [1, vocab]."""
+    vocab = len(counts)
     if not 1 <= size <= vocab:
         raise ValueError(f"--draft-vocab {size} must be in [1, {vocab}]")
-    eos = hf.config.eos_token_id
-    eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)]
-    return best_ranked(-counts, size, eos_ids)
+    return best_ranked(-counts, size, list(eos_ids))
 
 
 def init_from_layer(head, hf, layer: int) -> None:

@@ -93,7 +93,7 @@ def run(settings: TrainSettings) -> TrainResult:
         return TrainResult(features is not None, timings=timings, log=session.log_lines)
     t = time.perf_counter()
     counts = head_init.response_counts(data, vocab, init)
-    head, history = stages.train_stage(session, hf, data, features, counts, init)
+    head, history = stages.train_stage(session, hf, data, features, counts, eos, init)
     timings["train_s"] = round(time.perf_counter() - t, 1)
     timings["total_s"] = round(time.perf_counter() - t_start, 1)
     stages.export_stage(session, checkpoint, head, counts, data, history, timings, init)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -275,7 +276,7 @@ def check_features(hf, data, features, device: str, layers, sequences: int = 8, 
 
 # --- train and export ---------------------------------------------------------------------------
 
-def train_stage(session: Session, hf, data, features, counts, init: InitHead | None = None):
+def train_stage(session: Session, hf, data, features, counts, eos: Sequence[int], init: InitHead | None = None):
     """Stage 3: (head, history): a head trained from `init`'s weights when given, else random
     (`counts`: the response-token counts the draft vocabulary is picked from,
     head_init.response_counts); a finished head for the same data, settings, seed and starting
@@ -285,12 +286,12 @@ def train_stage(session: Session, hf, data, features, counts, init: InitHead | N
     target_lm = None
     if s.arch == "eagle3":
         head = (init.head if init is not None
-                else new_eagle3_head(hf, counts, feature_layers(s, hf), s.draft_vocab, s.seed))
+                else new_eagle3_head(hf, counts, feature_layers(s, hf), s.draft_vocab, s.seed, eos))
         target_lm = hf.get_output_embeddings().weight.detach()[head.draft_to_target].float()
     else:
         head = init.head if init is not None else random_head(hf, seed=s.seed)
         if s.draft_vocab:
-            ids = draft_ids(hf, counts, s.draft_vocab)
+            ids = draft_ids(counts, s.draft_vocab, eos)
             target_lm = hf.get_output_embeddings().weight.detach()[torch.from_numpy(ids)].float()
             session.log(f"train: cross-entropy over the {len(ids)} most frequent response tokens (--draft-vocab)")
     cached = cache.read_head(session.work, key)
