@@ -363,7 +363,7 @@ def compute_features(hf_model, data: TokenData, device: str, batch_tokens: int =
     the model is in another dtype), not by the export-shaped `ExportableTarget`, which
     materialises fp32 scores over the whole sequence: on a 2-core AVX2 CPU (fp32) SDPA measured
     1.4x faster at ~300 tokens and 2.6x at ~1,000. The two agree to float rounding
-    (tests/tools/test_train.py)."""
+    (tests/train/test_train.py)."""
     model = hf_model if next(hf_model.parameters()).dtype == dtype else copy.deepcopy(hf_model).to(dtype)
     body = model.to(device).eval().model  # hidden_states[l] enters layer l; last_hidden_state is after the norm
     lengths = np.diff(data.offsets)
