@@ -78,8 +78,8 @@ def tree_under_load(tree: TreeConfig, busy: int) -> TreeConfig:
     it and top_k below it (8/4/2: 3 busy 5/2/2, 4 busy 4/2/2, 8 busy 2/1/1). One or two busy
     slots keep `tree`; so do static (EAGLE-1) and root-only trees. Sized so because the smaller
     trees were faster than the configured one at 4 and 8 busy slots, and than vanilla
-    (docs/decisions.md, '2026-12-01: eagle-serve under load (batched decoding)'). The output
-    does not depend on the tree (lossless); a seed's tokens do."""
+    (docs/decisions.md, 'Trees under load, measured'). The output does not depend on the tree
+    (lossless); a seed's tokens do."""
     if tree.kind != "dynamic" or tree.total_tokens <= 2:
         return tree
     total = max(2, min(tree.total_tokens, 2 * tree.total_tokens // max(busy, 1)))
