@@ -13,7 +13,7 @@ from eagle_deploy.contract import verify as v
 from eagle_deploy.contract.manifest import Manifest, ManifestError
 from eagle_deploy.runtime import cli
 from eagle_deploy.runtime.api import EagleRuntime
-from tests.tools.tiny_export import copy_export, tiny_export
+from tests.tiny_export import copy_export, tiny_export
 
 THREADS = 1
 

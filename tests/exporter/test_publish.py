@@ -18,7 +18,7 @@ import pytest
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.exporter import cli, publish
 from eagle_deploy.exporter import export as ex
-from tests.tools.tiny_export import tiny_export
+from tests.tiny_export import tiny_export
 
 
 @pytest.fixture(scope="module")

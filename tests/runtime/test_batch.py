@@ -17,8 +17,8 @@ from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.contract.profiles import draft_kv_capacity
 from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.runtime.api import EagleRuntime
-from eagle_deploy.runtime.batch import (
-    BatchEngine,
+from eagle_deploy.runtime.batch import BatchEngine
+from eagle_deploy.runtime.batch_limits import (
     BatchError,
     check_batchable,
     check_kv_fits,
@@ -477,7 +477,7 @@ def test_a_short_prompt_is_prefilled_before_a_long_ones_next_chunk(gqa):
     prompt of one chunk or less goes first (shortest remaining prefill first); after each
     prefill forward the decoding slots get the next one."""
     from eagle_deploy.runtime.backends.base import StepInputs
-    from eagle_deploy.runtime.batch import _Call
+    from eagle_deploy.runtime.batch_rows import _Call
 
     eng = engine(gqa, 3, prefill_chunk=8)
 

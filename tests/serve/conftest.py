@@ -1,4 +1,4 @@
-"""Session fixtures for the eagle-serve tests: the tiny export (tests/tools/tiny_export.py)
+"""Session fixtures for the eagle-serve tests: the tiny export (tests/tiny_export.py)
 copied with a chat template, a reference `EagleRuntime` over it, and one server on a loopback
 port (uvicorn in a thread) whose runtime drafts with `OracleDrafter`: registered prompts get
 their reference continuation proposed K tokens deep (so each round commits K + 1 tokens and
@@ -18,7 +18,7 @@ from eagle_deploy.contract.verify import rerecord_files
 from eagle_deploy.runtime.grammar import GrammarError
 from eagle_deploy.runtime.tree import DraftTree
 from tests.conftest import HEAD_TREE
-from tests.tools.tiny_export import copy_export, tiny_export
+from tests.tiny_export import copy_export, tiny_export
 
 THREADS = 1
 

@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from eagle_deploy.bench import load
-from tests.tools.tiny_export import PROMPTS, prompt_file
+from tests.tiny_export import PROMPTS, prompt_file
 
 CELL_KEYS = {"mode", "concurrency", "requests", "ok", "dropped", "lost", "errors", "completion_tokens", "wall_s",
              "tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "latency_ms_p50", "tau",

@@ -90,7 +90,7 @@ def test_the_load_client_counts_cached_prompt_tokens(serve_export, tmp_path):
     """Its cells send the same prompts: against a server with a cache, the later cells' TTFT is
     not a full prefill's, and the table says so."""
     from eagle_deploy.bench import load
-    from tests.tools.tiny_export import prompt_file
+    from tests.tiny_export import prompt_file
 
     srv = make_server(serve_export, Faults(), prefix_cache_mb=4)
     try:

@@ -12,7 +12,7 @@ import pytest
 from eagle_deploy.contract.verify import rerecord_files
 from tests.runtime.test_tools import CLOCK, TOOLS_TEMPLATE, WEATHER
 from tests.serve.conftest import make_server
-from tests.tools.tiny_export import copy_export
+from tests.tiny_export import copy_export
 
 MODEL = "tiny"
 

@@ -10,7 +10,7 @@ import pytest
 
 from eagle_deploy.train import cli
 from eagle_deploy.train import evaluate as ev
-from tests.tools.tiny_export import prompt_file, tiny_export
+from tests.tiny_export import prompt_file, tiny_export
 
 NO_MODEL = "no-such-model"  # resolved only after the checks under test
 

@@ -1,4 +1,4 @@
-"""Fixtures for the Triton tests: the tiny export of tests/tools/tiny_export.py, a stand-in for
+"""Fixtures for the Triton tests: the tiny export of tests/tiny_export.py, a stand-in for
 `triton_python_backend_utils` (so triton/model.py runs in-process, without a server, over a
 real decode worker), and the reference runtime the served outputs are compared with."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from eagle_deploy.triton import repo as triton_repo
-from tests.tools.tiny_export import tiny_export
+from tests.tiny_export import tiny_export
 
 ROOT = Path(__file__).resolve().parents[2]
 FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL

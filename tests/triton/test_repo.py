@@ -70,7 +70,7 @@ def test_settings_are_checked_before_anything_is_written(tiny, tmp_path):
 @pytest.mark.parametrize("damage", ["flipped", "truncated"])
 def test_an_export_whose_files_are_not_its_manifests_is_refused(tiny, tmp_path, damage):
     """Checked as eagle-run checks it (verify_export "fast"), not when tritonserver loads it."""
-    from tests.tools.tiny_export import copy_export
+    from tests.tiny_export import copy_export
 
     bad = copy_export(tiny, tmp_path / "bad")
     path = bad / "draft.onnx"
@@ -136,7 +136,7 @@ def test_cli(tiny, tmp_path, capsys):
 
 
 def test_eagle_export_triton_repo(tiny, tmp_path, capsys):
-    root = tiny.parent.parent  # tests/tools/tiny_export.py: ROOT/{target,head,exports/tiny}
+    root = tiny.parent.parent  # tests/tiny_export.py: ROOT/{target,head,exports/tiny}
     rc = export_cli.main(["--model", str(root / "target"), "--draft", str(root / "head"), "--out",
                           str(tmp_path / "engines"), "--max-length", "64", "--triton-repo", str(tmp_path / "repo"),
                           "--triton-instances", "2"])

@@ -52,11 +52,9 @@ OPTIMUM_INSTALL = ("python -m venv ~/.cache/eagle-deploy/venvs/optimum-intel && 
                    "einops==0.8.2 diffusers==0.39.0 'huggingface-hub<1.22' && "
                    "~/.cache/eagle-deploy/venvs/optimum-intel/bin/pip uninstall -y torchvision")
 OV_GROUP_SIZE = 32  # int4 group size for OpenVINO (must divide the hidden size 576)
-# OpenVINO GenAI's EAGLE-3 draft settings for the openvino-eagle3-* peers (GenerationConfig fields),
-# its best on SmolLM2-135M with the repository's CPU-trained EAGLE-3 head (2026-12-01, 2 HumanEval +
-# 2 chat prompts x 2, 128 tokens, 2 threads, interleaved; tokens/s fp32 / int4): vanilla 42.2 / 70.9,
-# 1 draft token 42.1 / 68.1, 2: 41.6 / 61.6, 3: 38.4 / 58.5, tree (4 tokens, depth 2, branching 2)
-# 42.8 / 65.4, tree (6, 3, 2) 35.8 / 55.0
+# OpenVINO GenAI's EAGLE-3 draft settings for the openvino-eagle3-* peers (GenerationConfig fields):
+# its best on SmolLM2-135M with the repository's CPU-trained EAGLE-3 head (docs/decisions.md,
+# 'OpenVINO GenAI's EAGLE-3 draft settings, measured')
 OV_EAGLE3 = {"num_assistant_tokens": 1}
 NO_SPECULATION = ("none: OpenVINO GenAI's own EAGLE-3 speculative decoding is the openvino-eagle3-* peer "
                   "(eagle-bench --eagle3-head DIR)")

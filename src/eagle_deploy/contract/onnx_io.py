@@ -87,10 +87,10 @@ new tokens' rows [past_seq, total_seq) in place and leaves every other row untou
 of `attention_mask` the fused operator applies its own causal mask over the new tokens: new
 token i can see new token j only if j <= i, so tree nodes must follow their ancestors (tree
 order, which DraftTree and the drafter always produce; backends check it). Needs
-past_seq + seq <= kv_capacity. Rotary embedding comes from a constant table in the graph
-(exports since 2026-12-01) of max_position_embeddings + 1024 positions (the graph's own
-max_position_embeddings: the target's, or the draft head's), so position ids and total_seq
-must stay below that; onnxruntime refuses a forward past it with an error naming the position.
+past_seq + seq <= kv_capacity. Rotary embedding comes from a constant table in the graph of
+max_position_embeddings + 1024 positions (the graph's own max_position_embeddings: the
+target's, or the draft head's), so position ids and total_seq must stay below that;
+onnxruntime refuses a forward past it with an error naming the position.
 
 Batched forwards (fused graphs whose manifest entry has `extra.ragged_batch`, all fused graphs
 exported since batched decoding). The rows of a batch of two or more may have different past

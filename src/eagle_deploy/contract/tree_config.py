@@ -121,24 +121,13 @@ class TreeConfig:
 
 
 # Default draft trees by target precision (and, for an fp32 target, whether the draft graph is
-# quantised: `default_tree`), measured on SmolLM2-135M on a 2-core x86 CPU.
-# fp32 target with an int8 draft graph (the default since 2026-12-01): 6 / 3 / 2, the best of
-# 4/2/2, 4/3/2, 4/3/1, 6/3/2, 8/4/2 in two runs (one process, trees interleaved, 6 HumanEval and
-# chat prompts, 128 tokens: 72.3 and 73.7 tok/s, 1.52-1.56x vanilla; 8/4/2 67.2 and 67.7, the
-# rest 69.5-72; `eagle-bench --tune --no-save` picked 4/2/2 at 81.6 tok/s, 1.55x, on its 4
-# calibration prompts, 8/4/2 77.0: all within about 6%). With an unquantised draft graph (fp16,
-# bf16, the standard graph, --draft-quant none) the tuner chose 8/4/2 (70.1 tok/s, 1.23x vanilla).
-# The tuner's other choices, on the fused-attention
-# graphs (2026-12-01; 4 calibration prompts): int8 4/2/2 (154.2 tok/s, 1.42x; 4/3/2 was
-# 1% faster, within noise), int4 2/1/1 (142.5 tok/s, 1.02x; the old 4/2/2 measured 0.88x: the
-# fused int4 one-token forward is now so cheap that a wider verification no longer pays at the
-# shipped head's int4 acceptance). On the slimmer fused graphs (constant rotary table, one-node
-# logits gather; 2026-12-01) the tuner kept int4 2/1/1 (138.9 tok/s; 4/2/2 112.7, vanilla 108.8)
-# and fp32 6/3/2 (68.9; 8/4/2 68.3, vanilla 44.7), and chose int8 4/3/1 (121.2; 4/2/2 107.9,
-# vanilla 95.2): row-exact decoding accepts only a tree's top path, so a chain verifies as many
-# useful rows as a wider tree. Confirmed in one process, both trees alternating on 6 prompts x 2:
-# 4/3/1 99.0 vs 4/2/2 88.1 tok/s (τ 1.89 vs 1.75), the same tokens. Re-run `eagle-bench --tune`
-# on your machine: it rewrites the export's tree.
+# quantised: `default_tree`): the trees `eagle-bench --tune` and interleaved runs chose for
+# SmolLM2-135M on a 2-core x86 CPU (docs/decisions.md, 'trees tuned to this CPU' and 'the draft
+# graph int8 by default'). A cheaper (int8) draft graph makes a smaller tree pay; row-exact
+# decoding (quantised targets) accepts only a tree's top path, so a chain verifies as many useful
+# rows as a wider tree; the fused int4 one-token forward is so cheap that a wider verification
+# does not pay at the shipped head's int4 acceptance. Re-run `eagle-bench --tune` on your
+# machine: it rewrites the export's tree.
 DEFAULT_TREES = {
     None: TreeConfig(kind="dynamic", total_tokens=8, depth=4, top_k=2),  # unquantised target and draft
     "draft-quantised": TreeConfig(kind="dynamic", total_tokens=6, depth=3, top_k=2),  # unquantised target

@@ -36,7 +36,9 @@ from .manifest import GRAPHS, FileRecord, Manifest, ManifestError, check_graph_i
 from .onnx_io import MANIFEST_FILE, TensorSpec
 
 VERIFY_LEVELS = ("fast", "full", "off")
-SMALL_FILE = 16 << 20  # files up to this size are hashed whole at level "fast" (16 MiB: ~15 ms)
+# files up to this size are hashed whole at level "fast" (what that costs: docs/decisions.md, 'Export
+# verification, measured')
+SMALL_FILE = 16 << 20
 SAMPLE_BLOCKS, SAMPLE_BLOCK = 64, 4096  # sampled_digest: 64 blocks of 4 KiB, evenly spread
 BAR_BYTES = 256 << 20  # level "full" shows a progress bar above this many bytes
 _CHUNK = 1 << 22

@@ -12,16 +12,15 @@ vocabulary when it has at most DEFAULT_SIZE tokens. `--draft-vocab full` (or 0) 
 
 Ranking, in this order of preference:
   token_counts  the head's `token_counts.npy` (response-token frequencies written by
-                eagle-train): the shipped SmolLM2 head's 8192 most frequent tokens cover 98.7%
-                of its training responses' tokens.
+                eagle-train): the best coverage of a head's responses.
   merge_rank    the tokenizer's BPE merge order (a token made by an earlier merge is more
                 frequent in the tokenizer's own training corpus): needs no data and no
-                forward pass. Its 8192 first tokens cover 89.8% of the same responses (16384:
-                94.9%). Calibrating on the project's prompt sets instead (prompt-token counts
-                of the 48 chat + 164 HumanEval prompts, merge rank after) covered 90.9%, one
-                point more, from the evaluation prompts themselves, so it was not used.
+                forward pass, and covers less. Calibrating on the project's prompt sets instead
+                (prompt-token counts of the evaluation prompts, merge rank after) covered
+                a point more, from the evaluation prompts themselves, so it is not used.
   token_id      token id order, for tokenizers without a merge list (byte-level BPE vocabularies
                 are numbered in merge order anyway).
+Coverage of each: docs/decisions.md, 'Reduced draft vocabulary, measured'.
 Special (added) tokens and the EOS ids are always in the set.
 """
 from __future__ import annotations

@@ -76,10 +76,8 @@ def draft_quant_for(options: "ExportOptions", dtype: str, kv_layout: str) -> str
 
     The draft only proposes tokens, so this never changes what the target commits (greedy output
     stays the target's own; sampling keeps its distribution), only which tokens are proposed.
-    Measured on SmolLM2-135M's fp32 target (2026-12-01, 6 prompts, 128 tokens, tree 8/4/2, one
-    process, the draft graphs alternating over one target): int8 draft tau 2.35 vs fp32 2.34,
-    draft time 2.05 vs 3.75 ms per committed token, EAGLE 69.7 vs 62.9 tokens/s; int4 draft tau
-    2.26, 69.1 vs 60.0."""
+    An int8 draft keeps τ and makes draft steps cheaper (docs/decisions.md, 'the draft graph int8
+    by default', and 'Draft graph quantisation, the int4 run')."""
     kind = options.draft_quant
     if kind not in DRAFT_QUANTS:
         raise ValueError(f"--draft-quant {kind} is not one of {', '.join(DRAFT_QUANTS)}")

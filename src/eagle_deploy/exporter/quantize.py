@@ -11,40 +11,27 @@ Only MatMuls with a constant weight are quantised: every linear layer and the LM
 MatMul on the transposed, constant-folded embedding when embeddings are tied). Attention
 matmuls (activation x activation), norms and the embedding Gather stay fp32.
 
-Defaults, measured on SmolLM2-135M (2 cores; target forward at past 256, S = 1 / 8 / 16;
-teacher-forced top-1 agreement with fp32): int4 and int8 both MatMulNBits, block 32,
-symmetric, accuracy_level 4 (int8 activations inside the kernel): int4 10.8 / 16.6 / 23.8 ms,
-top-1 0.77; int8 12.3 / 18.4 / 24.6 ms, top-1 0.98. Blocks 64 / 128 were 3-15% faster with
-top-1 0.74 / 0.71; accuracy_level 0 (fp32 activations) doubles the S >= 4 cost (8-bit: 10x).
-quantize_dynamic int8 (method="dynamic") has the flattest curve (11.9 / 15.4 / 18.2 ms) but
-top-1 0.71, because it scales the activations of all rows of a forward together.
+Defaults: int4 and int8 both MatMulNBits, block 32, symmetric, accuracy_level 4 (int8
+activations inside the kernel). Larger blocks were a little faster and agreed less with fp32;
+accuracy_level 0 (fp32 activations) is far slower beyond a few rows; quantize_dynamic int8
+(method="dynamic") has the flattest cost curve but agrees least, because it scales the
+activations of all rows of a forward together.
 
-Batch invariance (issue 10; tests/exporter/test_batch_invariance.py, 2026-12-01, onnxruntime
-1.32, x86-64 with AVX-512 VNNI). The default MatMulNBits (block 32, accuracy_level 4) gives a
-row the same bits alone and inside any batch (threads 1 and 2, every SmolLM2 shape, LM head
-included); accuracy_level 0 and block 128 do not for a single row (~1e-6), though any two or
-more rows agree. The fused graph's fp32 part is not invariant in two places: GroupQueryAttention
-at S = 1 (its probs x V is a one-row sgemm, which MLAS runs through a separate M = 1 kernel
-without FMA) and a tree row with masked siblings inside its attention row (another softmax
-summation order); both are last-bit differences (<= 3e-7). fp32 graphs keep them that small,
-but int8 activation rounding in every later matmul turns them into different logits.
-Greedy EAGLE vs vanilla on SmolLM2 (20 prompts: chat_eval.jsonl[::5][:10] + HumanEval[:10],
-96 new tokens, 1 thread; prompts whose two outputs are identical): fp32 20 / 20; int8 default
-7 / 20, int4 default 4 / 20, every first divergence at a target top-2 gap of 0.006-0.29. What quantisation alone
-could do instead (1 thread, past 256, on the 2-core machine shared with other jobs):
-    setting                   identical  ms per forward at S = 1 / 2 / 8 / 16
-    default int8              7 / 20     14.2 / 16.7 / 29.5 / 47.9
-    default int4              4 / 20      9.6 / 11.7 / 27.5 / 48.1
-    int8 accuracy_level 0     20 / 20    318 / 353 / 362 / 374 (vanilla 1.6 tok/s)
-    int4 accuracy_level 0     20 / 20    17.5 / 38.8 / 55.1 / 78.1 (vanilla 53, EAGLE 32 tok/s)
-    int8 dequantised at load  20 / 20    30.0 / 33.9 / 46.5 / 67.3 (fp32: 33.1 / 38.3 / 50.4 / 66.9)
-so the defaults stay: they are the row-exact settings, and the exact fix is in the runtime
-(tests/runtime/test_exact_greedy_recipe.py): run one-token target forwards as two rows, and
-lay verification rows out depth-first with acceptance ending at the first node not at
-row index == depth. With it, the defaults gave int8 20 / 20 and int4 20 / 20 (1 and 2
-threads); paired in one process (1 thread): int8 vanilla 70.1 -> 61.0 tok/s, EAGLE 80.0 ->
-73.2 (tau 2.00 -> 1.89); int4 vanilla 81.1 -> 72.1, EAGLE 90.8 -> 91.6. Quantised weights are
-unchanged by this, so top-1 agreement with fp32 is too.
+Batch invariance (issue 10; tests/exporter/test_batch_invariance.py). The default MatMulNBits
+(block 32, accuracy_level 4) gives a row the same bits alone and inside any batch (threads 1
+and 2, every SmolLM2 shape, LM head included); accuracy_level 0 and block 128 do not for a
+single row, though any two or more rows agree. The fused graph's fp32 part is not invariant in
+two places: GroupQueryAttention at S = 1 (its probs x V is a one-row sgemm, which MLAS runs
+through a separate M = 1 kernel without FMA) and a tree row with masked siblings inside its
+attention row (another softmax summation order); both are last-bit differences. fp32 graphs
+keep them that small, but int8 activation rounding in every later matmul turns them into
+different logits, so greedy EAGLE and vanilla output part on quantised graphs. Quantising
+differently (fp32 activations, weights dequantised at load) restores identity at a large cost
+in speed, so the defaults stay: they are the row-exact settings, and the exact fix is in the
+runtime (tests/runtime/test_exact_greedy_recipe.py): run one-token target forwards as two
+rows, and lay verification rows out depth-first with acceptance ending at the first node not
+at row index == depth. Quantised weights are unchanged by this, so top-1 agreement with fp32
+is too. Every figure: docs/decisions.md, 'Quantisation defaults and batch invariance, measured'.
 """
 from __future__ import annotations
 
@@ -161,16 +148,16 @@ def quiet_logging(level: int = logging.ERROR):
 def batch_invariant(method: str, settings: dict) -> bool:
     """Whether a token's logits are independent, to fp32 rounding, of how its forward is
     batched (alone, or a row of a tree), on the current runtime; recorded in the manifest
-    (quant_info.batch_invariant) and driving export's near-tie note. Measured on SmolLM2 (see
-    the module docstring): the fused graph's attention rounds a one-token forward and a tree
-    row with masked siblings differently in the last bits; fp32 activations (accuracy_level
-    0) keep that at fp32 rounding (EAGLE greedy == vanilla on 20 / 20 prompts), while int8
-    activations (accuracy_level 4, and dynamic int8, which also scales all rows together)
-    re-round it in every layer into different logits (7 / 20 int8, 4 / 20 int4). The
-    MatMulNBits kernels themselves are row-exact at the defaults (block 32, accuracy_level 4:
-    same bits alone and in any batch), and at every setting measured (blocks 32 / 128,
-    accuracy_level 0 / 4) any two or more rows agree: that makes the runtime recipe in
-    tests/runtime/test_exact_greedy_recipe.py exact for them, and once the runtime runs it,
+    (quant_info.batch_invariant) and driving export's near-tie note. As the module docstring
+    says: the fused graph's attention rounds a one-token forward and a tree row with masked
+    siblings differently in the last bits; fp32 activations (accuracy_level 0) keep that at
+    fp32 rounding (EAGLE greedy == vanilla), while int8 activations (accuracy_level 4, and
+    dynamic int8, which also scales all rows together) re-round it in every layer into
+    different logits (docs/decisions.md, 'greedy identity of quantised exports; row-exact
+    decoding'). The MatMulNBits kernels themselves are row-exact at the defaults (block 32,
+    accuracy_level 4: same bits alone and in any batch), and at every setting measured (blocks
+    32 / 128, accuracy_level 0 / 4) any two or more rows agree: that makes the runtime recipe
+    in tests/runtime/test_exact_greedy_recipe.py exact for them, and once the runtime runs it,
     this flag can become `method == "nbits"`."""
     return method == "nbits" and settings["accuracy_level"] == 0
 

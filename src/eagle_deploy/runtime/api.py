@@ -169,8 +169,8 @@ def load_tokenizer(folder: Path, manifest: Manifest):
 
 def row_exact_default(manifest: Manifest) -> bool:
     """Row-exact decoding (decode.Decoder) by default for quantised targets: their greedy EAGLE
-    output then equals their vanilla greedy output token for token (measured on SmolLM2:
-    20 / 20 prompts for int8 and int4, instead of 7 and 4) at -11 to -13% vanilla speed; fp32
+    output then equals their vanilla greedy output token for token, at a cost in vanilla speed
+    (docs/decisions.md, 'greedy identity of quantised exports; row-exact decoding'); fp32
     graphs keep their differences at the last bit and are identical without it."""
     return manifest.target.quant is not None
 

@@ -27,16 +27,16 @@ from its first uncached row). Prefills waiting together go shortest
 remaining first, so a short prompt (one chunk or less, run whole) never waits for a long one's
 chunks. A long prompt with no other slot decoding is chunked too: its chunks run back to
 back, which on a CPU is also faster than one forward (attention over fewer query rows at
-once: docs/decisions.md, 2026-12-06; EagleRuntime's Decoder chunks the same way). Each
+once: docs/decisions.md, 'chunked prefill in the Decoder, and the attention kernels
+measured'; EagleRuntime's Decoder chunks the same way). Each
 chunk's rows are computed as the same rows of the whole prefill are (tests/runtime/test_batch.py: tokens, logits and KV
 bit-identical); the request's outputs are its chunks' joined. An EAGLE-3 draft's first
 extension (tapped and own features mixed) always runs whole.
 
-Trees under load: every busy slot adds its tree to each verification forward, and on a CPU a
-forward's cost grows with its rows, so by default each round a slot drafts the smaller tree
-`tree_under_load` gives for the number of busy slots (about twice the configured tree's rows
-per batched verification in all). Output does not depend on the tree; `shrink_trees=False`
-keeps the configured tree (then a seed gives the same tokens batched as alone).
+Trees under load: by default each round a slot drafts the smaller tree `tree_under_load`
+gives for the number of busy slots (runtime/batch_limits.py). Output does not depend on the
+tree; `shrink_trees=False` keeps the configured tree (then a seed gives the same tokens batched
+as alone).
 
 Padding (contract "Batched forwards"): one batched forward covers the slots [lo, hi) from the
 lowest to the highest slot in it (eagle-serve hands each request the lowest free slot, so busy
@@ -70,104 +70,36 @@ the slot's block by the slot's thread before its first forward, while no forward
 busy slot must hand one in first); a request is settled inside its busy() block, and on exit
 what was not is dropped (the slot's rows are released).
 
-Needs the fused graphs (KV layout "shared", manifest `extra.ragged_batch`: the default
-onnxruntime export; each slot's rows are one contiguous block, so a prefill binds that block
-alone) and a backend whose `allocate_kv` takes a batch (onnxruntime CPU). KV is allocated once
-per graph for all slots: [slots, kv_heads, capacity + margin, head_dim], the margin being the
-padding rows a batched forward may write past a slot's own capacity (`margin_rows`); a forward
-that would not fit runs alone.
+What it needs (the fused graphs, onnxruntime CPU, row-independent rounding) and how KV is
+sized ([slots, kv_heads, capacity + margin, head_dim] per graph, allocated once):
+runtime/batch_limits.py. A forward that would not fit runs alone.
 """
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from eagle_deploy.contract.dtypes import numpy_dtype
 from eagle_deploy.contract.manifest import Manifest
-from eagle_deploy.contract.onnx_io import KV_SHARED
-from eagle_deploy.contract.profiles import draft_kv_capacity
-from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.contract.verify import verify_export
 
 from .api import EagleRuntime, load_tokenizer, row_exact_default
 from .backends import load_backend
 from .backends.base import StepInputs, StepOutputs
+from .batch_limits import BatchError, check_batchable, check_kv_fits, margin_rows, tree_under_load
+from .batch_rows import _PER_LOGIT, _Call, _copied, _join_chunks, _pad, _rows
 from .costs import device_costs
-from .decode import RoundObserver, chunk_end, target_kv_capacity
+from .decode import RoundObserver, chunk_end
 from .drafter import Drafter, EagleDrafter
 from .hybrid import LOOKUP_ROWS, make_drafter, uses_draft_graph
 from .kv import KVBuffer
-from .memory import available_mb
 from .options import EngineOptions
 from .prefix_cache import PrefixCache
 from .request import Prompt
-
-# output fields whose axis 1 follows logits_indices (N); every other output follows the new tokens (S)
-_PER_LOGIT = {"logits", "topk_logprobs", "topk_ids"}
-
-
-class BatchError(ValueError):
-    """An export or setting batched decoding cannot serve (raised when the engine is built)."""
-
-
-def check_batchable(manifest: Manifest, slots: int, backend: str) -> None:
-    """Raise BatchError unless `slots` sequences can be decoded in batched forwards of this
-    export: slots >= 1, backend "ort", both graphs fused ("shared" KV layout, ragged_batch),
-    and graphs whose rows round independently of each other (not int8 dynamic quantisation;
-    the default int4 / int8 MatMulNBits graphs are, bit for bit)."""
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise BatchError(f"slots must be a whole number >= 1, got {slots!r}")
-    if slots == 1:
-        return
-    if backend != "ort":
-        raise BatchError(f"batched decoding (slots {slots}) runs on the onnxruntime CPU backend only, not {backend!r}; "
-                         "use slots 1")
-    for which in ("target", "draft"):
-        graph = getattr(manifest, which)
-        if graph.kv_layout != KV_SHARED:
-            raise BatchError(f"batched decoding needs the fused graph (KV layout {KV_SHARED!r}); this export's {which} "
-                             f"graph has {graph.kv_layout!r} (--graph standard): use slots 1 or re-export without it")
-        if not graph.ragged_batch:
-            raise BatchError(f"this export's {which} graph predates batched decoding (its manifest lacks "
-                             f"{which}.extra.ragged_batch): re-export it with this version, or use slots 1")
-    for which in ("target", "draft"):
-        info = getattr(manifest, which).quant_info
-        if info is not None and info.method == "dynamic":
-            raise BatchError(f"batched decoding of this export would change its output: its {which} graph uses "
-                             "dynamic int8 quantisation, which scales each batched activation tensor by its largest "
-                             "value, so one request's tokens would depend on the others'; use slots 1, or re-export "
-                             "with the default quantisation (MatMulNBits, whose rows are independent)")
-
-
-def margin_rows(tree: TreeConfig, row_exact: bool) -> int:
-    """KV rows a batched forward may write past one slot's own capacity: the largest number of
-    new tokens a batched forward carries (a verification tree, a draft expansion of top_k^2
-    frontier nodes, an extension of depth + 1 accepted tokens), with a spare row for row-exact
-    one-token forwards."""
-    return tree.total_tokens + tree.depth + 2 + (tree.top_k or 1) ** 2 + int(row_exact)
-
-
-def tree_under_load(tree: TreeConfig, busy: int) -> TreeConfig:
-    """The dynamic tree each of `busy` slots drafts when they share every verification forward:
-    per-slot total_tokens = 2 * tree.total_tokens // busy, clamped to [2, tree.total_tokens]
-    (about twice the configured tree's rows per batched verification), depth at most half of
-    it and top_k below it (8/4/2: 3 busy 5/2/2, 4 busy 4/2/2, 8 busy 2/1/1). One or two busy
-    slots keep `tree`; so do static (EAGLE-1) and root-only trees. Measured on SmolLM2 fp32
-    (tree 8/4/2, fp32 draft graph, 2 cores, 96 tokens, 4 / 8 code prompts): 4 slots 8/4/2 138 tokens/s
-    -> 4/2/2 163 (vanilla 131); 8 slots 126 -> 2/1/1 179 (vanilla 155). The output does not
-    depend on the tree (lossless); a seed's tokens do."""
-    if tree.kind != "dynamic" or tree.total_tokens <= 2:
-        return tree
-    total = max(2, min(tree.total_tokens, 2 * tree.total_tokens // max(busy, 1)))
-    if total == tree.total_tokens:
-        return tree
-    return TreeConfig("dynamic", total_tokens=total, depth=min(tree.depth, max(1, total // 2)),
-                      top_k=min(tree.top_k, total - 1))
 
 
 class _LoadTrees:
@@ -189,60 +121,6 @@ class _LoadTrees:
 
     def __getattr__(self, name: str):  # the EAGLE drafter's other attributes (backend, kv, length)
         return getattr(self.inner, name)
-
-
-def kv_bytes_per_slot(manifest: Manifest, tree: TreeConfig, row_exact: bool) -> int:
-    """Bytes of target + draft KV one slot holds in a BatchEngine (capacities as the decoder
-    and drafter ask for them, plus margin_rows)."""
-    margin = margin_rows(tree, row_exact)
-    total = 0
-    for which, rows in (("target", target_kv_capacity(manifest.max_length, row_exact)),
-                        ("draft", draft_kv_capacity(manifest.max_length, tree))):
-        graph, dims = getattr(manifest, which), manifest.graph_dims(which)
-        itemsize = np.dtype(numpy_dtype(graph.dtype)).itemsize
-        per_row = 2 * graph.num_kv_layers() * dims.num_kv_heads * dims.head_dim * itemsize
-        total += (rows + margin) * per_row
-    return total
-
-
-def check_kv_fits(manifest: Manifest, tree: TreeConfig, slots: int, row_exact: bool,
-                  available_mib: float | None = None) -> None:
-    """Raise BatchError when the KV of `slots` slots would take more than 80% of the memory the
-    system has available (available_mib: default the system's, psutil; no check without it),
-    naming how many slots fit."""
-    available_mib = available_mb() if available_mib is None else available_mib
-    if available_mib is None or slots <= 1:
-        return
-    per_slot = kv_bytes_per_slot(manifest, tree, row_exact) / 2**20
-    if slots * per_slot > 0.8 * available_mib:
-        fit = int(0.8 * available_mib // per_slot)
-        raise BatchError(f"{slots} slots need {slots * per_slot:,.0f} MiB of KV ({per_slot:,.0f} MiB each at "
-                         f"max_length {manifest.max_length}) but {available_mib:,.0f} MiB is available: "
-                         f"at most {fit} slots fit")
-
-
-@dataclass
-class _Call:
-    """One slot's forward waiting for the engine."""
-
-    slot: int
-    role: str  # "target" | "draft"
-    inputs: StepInputs
-    past: int
-    result: StepOutputs | BaseException | None = None
-    done: bool = False
-    rows_done: int = 0  # a chunked prefill: rows already run
-    parts: list = field(default_factory=list)  # a chunked prefill: (first row, last row + 1, outputs, logit rows)
-
-    @property
-    def seq(self) -> int:
-        return int(self.inputs.input_ids.shape[1])
-
-    @property
-    def signature(self) -> tuple:
-        """Forwards with equal signatures can share one batched forward."""
-        rows = tuple(a is not None and a.shape[1] > 0 for a in (self.inputs.features, self.inputs.tapped_features))
-        return (self.role, rows)
 
 
 class SlotBackend:
@@ -603,62 +481,4 @@ class BatchEngine:
         return results
 
 
-def _copied(out: StepOutputs) -> StepOutputs:
-    """`out` with its arrays copied (a backend reuses its output arrays on the next call)."""
-    return type(out)(**{f.name: None if getattr(out, f.name) is None else getattr(out, f.name).copy()
-                        for f in fields(out)})
-
-
-def _join_chunks(parts: list, want: np.ndarray) -> StepOutputs:
-    """One prefill's outputs from its chunks [(a, b, outputs, logit rows)]: the per-token
-    outputs concatenated along the rows, the per-logit ones (_PER_LOGIT) taken at `want` (the
-    prefill's logits_indices) from the chunk holding each row."""
-    kind = type(parts[0][2])
-    joined = {}
-    for f in fields(kind):
-        if getattr(parts[0][2], f.name) is None:
-            joined[f.name] = None
-        elif f.name in _PER_LOGIT:
-            picks = []
-            for i in (int(i) for i in want):
-                _, _, out, rows = next(p for p in parts if p[0] <= i < p[1])
-                picks.append(getattr(out, f.name)[:, rows.index(i)])
-            joined[f.name] = np.stack(picks, axis=1)
-        else:
-            joined[f.name] = np.concatenate([getattr(out, f.name) for _, _, out, _ in parts], axis=1)
-    return kind(**joined)
-
-
-def _rows(a: np.ndarray | None, slot: int, n: int) -> np.ndarray | None:
-    """Slot `slot`'s first n rows of a batched output, as batch 1 (a view)."""
-    return None if a is None else a[slot:slot + 1, :n]
-
-
-def _pad(calls: dict[int, _Call], pasts: list[int], S: int) -> StepInputs:
-    """The batched StepInputs for len(pasts) rows (`calls` by row): row b at past pasts[b] with
-    S new tokens, its call's tokens first and padding after them (module doc, "Padding")."""
-    B, T = len(pasts), max(pasts) + S
-    group = list(calls.values())
-    N = max(c.inputs.logits_indices.shape[1] for c in group)
-    ids = np.zeros((B, S), np.int64)
-    pos = np.full((B, S), min(int(c.inputs.position_ids.min()) for c in group), np.int64)
-    mask = np.zeros((B, S, T), bool)
-    for b, past in enumerate(pasts):
-        mask[b, np.arange(S), past + np.arange(S)] = True  # padding rows see themselves only
-    logits_at = np.zeros((B, N), np.int64)
-    first = group[0].inputs
-    feats = {name: None if a is None else np.zeros((B, S if a.shape[1] else 0, a.shape[2]), a.dtype)
-             for name, a in (("features", first.features), ("tapped_features", first.tapped_features))}
-    for b, c in calls.items():
-        s, x, past = c.seq, c.inputs, c.past
-        ids[b, :s], pos[b, :s] = x.input_ids[0], x.position_ids[0]
-        mask[b, :s, :past + s] = x.attention_mask[0]
-        logits_at[b, :x.logits_indices.shape[1]] = x.logits_indices[0]
-        for name, buf in feats.items():
-            if buf is not None and buf.shape[1]:
-                buf[b, :s] = getattr(x, name)[0]
-    return StepInputs(ids, pos, mask, logits_at, feats["features"], feats["tapped_features"])
-
-
-__all__ = ["BatchEngine", "BatchError", "SlotBackend", "check_batchable", "check_kv_fits", "kv_bytes_per_slot",
-           "margin_rows", "tree_under_load"]
+__all__ = ["BatchEngine", "BatchError", "SlotBackend"]

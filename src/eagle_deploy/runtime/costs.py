@@ -46,8 +46,8 @@ class CostModel:
     forward, each at the cached rows (past) it runs with, measured on this device
     (`measure_costs`, or the curves of the export's last `eagle-bench --tune`) and then fixed:
     plans depend only on the request's tokens, so a seeded request gives the same tokens every
-    time. Attention makes a tree's rows dearer as the context grows (SmolLM2, 2 cores: a
-    9-node verification ~1.3x a one-token forward at past 128, ~2x at past 700), hence past.
+    time. Attention makes a tree's rows dearer as the context grows (docs/decisions.md,
+    'Device costs, measured'), hence past.
 
     verify_s: {past: {nodes: seconds}} (at least one past with at least one size);
     draft_s: {past: seconds per draft forward} ({} = free). Raises ValueError when verify_s is
@@ -106,10 +106,9 @@ def fastest_of_rounds(cells: dict, rounds: int) -> dict:
     every cell in turn; a cell's cost is its fastest round. Noise lasting a second or two
     (another process, a VM neighbour) then slows one round of every cell alike instead of every
     repeat of the few cells measured while it lasted, and some round of each cell misses it.
-    Timed one cell after another (median of 3, until 2026-12-05), the fp32 SmolLM2 export's
-    8-row verification after 1,024 cached rows measured 32-53 ms from run to run on one
-    machine, 30-32 ms whenever it was quiet (docs/decisions.md, 2026-12-05), and the planner
-    drafted less after a noisy measurement."""
+    Timed one cell after another instead (a median of repeats), the same cell's cost varied far
+    more from run to run than on a quiet machine, and the planner drafted less after a noisy
+    measurement (docs/decisions.md, 'Device costs, measured')."""
     for fn in cells.values():
         fn()
     best = dict.fromkeys(cells, float("inf"))

@@ -210,16 +210,16 @@ class Decoder:
     one position on, its KV row overwritten by the next forward; the KV buffer has one spare
     row), verification trees are laid out depth-first (DraftTree.depth_first) and acceptance
     ends at the first accepted node off the top path (verify.contiguous), whose token becomes
-    the bonus token. Costs measured on SmolLM2: vanilla -11 to -13%, EAGLE -8.5% (int8) / 0% (int4).
+    the bonus token. Its cost in speed: docs/decisions.md, 'greedy identity of quantised exports;
+    row-exact decoding'.
 
     prefill_chunk: a prompt longer than prefill_chunk + 1 tokens is prefilled in forwards of
     prefill_chunk rows (chunk_end: the last 2 to prefill_chunk + 1, never one), each at the
-    past the chunks before it wrote (0: one forward). The same rows as one forward, cheaper:
-    onnxruntime 1.32's CPU GroupQueryAttention (its tiled flash kernel) costs 14.3 ms per layer
-    for a 740-token prompt at once and 7.6-8.2 ms in chunks of 128-185 rows, so a 740-token
-    prefill of SmolLM2-135M took 1,047 -> 837 ms (fp32) and 1,417 -> 1,200 ms (int4) in chunks of
-    256 on an AMX Xeon, 2 threads, with logits, features and KV bit-identical to one forward
-    (docs/decisions.md, 2026-12-06). Raises ValueError on a bad acceptance setting or chunk.
+    past the chunks before it wrote (0: one forward). The same rows as one forward (logits,
+    features and KV bit-identical), and cheaper on a CPU, where onnxruntime's GroupQueryAttention
+    costs more than linearly in the query rows of one call (docs/decisions.md, 'chunked prefill
+    in the Decoder, and the attention kernels measured'). Raises ValueError on a bad acceptance
+    setting or chunk.
 
     length_limit: the largest max_length a re-export of the model may have
     (Manifest.length_limit), named in the error for a prompt that does not fit (None: unknown).

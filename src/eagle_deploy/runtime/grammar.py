@@ -4,8 +4,9 @@ draft trees.
 `check_response_format` reads `response_format` (`{"type": "text"}`, `{"type": "json_object"}`,
 `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`) without a model;
 `Grammar.compile` builds it for an export's tokenizer with llguidance (the grammar engine
-chosen by measurement: docs/decisions.md, 2026-12-07), and each request gets its own
-`GrammarState` (an llguidance matcher: the grammar state after the committed tokens).
+chosen by measurement: docs/decisions.md, 'the grammar engine for structured outputs over
+draft trees'), and each request gets its own `GrammarState` (an llguidance matcher: the
+grammar state after the committed tokens).
 
 Lossless over trees (`GrammarRows`): the target's distribution at a tree node is the
 grammar-masked one for that node's *own path*, so verification walks the tree from the root,

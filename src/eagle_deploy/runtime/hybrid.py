@@ -9,8 +9,8 @@ down the head's tree; where its next token is already a child it shares that nod
 it continues as a new branch. Then up to `alternates` other continuations the context offers
 (other earlier occurrences followed by another token, `ContextLookup.propose_all`), each cut
 to `alternate_len` tokens, are merged the same way while the request's node budget lasts
-(Spec-Bench greedy outputs of SmolLM2, replayed offline: lookup-alone τ on summarization
-1.84 -> 2.04, rag 1.89 -> 2.21 with 2 alternates of 4 tokens and 16-token chains; decisions.md).
+(they raise lookup-alone τ most on summarization and rag: docs/decisions.md, 'alternative
+lookup continuations and 16-token chains').
 Siblings stay distinct (DraftTree's rule). Lookup nodes are scored with the log of their
 estimated acceptance (an alternate's lowered by log(1 + its rank)), head nodes with their
 cumulative draft log-probability; siblings are tried best-first, and a row-exact depth-first

@@ -28,10 +28,10 @@ from .settings import MAX_SEQ_LEN, TrainSettings
 
 # prompts per token-data part: enough that the few long prompts of a part (documents of 1-2k
 # tokens) fill batches of similar length (256 left them in batches of 1-2 rows, whose decode
-# steps cost nearly what a 64-row step does: measured 70 tokens/s over such a part)
+# steps cost nearly what a 64-row step does: docs/decisions.md, 'eagle-train on two CPU cores')
 PART_PROMPTS = 1024
 FEATURES_DIR = "features"
-FEATURE_BLOCK = 512  # sequences per cached feature block (SmolLM2: ~1 minute on 2 cores in bf16)
+FEATURE_BLOCK = 512  # sequences per cached feature block (docs/decisions.md, 'eagle-train settings, measured')
 HEAD_FILE = "head.pt"
 
 

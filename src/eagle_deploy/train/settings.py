@@ -73,7 +73,8 @@ class Recipe:
             raise ValueError(f"--modes: comma-separated sampling temperatures >= 0 (0 = greedy), got {self.modes!r}")
 
 
-# 29 minutes measured on a 2-core CPU, data generation included (the training cap is 30)
+# fits a 2-core CPU's 30-minute training cap, data generation included (docs/decisions.md,
+# 'eagle-train settings, measured')
 CPU_QUICK = Recipe(limit=900, modes="0", max_new_tokens=160, gen_batch=32, epochs=6.0, batch_tokens=2048, lr=6e-4,
                    ce_topk=32, unroll=1, time_budget_min=30.0, warmup_steps=100)
 # a GPU recipe (minutes on one H100/H200 for SmolLM2; hours for 7B targets)

@@ -260,9 +260,9 @@ def check_features(hf, data, features, device: str, layers, sequences: int = 8, 
                    position_min: float = 0.99) -> str:
     """Features computed in a lower precision against fp32 on the first `sequences` sequences:
     each sequence's mean cosine similarity over its positions must be >= `mean_min` and every
-    position's >= `position_min` (bf16 on SmolLM2's own answers: means 0.9997-0.9999, single
-    positions down to 0.997, so a per-position 0.999 refused good data). Returns the log line;
-    raises RuntimeError below either bound."""
+    position's >= `position_min` (bf16 features are that close on a model's own answers, and a
+    per-position 0.999 refused good data: docs/decisions.md, 'eagle-train on two CPU cores').
+    Returns the log line; raises RuntimeError below either bound."""
     few = data.subset(range(min(sequences, len(data))))
     exact = compute_features(hf, few, device, batch_tokens=4096, dtype=torch.float32, feature_layers=layers)
     cos = [torch.nn.functional.cosine_similarity(a.float(), features[i].float(), dim=-1) for i, a in enumerate(exact)]

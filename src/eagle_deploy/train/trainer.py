@@ -59,7 +59,7 @@ class TrainConfig:
     time_budget_s: float = 0.0
     max_steps: int = 0  # > 0: exactly this many steps (the schedule ends there); epochs and the budget's plan ignored
     # bf16 autocast on a CPU too (CUDA always trains under it); for CPUs with native bf16, where
-    # a step measured 1.35x faster (Xeon with AMX, SmolLM2 head, unroll 3, 4096 tokens)
+    # a step is faster (docs/decisions.md, 'eagle-train settings, measured')
     cpu_bf16: bool = False
     # also score the prompt positions while training (the target's distribution there is the soft
     # label, as EAGLE-1 trained on fixed ShareGPT text rather than on its own answers); validation

@@ -54,11 +54,10 @@ def check_session(session, folder: Path, graph: GraphEntry, dims: Dims) -> None:
 
 
 def session_options(threads: int | None = None, spinning: bool = False):
-    """Session options for graphs that share a machine with another live session. Measured on
-    SmolLM2, 2 cores, target and draft sessions both live: spinning on in both pools cut EAGLE
-    tokens/s by 35-40% (the idle pool spins against the busy one); on for the target only
-    (OrtBackend's default) raised vanilla 52->54 (fp32), 76->95 (int8), 84->113 (int4) tokens/s
-    and EAGLE 76->82, 112->119, 97->107; 2 threads beat 1 (EAGLE 112 vs 92 on int8)."""
+    """Session options for graphs that share a machine with another live session. With target
+    and draft sessions both live, spinning in both pools slows EAGLE (the idle pool spins
+    against the busy one), while spinning in the target's pool alone (OrtBackend's default)
+    speeds up both vanilla and EAGLE decoding (docs/decisions.md, 'Thread spinning, measured')."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -104,10 +103,9 @@ def shared_initializers(folder: Path, shared: SharedWeights | None, which: str) 
     embedding of an export (MAPPED_ROLES): the file is mapped once per process (np.memmap,
     read-only) and every session of the export gets OrtValues over that one mapping
     (SessionOptions.add_initializer: no copy), so the target and draft graphs hold one copy,
-    counted once in RSS, of which only the rows actually gathered become resident (measured,
-    SmolLM2 int4: EAGLE peak RSS 1.02-1.03x vanilla's; 1.09x when each session mapped the file
-    itself and the gathered rows counted twice). Raises ManifestError when the file is missing
-    or truncated (SharedWeights.check)."""
+    counted once in RSS, of which only the rows actually gathered become resident
+    (docs/decisions.md, 'One mapping of shared.data, measured'). Raises ManifestError when the
+    file is missing or truncated (SharedWeights.check)."""
     if shared is None or not shared.tensors:
         return None, {}
     shared.check(folder, which)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from eagle_deploy.bench import cli, peers
-from tests.tools.tiny_export import PROMPTS, copy_export, prompt_file, tiny_export
+from tests.tiny_export import PROMPTS, copy_export, prompt_file, tiny_export
 
 MAX_NEW = 12
 

@@ -1,5 +1,6 @@
 """One tiny export (random Llama target + random EAGLE head, tests/tiny.py) shared by the
-tools tests of a session, plus a short prompt file that fits its 256-token capacity."""
+tests of a session that need one (bench, train, validate, serve, triton and others), plus a short
+prompt file that fits its 256-token capacity."""
 from __future__ import annotations
 
 import json

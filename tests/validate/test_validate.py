@@ -13,7 +13,7 @@ import pytest
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.validate import cli as v
 from eagle_deploy.validate import compare
-from tests.tools.tiny_export import copy_export, tiny_export
+from tests.tiny_export import copy_export, tiny_export
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from eagle_deploy.runtime.acceptance import depth_rates
 from eagle_deploy.train import evaluate as ev
-from tests.tools.tiny_export import PROMPTS, prompt_file, specbench_file, tiny_export
+from tests.tiny_export import PROMPTS, prompt_file, specbench_file, tiny_export
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from eagle_deploy.bench import tune as tn
 from eagle_deploy.contract.cpu import cpu_info
 from eagle_deploy.runtime.backends.base import TargetOutputs
 from eagle_deploy.runtime.tree import DraftTree
-from tests.tools.tiny_export import PROMPTS, copy_export, prompt_file, specbench_file, tiny_export
+from tests.tiny_export import PROMPTS, copy_export, prompt_file, specbench_file, tiny_export
 
 RUN_KEYS = {"new_tokens", "seconds", "tokens_per_s", "ttft_ms", "finish_reason", "token_ids"}
 TOP_KEYS = {"schema", "engines", "manifest", "date", "machine", "config", "tree", "numerics", "prompts", "aggregate",
