@@ -8,7 +8,7 @@ or inside a function, relative or absolute, and `from x import y` names the subm
 
 - the import cycles between files: strongly connected components of more than one module;
 - the upward imports under the layering (lowest first)
-      contract < exporter, heads, runtime < validate, train < bench, serve, triton
+      contract < common < exporter, heads, runtime < validate, train < bench, serve, triton
   that is, a module of a lower layer importing one of a higher layer, and the imports between
   `runtime` and `exporter` or `heads`, siblings that never import each other. (`heads` builds
   its modules on the exporter's torch layers and the exporter's draft graphs wrap heads: the
@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = "eagle_deploy"
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / ROOT
 
-LAYERS = [("contract",), ("exporter", "heads", "runtime"), ("validate", "train"), ("bench", "serve", "triton")]
+LAYERS = [("contract",), ("common",), ("exporter", "heads", "runtime"), ("validate", "train"),
+          ("bench", "serve", "triton")]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 NEVER_EACH_OTHER = {frozenset(("exporter", "runtime")), frozenset(("heads", "runtime"))}
 

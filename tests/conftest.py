@@ -115,7 +115,7 @@ def _own_cache(tmp_path_factory):
     (gguf/, chunked/, minutes to make) are linked in from the user's cache when it has them."""
     import os
 
-    from eagle_deploy.contract.cache import cache_root
+    from eagle_deploy.common.cache import cache_root
 
     user, before = cache_root(), os.environ.get("EAGLE_DEPLOY_CACHE")
     root = tmp_path_factory.mktemp("cache")

@@ -13,8 +13,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from eagle_deploy.common.cpu import cpu_info
 from eagle_deploy.contract import onnx_io as c
-from eagle_deploy.contract.cpu import cpu_info
 from eagle_deploy.runtime.backends.base import StepInputs, feature_inputs
 from eagle_deploy.runtime.drafter import DraftRequest, causal_mask  # noqa: F401 (re-exported for the tests)
 from eagle_deploy.runtime.kv import KVBuffer

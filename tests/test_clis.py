@@ -90,7 +90,7 @@ def test_ctrl_c_during_eagle_run_stream(mha, monkeypatch, capsys):
 
 
 def test_cli_error_is_one_line_and_status_2(capsys):
-    from eagle_deploy.contract.cli_args import BAD_INPUT, cli_error
+    from eagle_deploy.common.cli_args import BAD_INPUT, cli_error
 
     assert cli_error("eagle-x", ValueError("manifest.json tools.a\nb:  expected\tan integer")) == BAD_INPUT == 2
     assert capsys.readouterr().err == "eagle-x: error: manifest.json tools.a b: expected an integer\n"

@@ -39,7 +39,9 @@ def sources(subpackage: str) -> list[Path]:
 @pytest.mark.parametrize("src, forbidden", [("exporter", "runtime"), ("runtime", "exporter"),
                                             ("heads", "runtime"), ("runtime", "heads"),
                                             ("contract", "runtime"), ("contract", "exporter"),
-                                            ("contract", "heads")])
+                                            ("contract", "heads"), ("contract", "common"),
+                                            ("common", "runtime"), ("common", "exporter"),
+                                            ("common", "heads")])
 def test_no_import_crosses_between_halves(src, forbidden):
     crossings = [f"{path.relative_to(PACKAGE)} imports {name}"
                  for path in sources(src) for name in imported_modules(path)
@@ -47,9 +49,10 @@ def test_no_import_crosses_between_halves(src, forbidden):
     assert not crossings, "\n".join(crossings)
 
 
-def test_contract_imports_nothing_heavy():
+@pytest.mark.parametrize("subpackage", ["contract", "common"])
+def test_contract_and_common_import_nothing_heavy(subpackage):
     heavy = ("torch", "onnx", "onnxruntime", "transformers", "tensorrt", "polygraphy")
-    found = [f"{path.relative_to(PACKAGE)} imports {name}" for path in sources("contract")
+    found = [f"{path.relative_to(PACKAGE)} imports {name}" for path in sources(subpackage)
              for name in imported_modules(path) if name.split(".")[0] in heavy]
     assert not found, "\n".join(found)
 
@@ -91,7 +94,7 @@ def test_design_map_names_every_module():
 
 def test_no_import_cycle_between_files_and_no_import_up_the_layers():
     """scripts/import_graph.py over the package: no two files import each other (directly or
-    round a loop) and no module imports one from a higher layer (contract < exporter, heads,
+    round a loop) and no module imports one from a higher layer (contract < common < exporter, heads,
     runtime < validate, train < bench, serve, triton), nor runtime from exporter or heads."""
     import subprocess
     import sys

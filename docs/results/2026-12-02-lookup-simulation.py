@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 
 
 def greedy(engines, questions, out):
-    from eagle_deploy.contract.prompts import specbench_prompts
+    from eagle_deploy.common.prompts import specbench_prompts
     from eagle_deploy.runtime.api import EagleRuntime
     rt = EagleRuntime.load(engines, threads=2)
     rows = []

@@ -6,7 +6,7 @@ repository root: python docs/results/2026-12-05-gqa-flash-ab.py ENGINES[,ENGINES
 import json, os, sys, time, tempfile
 from collections import defaultdict
 from eagle_deploy.runtime.api import EagleRuntime
-from eagle_deploy.contract.prompts import specbench_prompts
+from eagle_deploy.common.prompts import specbench_prompts
 
 folders = sys.argv[1].split(",")
 prompts = specbench_prompts(sys.argv[2], int(sys.argv[3]))

@@ -8,7 +8,7 @@ from collections import defaultdict
 from eagle_deploy.runtime.api import EagleRuntime
 from eagle_deploy.runtime.hybrid import HybridDrafter, head_of
 from eagle_deploy.runtime.lookup import ContextLookup
-from eagle_deploy.contract.prompts import specbench_prompts
+from eagle_deploy.common.prompts import specbench_prompts
 
 folders = sys.argv[1].split(",")
 limit = int(sys.argv[3])

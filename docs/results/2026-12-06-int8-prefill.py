@@ -17,7 +17,7 @@ from eagle_deploy.bench.peers import OrtGenaiSystem
 
 int4, w8dir, fp32, ogdir, qpath, limit, out = sys.argv[1:8]
 limit, threads, N = int(limit), 2, 128
-from eagle_deploy.contract.prompts import specbench_prompts
+from eagle_deploy.common.prompts import specbench_prompts
 cats = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
 picked = [(q["category"], q) for q in specbench_prompts(Path(qpath), limit)]  # eagle-bench's questions
 

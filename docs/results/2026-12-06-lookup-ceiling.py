@@ -12,7 +12,7 @@ import json
 import sys
 from collections import defaultdict
 
-from eagle_deploy.contract.prompts import specbench_prompts
+from eagle_deploy.common.prompts import specbench_prompts
 from eagle_deploy.runtime.api import EagleRuntime
 
 CHAIN = 16

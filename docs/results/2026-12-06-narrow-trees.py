@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from eagle_deploy.contract.prompts import specbench_prompts
+from eagle_deploy.common.prompts import specbench_prompts
 from eagle_deploy.runtime.api import EagleRuntime
 from eagle_deploy.runtime.planner import measure_costs
 

@@ -9,7 +9,7 @@ import sys
 import time
 from collections import defaultdict
 
-from eagle_deploy.contract.prompts import specbench_prompts
+from eagle_deploy.common.prompts import specbench_prompts
 from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.runtime.api import EagleRuntime
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eagle_deploy.contract.prompts import specbench_prompts
+from eagle_deploy.common.prompts import specbench_prompts
 from eagle_deploy.runtime.api import EagleRuntime
 
 

@@ -17,7 +17,7 @@ import pytest
 from eagle_deploy.bench import cli, report
 from eagle_deploy.bench import divergence as dv
 from eagle_deploy.bench import tune as tn
-from eagle_deploy.contract.cpu import cpu_info
+from eagle_deploy.common.cpu import cpu_info
 from eagle_deploy.runtime.backends.base import TargetOutputs
 from eagle_deploy.runtime.tree import DraftTree
 from tests.tiny_export import PROMPTS, copy_export, prompt_file, specbench_file, tiny_export
@@ -472,7 +472,7 @@ def test_memory_probe_peak_is_the_child_process_own(export_dir):
 
 
 def test_specbench_questions_become_tasks(tmp_path):
-    from eagle_deploy.contract.prompts import load_prompts, specbench_prompts
+    from eagle_deploy.common.prompts import load_prompts, specbench_prompts
 
     path = specbench_file(tmp_path)
     rows = specbench_prompts(path)

@@ -49,7 +49,7 @@ def test_the_converted_checkpoint_is_qwen_with_both_end_of_turn_ids():
     the same function eagle-export fills manifest.eos_token_ids with."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from eagle_deploy.contract.cache import cache_root
+    from eagle_deploy.common.cache import cache_root
     from eagle_deploy.exporter.sources import eos_ids
 
     folder = cache_root() / "gguf" / f"{SPEC.name.removesuffix('.gguf')}-{SPEC.sha256[:16]}"

@@ -1,7 +1,7 @@
 """triton/bench.py: its prompts come from the prompt sets."""
 from __future__ import annotations
 
-from eagle_deploy.contract.prompts import prompt_set
+from eagle_deploy.common.prompts import prompt_set
 from eagle_deploy.triton.bench import bench_prompts
 
 

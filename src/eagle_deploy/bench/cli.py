@@ -41,7 +41,7 @@ import os
 import sys
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import (
+from eagle_deploy.common.cli_args import (
     add_tree_args,
     check_at_least,
     cli_error,
@@ -197,7 +197,7 @@ def _prompt_sets(args) -> list[str]:
 
 
 def _tune(args, tree, say) -> int:
-    from eagle_deploy.contract.prompts import load_prompts
+    from eagle_deploy.common.prompts import load_prompts
 
     from .tune import TuneConfig, tune
 

@@ -40,8 +40,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from eagle_deploy.contract.cli_args import check_at_least, cli_error, number_list
-from eagle_deploy.contract.prompts import load_prompts
+from eagle_deploy.common.cli_args import check_at_least, cli_error, number_list
+from eagle_deploy.common.prompts import load_prompts
 
 SCHEMA = "eagle-serve-load/1"
 

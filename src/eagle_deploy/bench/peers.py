@@ -96,7 +96,7 @@ def version(dist: str) -> str | None:
 
 def optimum_cli() -> Path | None:
     """optimum-cli: $EAGLE_DEPLOY_OPTIMUM_CLI, on PATH, beside this Python, or in the cache's venv."""
-    from eagle_deploy.contract.cache import cache_root
+    from eagle_deploy.common.cache import cache_root
 
     env = os.environ.get("EAGLE_DEPLOY_OPTIMUM_CLI")
     found = [Path(env)] if env else []
@@ -115,7 +115,7 @@ def converted_peer(name: str) -> str:
 
 def model_dir(hf_dir: Path, name: str) -> Path:
     """Where peer `name`'s converted model for checkpoint folder `hf_dir` is cached."""
-    from eagle_deploy.contract.cache import cache_root
+    from eagle_deploy.common.cache import cache_root
 
     family, precision = split_name(converted_peer(name))
     return cache_root() / "peers" / Path(hf_dir).name / f"{family}-{version(PACKAGES[family][1])}-{precision}"
@@ -140,7 +140,7 @@ def eagle3_head_problem(head: Path | None) -> str | None:
 
 def draft_dir(head: Path) -> Path:
     """Where the OpenVINO IR of EAGLE-3 head `head` is cached (keyed by its weights' digest)."""
-    from eagle_deploy.contract.cache import cache_root
+    from eagle_deploy.common.cache import cache_root
     from eagle_deploy.contract.verify import sha256_file
 
     digest = sha256_file(Path(head) / "model.safetensors")

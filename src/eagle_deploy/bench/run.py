@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from eagle_deploy.contract.cpu import machine_record
-from eagle_deploy.contract.prompts import load_prompts
+from eagle_deploy.common.cpu import machine_record
+from eagle_deploy.common.prompts import load_prompts
 from eagle_deploy.runtime.memory import peak_rss_mb
 
 from . import divergence as dv

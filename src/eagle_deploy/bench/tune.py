@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from eagle_deploy.contract.cpu import machine_record
+from eagle_deploy.common.cpu import machine_record
 from eagle_deploy.contract.tree_config import growth_nodes
 from eagle_deploy.runtime.acceptance import depth_rates, tau
 from eagle_deploy.runtime.backends.base import StepInputs, StepOutputs

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle_deploy.contract.cache import cache_root
+from eagle_deploy.common.cache import cache_root
 
 from .publish import DestinationBusyError, destination_lock
 

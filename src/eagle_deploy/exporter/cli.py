@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import (
+from eagle_deploy.common.cli_args import (
     HelpFormatter,
     add_tree_args,
     check_at_least,

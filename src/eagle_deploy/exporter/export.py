@@ -399,7 +399,7 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
     Raises ModelNotAvailableError, UnsupportedModelError, HeadCheckpointError, ValueError,
     FileExistsError (folder exists and not options.force, also when it appeared meanwhile),
     DestinationBusyError (a FileExistsError: another process is exporting the same folder),
-    OSError (a destination that cannot be written: read-only, full; contract.cli_args.disk_error)."""
+    OSError (a destination that cannot be written: read-only, full; common.cli_args.disk_error)."""
     plan = resolve_inputs(model, draft, out_root, options, progress)
     created = not Path(out_root).exists()
     Path(out_root).mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle_deploy.contract.cache import cache_root
+from eagle_deploy.common.cache import cache_root
 from eagle_deploy.contract.errors import disk_errno, first_line
 from eagle_deploy.contract.verify import sha256_file
 

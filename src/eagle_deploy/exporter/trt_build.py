@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from eagle_deploy.contract.cli_args import cli_error
+from eagle_deploy.common.cli_args import cli_error
 from eagle_deploy.contract.errors import import_tensorrt
 from eagle_deploy.contract.manifest import Dims, GraphEntry, Manifest, TrtRecord
 from eagle_deploy.contract.onnx_io import KV_SEQ_MAJOR

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import (
+from eagle_deploy.common.cli_args import (
     LOSSY,
     HelpFormatter,
     add_engine_args,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle_deploy.contract.cache import cache_root
-from eagle_deploy.contract.cpu import cpu_info
+from eagle_deploy.common.cache import cache_root
+from eagle_deploy.common.cpu import cpu_info
 from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.contract.onnx_io import MANIFEST_FILE
 from eagle_deploy.contract.tree_config import TreeConfig

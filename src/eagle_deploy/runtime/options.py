@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from eagle_deploy.contract.cli_args import BACKEND_NAMES, DEFAULT_THRESHOLD, VERIFY_CHOICES
+from eagle_deploy.common.cli_args import BACKEND_NAMES, DEFAULT_THRESHOLD, VERIFY_CHOICES
 from eagle_deploy.contract.errors import SettingError
 from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER, DRAFTER_KINDS, TreeConfig
 
@@ -123,7 +123,7 @@ class EngineOptions:
 
     @classmethod
     def from_args(cls, args, tree: TreeConfig | None = None, **changes) -> "EngineOptions":
-        """The options of `contract.cli_args.add_engine_args`' flags (eagle-run, eagle-serve):
+        """The options of `common.cli_args.add_engine_args`' flags (eagle-run, eagle-serve):
         --backend, --threads, --drafter, --always-draft, --acceptance, --threshold, --verify,
         and the command's --prefix-cache-mb where it has one;
         `tree` (the tree flags resolved against the manifest) and `changes` on top. Raises

@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 
-from eagle_deploy.contract.cli_args import (
+from eagle_deploy.common.cli_args import (
     LOSSY,
     HelpFormatter,
     add_engine_args,

@@ -26,7 +26,7 @@ import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import cli_error, interruptible, number_list
+from eagle_deploy.common.cli_args import cli_error, interruptible, number_list
 
 from .pipeline import UNFINISHED, run  # noqa: F401  (UNFINISHED: exit status 3, named for callers)
 from .settings import ARCHS, CPU_QUICK, DTYPES, GPU, MAX_SEQ_LEN, PRESETS, STAGES, Recipe, TrainSettings

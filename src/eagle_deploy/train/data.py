@@ -18,15 +18,15 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-# prompt sets and prompt files: contract/prompts.py (prompt_set, read_jsonl still importable from here)
-from eagle_deploy.contract.cpu import cpu_info
-from eagle_deploy.contract.prompts import PROMPTS_DIR, humaneval_prompts, prompt_of, prompt_set, read_jsonl  # noqa: F401
+# prompt sets and prompt files: common/prompts.py (prompt_set, read_jsonl still importable from here)
+from eagle_deploy.common.cpu import cpu_info
+from eagle_deploy.common.prompts import PROMPTS_DIR, humaneval_prompts, prompt_of, prompt_set, read_jsonl  # noqa: F401
 from eagle_deploy.exporter.target import ExportableTarget
 from eagle_deploy.runtime.text import encode_user
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU computes bf16 dot products natively (contract.cpu.CpuInfo.native_bf16:
+    """Whether this CPU computes bf16 dot products natively (common.cpu.CpuInfo.native_bf16:
     the avx512_bf16 or amx_bf16 flag of /proc/cpuinfo, or of `cpuinfo`'s text); elsewhere torch
     emulates bf16, slower than fp32."""
     return cpu_info(cpuinfo).native_bf16

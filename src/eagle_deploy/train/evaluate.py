@@ -15,7 +15,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import check_at_least, check_output_path, cli_error, interruptible
+from eagle_deploy.common.cli_args import check_at_least, check_output_path, cli_error, interruptible
 from eagle_deploy.runtime.acceptance import pooled_depth_rates, pooled_tau
 
 
@@ -56,7 +56,7 @@ def check_prompts(name: str, rows: list[dict], expected: str = PROMPT_FILE) -> N
     if not empty:
         return
     where = f"{name} (prompt {rows[empty[0]].get('id')})"
-    if Path(name).is_file():  # the record's line, counted as contract.prompts.read_jsonl counts it
+    if Path(name).is_file():  # the record's line, counted as common.prompts.read_jsonl counts it
         text = Path(name).read_text(encoding="utf-8")
         lines = [n + 1 for n, line in enumerate(text.split("\n")) if line.strip()]
         where = f"{name}:{empty[0] + 1 if text.lstrip().startswith('[') else lines[empty[0]]}"
@@ -64,7 +64,7 @@ def check_prompts(name: str, rows: list[dict], expected: str = PROMPT_FILE) -> N
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from eagle_deploy.contract.cli_args import add_tree_args
+    from eagle_deploy.common.cli_args import add_tree_args
 
     p = argparse.ArgumentParser(prog="eagle-eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,9 +97,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from tqdm import tqdm
 
-    from eagle_deploy.contract.cli_args import tree_from_args
+    from eagle_deploy.common.cli_args import tree_from_args
+    from eagle_deploy.common.prompts import prompt_set, specbench_prompts
     from eagle_deploy.contract.manifest import Manifest, ManifestError
-    from eagle_deploy.contract.prompts import prompt_set, specbench_prompts
     from eagle_deploy.contract.tree_config import TreeConfigError
     from eagle_deploy.runtime.api import EagleRuntime
 

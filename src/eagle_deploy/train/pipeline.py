@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle_deploy.contract.prompts import prompt_set
+from eagle_deploy.common.prompts import prompt_set
 
 from .settings import CPU_QUICK, GPU, MAX_SEQ_LEN, PRESETS, Recipe, TrainSettings
 
@@ -45,7 +45,7 @@ class TrainResult:
 
 
 def training_prompts(settings: TrainSettings) -> list[dict] | None:
-    """The --prompts rows (contract.prompts.prompt_set), read before the target loads so a
+    """The --prompts rows (common.prompts.prompt_set), read before the target loads so a
     missing, malformed or empty prompt file fails at once; None with --data (nothing is
     generated). Raises ValueError."""
     if settings.data:

@@ -15,7 +15,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import check_at_least, check_output_path
+from eagle_deploy.common.cli_args import check_at_least, check_output_path
 
 MAX_SEQ_LEN = 1024  # tokens of a sequence trained on (--max-seq-len; TrainConfig.max_seq_len)
 ARCHS = ("eagle", "eagle3")

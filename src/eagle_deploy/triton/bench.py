@@ -124,9 +124,9 @@ def run(engines: Path, max_tokens: int, reps: int, requests: int, concurrency: i
 
 
 def bench_prompts(name: str = "chat", limit: int = 6) -> list[str]:
-    """The first `limit` prompt texts of a prompt set or file (contract.prompts.prompt_set),
+    """The first `limit` prompt texts of a prompt set or file (common.prompts.prompt_set),
     taken across its categories."""
-    from eagle_deploy.contract.prompts import across_categories, prompt_set
+    from eagle_deploy.common.prompts import across_categories, prompt_set
 
     return [r["prompt"] for r in across_categories(prompt_set(name), limit)]
 

@@ -36,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import (
+from eagle_deploy.common.cli_args import (
     HelpFormatter,
     add_drafter_args,
     add_tree_args,

@@ -16,7 +16,7 @@ import ctypes
 import importlib.util
 from dataclasses import dataclass
 
-from eagle_deploy.contract.cli_args import BACKEND_NAMES
+from eagle_deploy.common.cli_args import BACKEND_NAMES
 
 BACKEND_CHOICES = ("auto", *BACKEND_NAMES)
 CUDA_PROVIDER = "CUDAExecutionProvider"

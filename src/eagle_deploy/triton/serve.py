@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import cli_error, interruptible
+from eagle_deploy.common.cli_args import cli_error, interruptible
 
 from .env import default_env_dir, ensure_stub_env, python_version
 

@@ -32,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import add_verify_arg, check_output_path, cli_error, interruptible
+from eagle_deploy.common.cli_args import add_verify_arg, check_output_path, cli_error, interruptible
 from eagle_deploy.contract.manifest import ManifestError
 from eagle_deploy.exporter.sources import ReferenceLoadError
 

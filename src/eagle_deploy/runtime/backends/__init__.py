@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle_deploy.contract.cli_args import BACKEND_NAMES
+from eagle_deploy.common.cli_args import BACKEND_NAMES
 
 from .base import Backend, DraftOutputs, StepInputs, StepOutputs, TargetOutputs
 

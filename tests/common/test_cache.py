@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle_deploy.contract.cache import cache_root
+from eagle_deploy.common.cache import cache_root
 
 
 def test_the_variable_names_the_folder(monkeypatch, tmp_path):

@@ -10,8 +10,15 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import DISK_ERRORS, SettingError, disk_errno
-from .tree_config import DEFAULT_DRAFTER, DEFAULT_TREE, DRAFTER_KINDS, STATIC_TREES, TreeConfig, TreeConfigError
+from eagle_deploy.contract.errors import DISK_ERRORS, SettingError, disk_errno
+from eagle_deploy.contract.tree_config import (
+    DEFAULT_DRAFTER,
+    DEFAULT_TREE,
+    DRAFTER_KINDS,
+    STATIC_TREES,
+    TreeConfig,
+    TreeConfigError,
+)
 
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 BAD_INPUT = 2  # argparse's exit status for a usage error; every CLI's for input it refuses

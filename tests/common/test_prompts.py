@@ -1,7 +1,7 @@
-"""contract/prompts.py: prompt sets taken across their categories."""
+"""common/prompts.py: prompt sets taken across their categories."""
 from __future__ import annotations
 
-from eagle_deploy.contract.prompts import across_categories
+from eagle_deploy.common.prompts import across_categories
 
 
 def test_across_categories_takes_the_categories_in_turn():

@@ -1,4 +1,4 @@
-"""contract/cli_args.py: the range checks every CLI shares refuse NaN (which compares False
+"""common/cli_args.py: the range checks every CLI shares refuse NaN (which compares False
 with every bound) and, where asked, inf; output paths are checked before any work."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from eagle_deploy.contract.cli_args import check_at_least, check_output_path, number_list
+from eagle_deploy.common.cli_args import check_at_least, check_output_path, number_list
 
 
 @pytest.mark.parametrize("value, finite, message", [

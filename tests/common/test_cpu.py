@@ -1,9 +1,9 @@
-"""contract/cpu.py: the CPU identity recorded beside every benchmark figure."""
+"""common/cpu.py: the CPU identity recorded beside every benchmark figure."""
 from __future__ import annotations
 
 import platform
 
-from eagle_deploy.contract.cpu import ISA_FLAGS, cpu_info
+from eagle_deploy.common.cpu import ISA_FLAGS, cpu_info
 
 ZEN3 = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -58,7 +58,7 @@ def test_this_machine_is_read():
 
 
 def test_the_machine_record_holds_this_cpu_and_the_threads():
-    from eagle_deploy.contract.cpu import machine_record
+    from eagle_deploy.common.cpu import machine_record
 
     record = machine_record(3)
     assert record["threads"] == 3 and record["platform"] == platform.platform()
