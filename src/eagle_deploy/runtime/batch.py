@@ -54,7 +54,8 @@ of a batched forward computes the same bits as the same row of that slot's solo 
 whenever the solo forward has two or more tokens (attention reads only the row's own
 columns; matrix products are per row). A one-token solo forward runs onnxruntime's one-row
 kernel and can differ in the last bit. So: row-exact decoding (the default for quantised
-exports: one-token forwards run as two rows) is bit-identical batched and alone; fp32 greedy
+exports: one-token forwards run as two rows, or as one row whose attention the graph repeats
+itself, manifest `target.extra.repeats_one_row`) is bit-identical batched and alone; fp32 greedy
 output is token-identical except at exact near-ties, as EAGLE vs vanilla already is;
 sampling follows the target distribution, and with a `seed` gives the tokens the request gets
 alone whenever the bits agree (each slot owns its RNG). Graphs whose rounding mixes rows (int8
@@ -89,7 +90,7 @@ import numpy as np
 
 from eagle_deploy.contract.dtypes import numpy_dtype
 from eagle_deploy.contract.manifest import Manifest
-from eagle_deploy.contract.onnx_io import KV_SHARED
+from eagle_deploy.contract.onnx_io import KV_SHARED, rows_written
 from eagle_deploy.contract.profiles import draft_kv_capacity
 from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.contract.verify import verify_export
@@ -98,7 +99,7 @@ from .api import EagleRuntime, load_tokenizer, row_exact_default
 from .backends import load_backend
 from .backends.base import StepInputs, StepOutputs
 from .costs import device_costs
-from .decode import RoundObserver, chunk_end, target_kv_capacity
+from .decode import RoundObserver, chunk_end
 from .drafter import Drafter, EagleDrafter
 from .hybrid import LOOKUP_ROWS, make_drafter, uses_draft_graph
 from .kv import KVBuffer
@@ -106,6 +107,7 @@ from .memory import available_mb
 from .options import EngineOptions
 from .prefix_cache import PrefixCache
 from .request import Prompt
+from .row_exact import matmuls_row_exact, step_rows, target_kv_capacity
 
 # output fields whose axis 1 follows logits_indices (N); every other output follows the new tokens (S)
 _PER_LOGIT = {"logits", "topk_logprobs", "topk_ids"}
@@ -148,7 +150,8 @@ def margin_rows(tree: TreeConfig, row_exact: bool) -> int:
     """KV rows a batched forward may write past one slot's own capacity: the largest number of
     new tokens a batched forward carries (a verification tree, a draft expansion of top_k^2
     frontier nodes, an extension of depth + 1 accepted tokens), with a spare row for row-exact
-    one-token forwards."""
+    one-token forwards (`row_exact`: or one-token forwards of a graph that repeats one-row
+    queries, which write a spare row too)."""
     return tree.total_tokens + tree.depth + 2 + (tree.top_k or 1) ** 2 + int(row_exact)
 
 
@@ -194,9 +197,10 @@ class _LoadTrees:
 def kv_bytes_per_slot(manifest: Manifest, tree: TreeConfig, row_exact: bool) -> int:
     """Bytes of target + draft KV one slot holds in a BatchEngine (capacities as the decoder
     and drafter ask for them, plus margin_rows)."""
-    margin = margin_rows(tree, row_exact)
+    repeats = manifest.target.repeats_one_row
+    margin = margin_rows(tree, row_exact or repeats)
     total = 0
-    for which, rows in (("target", target_kv_capacity(manifest.max_length, row_exact)),
+    for which, rows in (("target", target_kv_capacity(manifest.max_length, row_exact, repeats)),
                         ("draft", draft_kv_capacity(manifest.max_length, tree))):
         graph, dims = getattr(manifest, which), manifest.graph_dims(which)
         itemsize = np.dtype(numpy_dtype(graph.dtype)).itemsize
@@ -298,6 +302,7 @@ class BatchEngine:
         slot_options = options.replace(tree=tree, row_exact=self._row_exact, prefill_chunk=0)  # chunked here
         check_kv_fits(manifest, tree, slots, self._row_exact)
         self.backends, self.slots, self.tree = backends, slots, tree
+        self._repeats = manifest.target.repeats_one_row  # the target graph writes a spare row (contract)
         self._cond = threading.Condition()
         self._buffers: dict[str, KVBuffer] = {}
         self._views: dict[tuple, KVBuffer] = {}  # (role, lo, hi) -> view of slots [lo, hi), made once
@@ -309,6 +314,7 @@ class BatchEngine:
         self._started = [-1] * slots  # the session in which each slot's current request was prefilled
         self.batched_forwards = self.solo_forwards = self.prefill_chunks = 0
         self._decode_turn = False  # with prefill_chunk: the decoding slots run next (a prefill ran last)
+        rows = step_rows(self._row_exact, self._repeats, matmuls_row_exact(manifest.target))  # as each Decoder's
         observers = round_observers or (lambda b: ())
         wrap = drafters or (lambda b, drafter: drafter)
 
@@ -323,7 +329,7 @@ class BatchEngine:
             if uses_draft_graph(drafter_kind):
                 eagle = EagleDrafter.for_export(SlotBackend(self, "draft", b), tree, manifest)
                 eagle = _LoadTrees(eagle, self) if shrink_trees else eagle
-            return wrap(b, make_drafter(drafter_kind, eagle, tree, planned, self.costs, self._row_exact))
+            return wrap(b, make_drafter(drafter_kind, eagle, tree, planned, self.costs, self._row_exact, rows))
 
         self.prefix_cache = PrefixCache.of_mb(options.prefix_cache_mb)  # one for every slot (module doc)
         self.runtimes = [EagleRuntime(folder, manifest, SlotBackend(self, "target", b), None, tokenizer, slot_options,
@@ -363,7 +369,7 @@ class BatchEngine:
         with self._cond:
             buf = self._buffers.get(role)
             if buf is None:
-                rows = capacity + margin_rows(self.tree, self._row_exact)
+                rows = capacity + margin_rows(self.tree, self._row_exact or self._repeats)
                 buf = self._buffers[role] = self.backends[role].allocate_kv(rows, batch=self.slots)
                 self._capacity[role] = capacity
             if capacity > self._capacity[role]:
@@ -552,7 +558,7 @@ class BatchEngine:
         pasts = [calls[r].past if r in calls else held[lo + r] for r in range(hi - lo)]
         S = max(c.seq for c in group)
         kv = self._view(role, lo, hi)
-        if max(pasts) + S > kv.capacity:
+        if max(pasts) + rows_written(S, role == "target" and self._repeats) > kv.capacity:
             return False
         out = self.backends[role].run(_pad(calls, pasts, S), kv, max(pasts))
         for r, c in calls.items():
