@@ -239,13 +239,18 @@ def quant_exports(tmp_path_factory) -> dict:
     """{"fp32" | "int8" | "int4": export folder} of one tiny tied-embedding GQA target + head,
     default settings (the quantisation, batch-invariance and row-exact tests share it; the fp32
     one's draft graph is int8 by default), and "fp32-draft": the fp32 export with its draft
-    graph unquantised (--draft-quant none)."""
+    graph unquantised (--draft-quant none). The int8 / int4 target graphs repeat one-row queries
+    themselves (the default, manifest target.repeats_one_row); "int8-two-row" / "int4-two-row"
+    are the same exports without that (--repeat-one-row off: the graphs before 2026-12-07)."""
     from eagle_deploy.exporter.export import ExportOptions, export
 
     root = tmp_path_factory.mktemp("quant")
     target = tiny.build_tiny_target(root / "target", gqa=True, seed=5, norm_noise=0.1, tie_word_embeddings=True)
     head = tiny.build_tiny_head(root / "head", target, seed=6, norm_noise=0.1)
     return {name: export(str(target), str(head), root / "exports",
-                         ExportOptions(max_length=MAX_LENGTH, quant=quant, name=name, draft_quant=draft), progress=None)
-            for name, quant, draft in (("fp32", None, "auto"), ("int8", "int8", "auto"), ("int4", "int4", "auto"),
-                                       ("fp32-draft", None, "none"))}
+                         ExportOptions(max_length=MAX_LENGTH, quant=quant, name=name, draft_quant=draft,
+                                       repeat_one_row=repeat), progress=None)
+            for name, quant, draft, repeat in (
+                ("fp32", None, "auto", "auto"), ("int8", "int8", "auto", "auto"), ("int4", "int4", "auto", "auto"),
+                ("fp32-draft", None, "none", "auto"), ("int8-two-row", "int8", "auto", "off"),
+                ("int4-two-row", "int4", "auto", "off"))}

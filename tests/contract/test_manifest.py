@@ -81,6 +81,22 @@ def test_saved_manifest_loads_back_equal_with_the_format_2_layout(tmp_path):
     assert isinstance(loaded.tree, TreeConfig) and isinstance(loaded.target.inputs[0], TensorSpec)
 
 
+def test_a_fused_target_that_repeats_one_row_queries_round_trips(tmp_path):
+    """`target.extra.repeats_one_row` (contract "One-row queries"): written when true, left out
+    when false, and read back; older manifests (without it) read as false."""
+    t_in, t_out = c.target_io(DIMS.num_layers, "float32", c.KV_SHARED)
+    target = GraphEntry(path=c.TARGET_FILE, dtype="float32", inputs=t_in, outputs=t_out, ragged_batch=True)
+    d_in, d_out = c.draft_io("float32", 10, c.KV_SHARED)
+    draft = _manifest().draft.replace(inputs=d_in, outputs=d_out)
+    for repeats in (True, False):
+        m = _manifest(target=target.replace(repeats_one_row=repeats), draft=draft)
+        m.save(tmp_path)
+        extra = json.loads((tmp_path / c.MANIFEST_FILE).read_text())["target"]["extra"]
+        assert extra == ({"ragged_batch": True, "repeats_one_row": True} if repeats else {"ragged_batch": True})
+        loaded = Manifest.load(tmp_path)
+        assert loaded == m and loaded.target.repeats_one_row is repeats and loaded.draft.repeats_one_row is False
+
+
 def test_a_folder_that_is_no_export_says_what_to_pass(tmp_path):
     """A missing path, eagle-export's --out (which holds exports) and any other folder."""
     with pytest.raises(ManifestError) as err:
@@ -223,6 +239,8 @@ DAMAGED = {
     "extra key beside a graph's fields": (_set("target.ragged_batch", True),
                                           "target.ragged_batch: expected no such field (known: path, dtype, inputs, "
                                           "outputs, quant, sha256, extra), found true"),
+    "one-row repeat in a standard graph": (_set("target.extra.repeats_one_row", True),
+                                           "repeats_one_row: expected false for a graph of KV layout 'seq_major'"),
     "eagle head with sizes": (_set("draft.extra.head", {"kind": "eagle", "hidden": 8}),
                               "draft.extra.head.hidden: expected no such field (known: kind), found 8"),
     "eagle3 head without its sizes": (_set("draft.extra.head", {"kind": "eagle3", "feature_layers": [0]}),

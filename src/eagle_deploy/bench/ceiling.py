@@ -12,7 +12,7 @@ For an EAGLE system of one engine, over the greedy runs of one category:
   planner's head-only estimate, as if every round drafted the EAGLE-2 tree of depth D with
   `min(total_tokens - 1, growth_nodes(top_k, D))` nodes) and its cost
   D * draft + verify(1 + nodes), against vanilla's verify(1) (verify(2) under row-exact
-  decoding, whose one-token forwards run two rows);
+  decoding where its one-token forwards run two rows: decode.Decoder.step_rows);
 - the ceiling: max_D E[tau](D) * vanilla / cost(D), the speed-up over vanilla a round of that
   depth would give at the measured acceptance; beside it the speed-up achieved (tokens/s over
   the same engine's vanilla) and their ratio.
@@ -47,8 +47,9 @@ def ceiling(runs: list[dict], costs: CostModel, depth: int, top_k: int, total_to
 
     runs: eagle-bench run records of one EAGLE system (their "accepted_per_round" and
     "tree_depth_per_round"); depth / top_k / total_tokens: the engine's tree; row_exact: its
-    decoding. -> {"rates", "best_depth", "expected_tau", "ceiling"}; None when the runs drafted
-    nothing (no rate at depth 1)."""
+    one-token forwards run as two rows (row-exact decoding on a graph that does not repeat
+    one-row queries itself: decode.Decoder.step_rows == 2). -> {"rates", "best_depth",
+    "expected_tau", "ceiling"}; None when the runs drafted nothing (no rate at depth 1)."""
     accepted = [n - 1 for r in runs for n in r.get("accepted_per_round", [])]
     depths = [d for r in runs for d in r.get("tree_depth_per_round", [])]
     rates = depth_rates(accepted, depths, depth)
@@ -68,17 +69,19 @@ def ceiling(runs: list[dict], costs: CostModel, depth: int, top_k: int, total_to
 
 
 def engine_ceilings(records: list[dict], engine) -> dict | None:
-    """{"cost_curve", "row_exact", "systems": {name: {category: {..ceiling, "achieved",
-    "of_ceiling"}}}} for one loaded bench engine over its greedy records, per category and
-    "all"; each EAGLE system read with its own runtime's CostModel and tree (a system whose
-    drafter is unplanned measured no costs and is left out; None when none has costs)."""
+    """{"cost_curve", "row_exact", "step_rows" (decode.Decoder.step_rows), "systems": {name:
+    {category: {..ceiling, "achieved", "of_ceiling"}}}} for one loaded bench engine over its
+    greedy records, per category and "all"; each EAGLE system read with its own runtime's
+    CostModel and tree (a system whose drafter is unplanned measured no costs and is left out;
+    None when none has costs)."""
     out = None
     for system in [engine.eagle, *engine.others]:
         rt = system.rt
         if getattr(rt, "costs", None) is None:
             continue
         if out is None:
-            out = {"cost_curve": cost_curve(rt.costs), "row_exact": rt.decoder.row_exact, "systems": {}}
+            out = {"cost_curve": cost_curve(rt.costs), "row_exact": rt.decoder.row_exact,
+                   "step_rows": rt.decoder.step_rows, "systems": {}}
         by_cat: dict[str, list[tuple[dict, dict]]] = {}
         for r in records:
             if r["temperature"] != 0 or system.name not in r["runs"] or engine.vanilla.name not in r["runs"]:
@@ -88,7 +91,7 @@ def engine_ceilings(records: list[dict], engine) -> dict | None:
         cells = {}
         for cat, pairs in by_cat.items():
             c = ceiling([e for e, _ in pairs], rt.costs, rt.tree.depth, rt.tree.top_k, rt.tree.total_tokens,
-                        rt.decoder.row_exact)
+                        rt.decoder.step_rows == 2)
             if c is None:
                 continue
             eagle_tps = sum(e["new_tokens"] for e, _ in pairs) / sum(e["seconds"] for e, _ in pairs)
@@ -108,7 +111,7 @@ def ceiling_lines(ceilings: dict) -> list[str]:
         rows = " / ".join(f"{ms:.1f}" for ms in curve["verify_ms"].values())
         lines.append(f"cost curve [{key}]: {rows} ms for {' / '.join(map(str, curve['verify_ms']))} rows "
                      f"after {curve['past']}, draft forward {curve['draft_ms']:.1f} ms"
-                     + (" (row-exact: one-token forwards run 2 rows)" if c["row_exact"] else ""))
+                     + (" (row-exact: one-token forwards run 2 rows)" if c.get("step_rows") == 2 else ""))
         for system, cats in c["systems"].items():
             if "all" not in cats:
                 continue

@@ -68,7 +68,7 @@ def calib_depth(top_k: int, budget: int, cap: int) -> int:
 def target_curve(backend, sizes, past: int, repeats: int, vocab: int) -> dict[int, float]:
     """{S: ms} of one target forward over S tree tokens with `past` rows of KV, each the fastest
     of `repeats` interleaved rounds (costs.fastest_of_rounds, as the planner's own costs)."""
-    kv = backend.allocate_kv(past + max(sizes))
+    kv = backend.allocate_kv(past + max(sizes) + 1)  # + the row a graph repeating one-row queries writes
     rng = np.random.default_rng(0)
     cells = {}
     for S in sizes:

@@ -145,7 +145,10 @@ class GraphEntry(Record):
     quantisation (quant: None | "int4" | "int8", details in quant_info) and the file's sha256.
     `feature_layers`: a target graph of an EAGLE-3 export, the layers it taps. `ragged_batch`:
     rows of one batch may have different past lengths, each read from its own mask (contract
-    "Batched forwards": the fused graphs)."""
+    "Batched forwards": the fused graphs). `repeats_one_row`: a fused target graph whose
+    attention runs a one-token call as two rows itself, writing one spare KV row (contract
+    "One-row queries"); False (older exports, standard graphs): runtimes that need a one-token
+    forward's two-row bits run it as two rows."""
 
     path: Text
     dtype: Literal[FLOAT_NAMES]
@@ -156,6 +159,7 @@ class GraphEntry(Record):
     quant_info: Annotated[Optional[QuantRecord], _extra("quant")] = omitted(None)
     feature_layers: Annotated[Optional[LayerIds], _extra("feature_layers")] = omitted(None)
     ragged_batch: Annotated[bool, _extra("ragged_batch")] = omitted(False)
+    repeats_one_row: Annotated[bool, _extra("repeats_one_row")] = omitted(False)
 
     @field_validator("path")
     @classmethod
@@ -163,6 +167,13 @@ class GraphEntry(Record):
         if "/" in path or "\\" in path or path in (".", ".."):
             raise failed(expected="a file name inside the export folder")
         return path
+
+    @model_validator(mode="after")
+    def _repeats_in_fused_graphs(self):
+        if self.repeats_one_row and self.kv_layout != c.KV_SHARED:
+            raise failed("repeats_one_row", expected=f"false for a graph of KV layout {self.kv_layout!r} (only fused "
+                                                     f"graphs, KV layout {c.KV_SHARED!r}, repeat one-row queries)")
+        return self
 
     def num_kv_layers(self) -> int:
         """Layers whose KV this graph takes (its `past_key_values.*` inputs, two per layer)."""

@@ -105,6 +105,20 @@ holds and their outputs are ignored (runtime/batch.py). A lone row (batch 1) is 
 above, past = total_seq - seq, whatever its mask (its rows may see nothing at all). The
 standard-op graph takes one past for all rows.
 
+One-row queries (fused target graphs whose manifest entry has `extra.repeats_one_row`: the
+target graphs of quantised exports since 2026-12-07). onnxruntime's CPU attention computes a
+one-row query with another kernel than a query of several rows, and the two round differently
+in the last bit (which a quantised graph's int8 activation rounding turns into different
+logits). So these graphs run a call of seq = 1 as two rows inside attention (and only there:
+the matmuls and norms, which give a row the same bits alone, run one row): the second row
+repeats the token's q/k/v one position on, seeing what the first row sees, and its KV is
+written at row past_seq + 1, which the shared buffer must hold (a spare row: `rows_written`;
+what it holds is unspecified, and the next forward overwrites it). Every output and KV row
+past_seq is bit-identical to row 0 of a two-row call [token, token] at positions [p, p + 1]
+under a causal mask (what runtimes did themselves before: one-token forwards as two rows).
+Calls of seq >= 2 compute exactly what they compute without it. A batch of one-token rows
+repeats each row, at its own past.
+
 Shared weights (`shared.data`, `SHARED_WEIGHTS_FILE`): the tensors the draft graph takes
 from the target are stored once, in one ONNX external-data file that both graphs reference
 (each keeps its own initializer name; offsets are 64 KiB-aligned). Always the token
@@ -200,6 +214,12 @@ KV_SHARED = "shared"  # fused GroupQueryAttention: one [batch, kv_heads, capacit
 KV_LAYOUTS = (KV_SEQ_MAJOR, KV_SHARED)
 KV_SEQ_AXIS = {KV_SEQ_MAJOR: 0, KV_SHARED: 2}  # the sequence (row) axis of a KV buffer in each layout
 _KV_SHAPES = {KV_SEQ_MAJOR: (KV_SHAPE_PAST, KV_SHAPE_PRESENT), KV_SHARED: (KV_SHAPE_SHARED, KV_SHAPE_SHARED)}
+
+
+def rows_written(seq: int, repeats_one_row: bool = False) -> int:
+    """KV rows a forward of `seq` new tokens writes from row past_seq on: seq, or 2 for a
+    one-token call of a graph that repeats one-row queries ("One-row queries" above)."""
+    return max(seq, 2) if repeats_one_row and seq == 1 else seq
 
 
 def kv_layout_of(inputs) -> str | None:

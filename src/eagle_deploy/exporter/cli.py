@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(GroupQueryAttention, SkipSimplifiedLayerNormalization; fp32 only); 'standard': plain ONNX "
                         "operators, which TensorRT and other runtimes can run; 'auto': fused for fp32 with --backend "
                         "ort, else standard")
+    p.add_argument("--repeat-one-row", default="auto", choices=["auto", "on", "off"],
+                   help="the fused target graph runs a one-token forward's attention as two rows itself, so that "
+                        "row-exact decoding (the default for --quant exports: greedy EAGLE output equal to vanilla's "
+                        "bit for bit) runs one-token forwards as one row instead of two where the CPU's quantised "
+                        "matmuls allow it (int8; int4 with AVX-512); 'auto': on with --quant")
     p.add_argument("--max-length", type=int, default=None,
                    help="KV capacity in tokens (prompt + output may reach max_length + 1: the last new token needs no "
                         "KV row) (default: alias value or min(max_position_embeddings, 4096), capped to the draft "
@@ -149,7 +154,8 @@ def main(argv=None) -> int:
                                 draft_vocab=args.draft_vocab, tree=tree_from_args(args, None),
                                 external_data=args.external_data,
                                 quant=args.quant, draft_quant=args.draft_quant, name=args.name, force=args.force,
-                                graph=graph_for(args.graph, args.backend, args.quant, args.draft_quant))
+                                graph=graph_for(args.graph, args.backend, args.quant, args.draft_quant),
+                                repeat_one_row=args.repeat_one_row)
         if args.backend == "trt":  # TensorRT missing: said before minutes of ONNX export, not after
             from . import trt_build
 

@@ -46,7 +46,8 @@ DRAFT_VOCAB_FILE = "draft_vocab.npy"
 class ExportOptions:
     """dtype: float32 | float16 | bfloat16. max_length: KV capacity in rows (prompt + output - 1).
     graph_top_k: top-k computed inside the draft graph. quant: None | "int4" | "int8" (the
-    target graph); draft_quant: one of DRAFT_QUANTS (`draft_quant_for`)."""
+    target graph); draft_quant: one of DRAFT_QUANTS (`draft_quant_for`); repeat_one_row: one of
+    REPEAT_ONE_ROW (`repeat_one_row_for`)."""
 
     dtype: str = "float32"
     max_length: int | None = None
@@ -60,6 +61,7 @@ class ExportOptions:
     force: bool = False
     seed: int = 0
     graph: str = "auto"  # GRAPH_KINDS: "fused" (onnxruntime contrib ops), "standard" (plain ONNX, TensorRT)
+    repeat_one_row: str = "auto"  # REPEAT_ONE_ROW: "auto" = on for a quantised fused target graph
 
 
 # "fused": attention/RoPE/residual norms as onnxruntime contrib operators, KV layout "shared"
@@ -91,6 +93,25 @@ def draft_quant_for(options: "ExportOptions", dtype: str, kv_layout: str) -> str
     if options.quant:
         return options.quant
     return "int8" if dtype == "float32" and kv_layout == KV_SHARED else None
+
+
+# whether the fused target graph repeats a one-row query inside its attention (exporter/fused.py,
+# "One-row queries"), so row-exact decoding runs one-token forwards as one row: "auto" = with --quant
+REPEAT_ONE_ROW = ("auto", "on", "off")
+
+
+def repeat_one_row_for(options: "ExportOptions", kv_layout: str) -> bool:
+    """Whether the target graph repeats one-row queries: options.repeat_one_row "on", or "auto"
+    for a quantised target (row-exact decoding, its default, then runs one-token forwards as one
+    row; fp32 graphs do not decode row-exact by default and would pay for the repeat), on the
+    fused graph only. ValueError for an unknown choice, or "on" with the standard graph."""
+    choice = options.repeat_one_row
+    if choice not in REPEAT_ONE_ROW:
+        raise ValueError(f"--repeat-one-row {choice} is not one of {', '.join(REPEAT_ONE_ROW)}")
+    if choice == "on" and kv_layout != KV_SHARED:
+        raise ValueError("--repeat-one-row on needs the fused graph (onnxruntime's GroupQueryAttention); this export "
+                         "makes the standard one")
+    return kv_layout == KV_SHARED and (choice == "on" or (choice == "auto" and bool(options.quant)))
 
 
 def kv_layout_for(graph: str, dtype: str) -> str:
@@ -185,7 +206,9 @@ def check_options(options: ExportOptions) -> tuple[str, TreeConfig]:
     if not isinstance(options.graph_top_k, int) or options.graph_top_k < 1:
         raise ValueError(f"--graph-top-k must be an integer >= 1 (the draft graph's top-k output width), got "
                          f"{options.graph_top_k}")
-    return dtype, tree_for(options, dtype, kv_layout_for(options.graph, dtype))
+    layout = kv_layout_for(options.graph, dtype)
+    repeat_one_row_for(options, layout)
+    return dtype, tree_for(options, dtype, layout)
 
 
 def tree_for(options: ExportOptions, dtype: str, kv_layout: str) -> TreeConfig:
@@ -300,8 +323,8 @@ def build_graphs(plan: ExportPlan, models: LoadedModels, options: ExportOptions,
     _say(progress, f"exporting target graph ({plan.dtype}, {kind})")
     taps = models.head.cfg.feature_layers if isinstance(models.head, Eagle3Head) else None
     dtype = TORCH_DTYPES[plan.dtype]
-    target_entry = TargetOnnxFromHF(plan.dtype, options.external_data, layout, taps)(
-        models.hf, tmp, read=lambda p: models.weights.read(p, dtype))
+    target_step = TargetOnnxFromHF(plan.dtype, options.external_data, layout, taps, repeat_one_row_for(options, layout))
+    target_entry = target_step(models.hf, tmp, read=lambda p: models.weights.read(p, dtype))
     _say(progress, "exporting draft graph" + (" (EAGLE-3 head)" if taps else ""))
     baked = None if taps else models.vocab_ids  # an EAGLE-3 graph maps its ids itself (d2t)
     draft_step = DraftOnnxFromHead(plan.dtype, options.graph_top_k, baked, options.external_data, layout)
@@ -330,8 +353,8 @@ def quantise_graphs(target_entry: GraphEntry, draft_entry: DraftEntry, options: 
         if not target_entry.quant_info.batch_invariant:
             notes.append("the quantised matmuls round activations to int8, which turns the last-bit differences "
                          "between a one-token and a tree forward's attention into different logits: the runtime "
-                         "decodes this export row-exact by default (one-token forwards as two rows, depth-first "
-                         "trees), so greedy EAGLE output equals vanilla greedy")
+                         "decodes this export row-exact by default (one-token forwards with their two-row bits, "
+                         "depth-first trees), so greedy EAGLE output equals vanilla greedy")
     draft_kind = draft_quant_for(options, target_entry.dtype, target_entry.kv_layout)
     if draft_kind:
         _say(progress, f"quantising the draft graph ({draft_kind})")

@@ -22,6 +22,20 @@ with standalone graphs against a numpy reference (max error <= 3e-7):
   one-token forward ~25 us on this CPU: SmolLM2 int4, 1 thread, the same graph with the table
   and a one-node logits gather (`gather_rows`), 12.3 -> 11.4 ms per forward;
 - bfloat16 has no CPU kernel (float16 has).
+One-row queries (target graphs of quantised exports, manifest `target.extra.repeats_one_row`):
+a one-row query runs GroupQueryAttention's probs x V through onnxruntime's one-row sgemm
+kernel, which rounds differently from the multi-row one (tests/exporter/test_batch_invariance.py),
+and a quantised graph turns that last bit into different logits. Runtimes used to run every
+one-token forward as two rows for that (row-exact decoding), doubling every matmul and norm.
+These graphs repeat the row inside attention only: per graph (`_RepeatOneRow`, 19 small nodes),
+n = max(2 - S, 0) extra rows for the positions (the next position), the bias (a copy of row 0,
+one more masked column), seqlens_k, total_sequence_length and query_seqlens; per layer, one
+Gather repeating the packed q/k/v row before GroupQueryAttention and one Slice keeping its
+first S output rows before o_proj. The extra KV row lands at past + 1 (the KV buffer needs one
+spare row; from layer 1 on it holds row 0's repeated k/v, not what a second real row would
+have) and is overwritten by the next forward, as the second row of a two-row forward was;
+row 0's logits, features and KV are the two-row forward's bit for bit, and calls of
+S >= 2 rows compute exactly what they did (every added node copies them unchanged).
 Measured on the SmolLM2-135M target against the standard-op graph (2 threads, P = 256 / 1024,
 S = 1-16): fp32 forwards 13-22% faster, int4 15-37%, on par with onnxruntime-genai's graph
 (README, "Graph design: fused attention on onnxruntime").
@@ -129,6 +143,86 @@ def as_float32(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.dtype == torch.float32 else logits.float()
 
 
+INT32 = 6  # onnx.TensorProto.INT32 (no onnx import at module load)
+
+
+def _const(g, value, dtype=torch.int64):
+    return g.op("Constant", value_t=torch.tensor(value, dtype=dtype))
+
+
+class _RepeatOneRow(torch.autograd.Function):
+    """Once per graph ("One-row queries" in the module doc): a call of S new tokens gets
+    n = max(2 - S, 0) more attention rows. positions [B, S] -> [B, S + n] (the extra row one
+    position on), bias [B, 1, S, T] -> [B, 1, S + n, T + n] (the extra row a copy of row 0; the
+    extra column masked for every row: the operator's own causal mask hides it from row 0
+    anyway), seqlens_k, total and query_lens + n; also the rows the layers gather q/k/v with
+    (index [S + n] int64: 0 .. S - 1, then 0) and the rows they keep (keep [1] int64 = S).
+    S >= 2: every tensor as it was (n = 0)."""
+
+    @staticmethod
+    def forward(ctx, positions, bias, seqlens_k, total, query_lens, masked):
+        # tensor ops only on n: the tracer records this body too, and its peephole pass fails on
+        # a size-derived Python int used as a value
+        S = positions.shape[1]
+        first = positions[:, :max(2 - S, 0)]  # (B, n): the rows repeated
+        n = first.shape[1]
+        extra = torch.ones_like(first[0]).sum().to(torch.int32)  # n, as a tensor
+        positions = torch.cat([positions, first + 1], dim=1)  # (B, S + n)
+        bias = torch.cat([bias, bias[:, :, :n]], dim=2)  # (B, 1, S + n, T)
+        bias = torch.cat([bias, masked.expand(*bias.shape[:3], n)], dim=3)  # (B, 1, S + n, T + n)
+        index = torch.cat([torch.ones_like(positions[0, :S]).cumsum(0) - 1, torch.zeros_like(first[0])])
+        keep = torch.tensor([S], dtype=torch.int64)
+        return positions, bias, seqlens_k + extra, total + extra, query_lens + extra, index, keep
+
+    @staticmethod
+    def symbolic(g, positions, bias, seqlens_k, total, query_lens, masked):
+        keep = g.op("Shape", positions, start_i=1, end_i=2)  # [1]: S
+        S = g.op("Squeeze", keep, _const(g, [0]))  # scalar
+        n = g.op("Max", g.op("Sub", _const(g, 2), S), _const(g, 0))  # scalar: max(2 - S, 0)
+        n1 = g.op("Unsqueeze", n, _const(g, [0]))  # [1]
+        zero, one, two = _const(g, [0]), _const(g, [1]), _const(g, [2])
+        extra = g.op("Add", g.op("Slice", positions, zero, n1, one), _const(g, 1))
+        positions = g.op("Concat", positions, extra, axis_i=1)
+        bias = g.op("Concat", bias, g.op("Slice", bias, zero, n1, two), axis_i=2)
+        bias = g.op("Pad", bias, g.op("Concat", _const(g, [0] * 7), n1, axis_i=0), masked)  # T + n columns
+        n32 = g.op("Cast", n, to_i=INT32)
+        index = g.op("Mod", g.op("Range", _const(g, 0), g.op("Add", S, n), _const(g, 1)), S)
+        outs = (positions, bias, g.op("Add", seqlens_k, n32), g.op("Add", total, n32), g.op("Add", query_lens, n32),
+                index, keep)
+        for out, like, rank in zip(outs, (positions, bias, seqlens_k, total, query_lens, keep, keep),
+                                   (2, 4, 1, 0, 1, 1, 1)):
+            out.setType(_like(like, rank))
+        return outs
+
+
+class _RepeatRows(torch.autograd.Function):
+    """x [B, S, W], index [S + n] -> x[:, index] [B, S + n, W], one Gather (per layer: q/k/v)."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        return x.index_select(1, index)
+
+    @staticmethod
+    def symbolic(g, x, index):
+        out = g.op("Gather", x, index, axis_i=1)
+        out.setType(_like(x, 3))
+        return out
+
+
+class _KeepRows(torch.autograd.Function):
+    """x [B, S + n, W], keep [1] = S -> x[:, :S], one Slice (per layer: the attention output)."""
+
+    @staticmethod
+    def forward(ctx, x, keep):
+        return x[:, :int(keep[0])]
+
+    @staticmethod
+    def symbolic(g, x, keep):
+        out = g.op("Slice", x, _const(g, [0]), keep, _const(g, [1]))
+        out.setType(_like(x, 3))
+        return out
+
+
 @dataclass
 class FusedInputs:
     """What every layer's GroupQueryAttention takes besides its own q/k/v and KV, built once per
@@ -140,7 +234,12 @@ class FusedInputs:
     (0 or MASK_VALUE, activation dtype); seqlens_k [B] int32 = past_b + S - 1: T - 1 for a lone
     row, and for each row of a batch of several its last new token's last visible column (rows
     may have different pasts, contract "Batched forwards"); total scalar int32 = T; query_lens
-    [B] int32 = S."""
+    [B] int32 = S.
+
+    A graph that repeats one-row queries (`fused_inputs(repeat_one_row=True)`, module doc):
+    positions, bias, seqlens_k, total and query_lens are those of S + n rows
+    (n = max(2 - S, 0)); rows_index [S + n] int64: the rows each layer's q/k/v are gathered
+    with; rows_kept [1] int64 = S: the attention output rows each layer keeps. None otherwise."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -149,14 +248,17 @@ class FusedInputs:
     seqlens_k: torch.Tensor
     total: torch.Tensor
     query_lens: torch.Tensor
+    rows_index: torch.Tensor | None = None
+    rows_kept: torch.Tensor | None = None
 
 
 def fused_inputs(position_ids: torch.Tensor, attention_mask: torch.Tensor, rotary: Rotary,
-                 dtype: torch.dtype, rows: int) -> FusedInputs:
+                 dtype: torch.dtype, rows: int, repeat_one_row: bool = False) -> FusedInputs:
     """position_ids [B, S] int64, attention_mask [B, S, T] bool -> FusedInputs. The rotary table
     has `rows` positions (rotary_rows) computed exactly as `Rotary` computes them (fp32 position
     x inverse frequency, cos/sin, attention scaling, then `dtype`) from constants only, so the
-    exporter folds it into two initializers."""
+    exporter folds it into two initializers. repeat_one_row: the layers' attention runs a
+    one-token call as two rows (module doc, "One-row queries")."""
     shape = torch._shape_as_tensor(attention_mask)  # (B, S, T), traced as Shape
     freqs = torch.arange(rows, dtype=torch.float32).unsqueeze(-1) * rotary.inv_freq.to(position_ids.device)
     cos = (freqs.cos() * rotary.attention_scaling).to(dtype)  # (rows, hd/2)
@@ -171,7 +273,10 @@ def fused_inputs(position_ids: torch.Tensor, attention_mask: torch.Tensor, rotar
     last_seen = (attention_mask[:, -1, :].to(torch.int32) * columns).amax(-1)  # (B,): past_b + S - 1
     # a lone row: past = T - S whatever its mask (rows may see nothing); several: each its own
     seqlens = torch.where(shape[0] > 1, last_seen, ones * (total - 1))
-    return FusedInputs(cos, sin, position_ids, bias, seqlens, total, ones * shape[1].to(torch.int32))
+    query_lens = ones * shape[1].to(torch.int32)
+    if not repeat_one_row:
+        return FusedInputs(cos, sin, position_ids, bias, seqlens, total, query_lens)
+    return FusedInputs(cos, sin, *_RepeatOneRow.apply(position_ids, bias, seqlens, total, query_lens, masked.to(dtype)))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -248,9 +353,14 @@ class FusedAttention(nn.Module):
         # one MatMul over [W_q; W_k; W_v] (constant-folded at export), fed to the operator packed
         w = torch.cat([p.weight for p in projs])
         b = None if self.q_proj.bias is None else torch.cat([p.bias for p in projs])
-        out, k, v = _GroupQueryAttention.apply(nn.functional.linear(x, w, b), None, None, past_k, past_v,
+        qkv = nn.functional.linear(x, w, b)  # (B, S, (nh + 2 kvh) * hd)
+        if f.rows_index is not None:  # a one-token call's row repeated (module doc, "One-row queries")
+            qkv = _RepeatRows.apply(qkv, f.rows_index)  # (B, S + n, ..)
+        out, k, v = _GroupQueryAttention.apply(qkv, None, None, past_k, past_v,
                                                f.seqlens_k, f.total, f.cos, f.sin, f.positions, f.bias, f.query_lens,
                                                self.nh, self.kvh, self.scale)
+        if f.rows_kept is not None:
+            out = _KeepRows.apply(out, f.rows_kept)  # (B, S, nh * hd)
         return self.o_proj(out), k, v
 
 

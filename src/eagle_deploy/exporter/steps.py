@@ -102,11 +102,12 @@ class TargetOnnxFromHF:
     external_data: str = "auto"
     kv_layout: str = c.KV_SEQ_MAJOR
     feature_layers: tuple[int, ...] | None = None  # an EAGLE-3 export: the layers whose input is tapped
+    repeat_one_row: bool = False  # fused only: attention repeats a one-row query itself (GraphEntry.repeats_one_row)
 
     def __call__(self, hf_model: torch.nn.Module, folder: Path,
                  read: Callable[[torch.nn.Parameter], torch.Tensor] | None = None) -> GraphEntry:
         dtype = TORCH_DTYPES[self.dtype]
-        module = ExportableTarget(hf_model, self.kv_layout, self.feature_layers).eval()
+        module = ExportableTarget(hf_model, self.kv_layout, self.feature_layers, self.repeat_one_row).eval()
         taps = len(self.feature_layers) * module.dims.hidden if self.feature_layers else None
         inputs, outputs = c.target_io(module.dims.num_layers, self.dtype, self.kv_layout, taps)
         args = trace_inputs(module.dims, dtype, module.dims.num_layers, hidden_input=False, kv_layout=self.kv_layout)
@@ -120,7 +121,7 @@ class TargetOnnxFromHF:
         place_graph(model, path, path.parent, self.external_data)  # weights in <graph>.data, or inline if small
         return GraphEntry(path=c.TARGET_FILE, dtype=self.dtype, inputs=inputs, outputs=outputs,
                           feature_layers=tuple(self.feature_layers) if self.feature_layers else None,
-                          ragged_batch=self.kv_layout == c.KV_SHARED)
+                          ragged_batch=self.kv_layout == c.KV_SHARED, repeats_one_row=self.repeat_one_row)
 
 
 @dataclass

@@ -125,13 +125,21 @@ class ExportableTarget(nn.Module):
     feature_layers (an EAGLE-3 export): also return `tapped_features` [B,S,n*H] after
     `features`, the hidden states entering those decoder layers, concatenated in order
     (contract "EAGLE-3 exports"); None: no such output.
+
+    repeat_one_row (kv_layout "shared" only, else ValueError): a one-token call's attention
+    runs as two rows, the second a repeat of the first one position on, writing one more KV
+    row at P + 1 (exporter/fused.py, "One-row queries"); outputs keep S rows.
     """
 
-    def __init__(self, hf_model: nn.Module, kv_layout: str = KV_SEQ_MAJOR, feature_layers=None):
+    def __init__(self, hf_model: nn.Module, kv_layout: str = KV_SEQ_MAJOR, feature_layers=None,
+                 repeat_one_row: bool = False):
         super().__init__()
         check_family(hf_model.config)
+        if repeat_one_row and kv_layout != KV_SHARED:
+            raise ValueError(f"repeat_one_row needs the fused graph (KV layout {KV_SHARED!r}), not {kv_layout!r}")
         self.dims = dims_of(hf_model.config)
         self.kv_layout = kv_layout
+        self.repeat_one_row = repeat_one_row
         self.feature_layers = tuple(feature_layers) if feature_layers else ()
         if any(not 0 <= i < self.dims.num_layers for i in self.feature_layers):
             raise ValueError(f"feature_layers {list(self.feature_layers)} outside the target's "
@@ -173,7 +181,7 @@ class ExportableTarget(nn.Module):
         the next norm, the last one into the final norm)."""
         x = self.embed(input_ids)  # (B, S, H)
         f = fused_inputs(position_ids, attention_mask, self.rotary, x.dtype,  # shared by all layers
-                         rotary_rows(self.dims.max_position_embeddings))
+                         rotary_rows(self.dims.max_position_embeddings), self.repeat_one_row)
         pending, presents, taps = None, [], []
         for i, layer in enumerate(self.layers):
             if i in self.feature_layers:  # the stream entering layer i: residual + pending

@@ -40,6 +40,7 @@ from .hybrid import LOOKUP_ROWS, head_of, make_drafter, uses_draft_graph
 from .options import EngineOptions
 from .prefix_cache import PrefixCache
 from .request import Prompt, Request
+from .row_exact import matmuls_row_exact
 from .shaping import TokenLogprob
 from .text import TextStream, encode_prompt
 from .tools import parse_tool_calls, tool_grammar
@@ -170,7 +171,9 @@ def load_tokenizer(folder: Path, manifest: Manifest):
 def row_exact_default(manifest: Manifest) -> bool:
     """Row-exact decoding (decode.Decoder) by default for quantised targets: their greedy EAGLE
     output then equals their vanilla greedy output token for token, at a cost in vanilla speed
-    (docs/decisions.md, 'greedy identity of quantised exports; row-exact decoding'); fp32
+    that graphs repeating one-row queries themselves (manifest `target.extra.repeats_one_row`,
+    runtime/row_exact.py) mostly give back (docs/decisions.md, 'greedy identity of quantised
+    exports; row-exact decoding'); fp32
     graphs keep their differences at the last bit and are identical without it."""
     return manifest.target.quant is not None
 
@@ -214,7 +217,8 @@ class EagleRuntime:
                                                   "set it to 0 or re-export without --graph standard")
         self.decoder = Decoder(target, None, manifest.max_length, options.acceptance, options.threshold_or_zero,
                                round_observers, row_exact, options.prefill_chunk, manifest.length_limit,
-                               self.prefix_cache)
+                               self.prefix_cache, manifest.target.repeats_one_row,
+                               matmuls_row_exact(manifest.target))
         if drafter is None and (draft is not None or not uses_draft_graph(options.drafter_kind)):
             drafter = self._drafter(draft)
         self.decoder.drafter = drafter
@@ -241,7 +245,8 @@ class EagleRuntime:
         if self.planned and self.costs is None:
             self.costs = device_costs(self.manifest, self.tree, self.decoder.target, draft, self.folder,
                                       getattr(self.decoder.target, "threads", None), extra_rows=LOOKUP_ROWS)
-        return make_drafter(self.drafter_kind, head, self.tree, self.planned, self.costs, self.decoder.row_exact)
+        return make_drafter(self.drafter_kind, head, self.tree, self.planned, self.costs, self.decoder.row_exact,
+                            self.decoder.step_rows)
 
     @classmethod
     def load(cls, folder, options: EngineOptions | None = None, *, drafter: Drafter | None = None,

@@ -54,7 +54,8 @@ of a batched forward computes the same bits as the same row of that slot's solo 
 whenever the solo forward has two or more tokens (attention reads only the row's own
 columns; matrix products are per row). A one-token solo forward runs onnxruntime's one-row
 kernel and can differ in the last bit. So: row-exact decoding (the default for quantised
-exports: one-token forwards run as two rows) is bit-identical batched and alone; fp32 greedy
+exports: one-token forwards run as two rows, or as one row whose attention the graph repeats
+itself, manifest `target.extra.repeats_one_row`) is bit-identical batched and alone; fp32 greedy
 output is token-identical except at exact near-ties, as EAGLE vs vanilla already is;
 sampling follows the target distribution, and with a `seed` gives the tokens the request gets
 alone whenever the bits agree (each slot owns its RNG). Graphs whose rounding mixes rows (int8
@@ -85,6 +86,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from eagle_deploy.contract.manifest import Manifest
+from eagle_deploy.contract.onnx_io import rows_written
 from eagle_deploy.contract.verify import verify_export
 
 from .api import EagleRuntime, load_tokenizer, row_exact_default
@@ -100,6 +102,7 @@ from .kv import KVBuffer
 from .options import EngineOptions
 from .prefix_cache import PrefixCache
 from .request import Prompt
+from .row_exact import matmuls_row_exact, step_rows
 
 
 class _LoadTrees:
@@ -176,6 +179,7 @@ class BatchEngine:
         slot_options = options.replace(tree=tree, row_exact=self._row_exact, prefill_chunk=0)  # chunked here
         check_kv_fits(manifest, tree, slots, self._row_exact)
         self.backends, self.slots, self.tree = backends, slots, tree
+        self._repeats = manifest.target.repeats_one_row  # the target graph writes a spare row (contract)
         self._cond = threading.Condition()
         self._buffers: dict[str, KVBuffer] = {}
         self._views: dict[tuple, KVBuffer] = {}  # (role, lo, hi) -> view of slots [lo, hi), made once
@@ -187,6 +191,7 @@ class BatchEngine:
         self._started = [-1] * slots  # the session in which each slot's current request was prefilled
         self.batched_forwards = self.solo_forwards = self.prefill_chunks = 0
         self._decode_turn = False  # with prefill_chunk: the decoding slots run next (a prefill ran last)
+        rows = step_rows(self._row_exact, self._repeats, matmuls_row_exact(manifest.target))  # as each Decoder's
         observers = round_observers or (lambda b: ())
         wrap = drafters or (lambda b, drafter: drafter)
 
@@ -201,7 +206,7 @@ class BatchEngine:
             if uses_draft_graph(drafter_kind):
                 eagle = EagleDrafter.for_export(SlotBackend(self, "draft", b), tree, manifest)
                 eagle = _LoadTrees(eagle, self) if shrink_trees else eagle
-            return wrap(b, make_drafter(drafter_kind, eagle, tree, planned, self.costs, self._row_exact))
+            return wrap(b, make_drafter(drafter_kind, eagle, tree, planned, self.costs, self._row_exact, rows))
 
         self.prefix_cache = PrefixCache.of_mb(options.prefix_cache_mb)  # one for every slot (module doc)
         self.runtimes = [EagleRuntime(folder, manifest, SlotBackend(self, "target", b), None, tokenizer, slot_options,
@@ -241,7 +246,7 @@ class BatchEngine:
         with self._cond:
             buf = self._buffers.get(role)
             if buf is None:
-                rows = capacity + margin_rows(self.tree, self._row_exact)
+                rows = capacity + margin_rows(self.tree, self._row_exact or self._repeats)
                 buf = self._buffers[role] = self.backends[role].allocate_kv(rows, batch=self.slots)
                 self._capacity[role] = capacity
             if capacity > self._capacity[role]:
@@ -430,7 +435,7 @@ class BatchEngine:
         pasts = [calls[r].past if r in calls else held[lo + r] for r in range(hi - lo)]
         S = max(c.seq for c in group)
         kv = self._view(role, lo, hi)
-        if max(pasts) + S > kv.capacity:
+        if max(pasts) + rows_written(S, role == "target" and self._repeats) > kv.capacity:
             return False
         out = self.backends[role].run(_pad(calls, pasts, S), kv, max(pasts))
         for r, c in calls.items():

@@ -26,8 +26,8 @@ from eagle_deploy.contract.onnx_io import KV_SHARED
 from eagle_deploy.contract.profiles import draft_kv_capacity
 from eagle_deploy.contract.tree_config import TreeConfig
 
-from .decode import target_kv_capacity
 from .memory import available_mb
+from .row_exact import target_kv_capacity
 
 
 class BatchError(ValueError):
@@ -67,7 +67,8 @@ def margin_rows(tree: TreeConfig, row_exact: bool) -> int:
     """KV rows a batched forward may write past one slot's own capacity: the largest number of
     new tokens a batched forward carries (a verification tree, a draft expansion of top_k^2
     frontier nodes, an extension of depth + 1 accepted tokens), with a spare row for row-exact
-    one-token forwards."""
+    one-token forwards (`row_exact`: or one-token forwards of a graph that repeats one-row
+    queries, which write a spare row too)."""
     return tree.total_tokens + tree.depth + 2 + (tree.top_k or 1) ** 2 + int(row_exact)
 
 
@@ -92,9 +93,10 @@ def tree_under_load(tree: TreeConfig, busy: int) -> TreeConfig:
 def kv_bytes_per_slot(manifest: Manifest, tree: TreeConfig, row_exact: bool) -> int:
     """Bytes of target + draft KV one slot holds in a BatchEngine (capacities as the decoder
     and drafter ask for them, plus margin_rows)."""
-    margin = margin_rows(tree, row_exact)
+    repeats = manifest.target.repeats_one_row
+    margin = margin_rows(tree, row_exact or repeats)
     total = 0
-    for which, rows in (("target", target_kv_capacity(manifest.max_length, row_exact)),
+    for which, rows in (("target", target_kv_capacity(manifest.max_length, row_exact, repeats)),
                         ("draft", draft_kv_capacity(manifest.max_length, tree))):
         graph, dims = getattr(manifest, which), manifest.graph_dims(which)
         itemsize = np.dtype(numpy_dtype(graph.dtype)).itemsize

@@ -130,7 +130,7 @@ def measure_costs(target, draft, sizes, draft_rows: int, vocab: int, feature_wid
     at pasts 64 and 1024)."""
     sizes, pasts = sorted({int(s) for s in sizes}), sorted({int(p) for p in pasts})
     rng = np.random.default_rng(0)
-    kv = target.allocate_kv(pasts[-1] + sizes[-1])
+    kv = target.allocate_kv(pasts[-1] + sizes[-1] + 1)  # + the row a graph repeating one-row queries writes
     dkv = draft.allocate_kv(pasts[-1] + draft_rows) if draft is not None else None
     cells = {}
     for past in pasts:

@@ -19,6 +19,7 @@ from .backends.base import Backend, StepInputs, TargetOutputs
 from .drafter import Drafter, DraftRequest, causal_mask
 from .grammar import GrammarRows, GrammarState, mask_first
 from .prefix_cache import PrefixCache, PrefixEntry
+from .row_exact import step_rows, target_kv_capacity
 from .sampling import SamplingParams, finite_number, greedy_token, sample, target_probs
 from .shaping import LogitShaper, TokenLogprob, token_logprob
 from .tree import DraftTree
@@ -178,12 +179,6 @@ def check_prefill_chunk(chunk) -> int:
     return chunk
 
 
-def target_kv_capacity(max_length: int, row_exact: bool) -> int:
-    """Rows of the target's KV buffer a Decoder allocates: `max_length`, plus the spare row a
-    row-exact one-token forward writes its repeated token into."""
-    return max_length + 1 if row_exact else max_length
-
-
 def check_acceptance(acceptance: str, threshold: float) -> None:
     """ValueError unless acceptance is "lossless" or "threshold" with threshold in (0, 1]."""
     if acceptance not in ("lossless", "threshold"):
@@ -213,6 +208,13 @@ class Decoder:
     the bonus token. Its cost in speed: docs/decisions.md, 'greedy identity of quantised exports;
     row-exact decoding'.
 
+    repeats_one_row: the target graph repeats a one-row query inside its attention itself
+    (manifest target.extra.repeats_one_row, contract "One-row queries"; the KV buffer then has
+    the spare row whatever row_exact says). With one_row_exact too (its matmuls give a row the
+    same bits alone on this CPU: row_exact.matmuls_row_exact), a row-exact one-token forward runs
+    as one row with the two-row forward's bits, only attention paying for the second row
+    (docs/decisions.md, 2026-12-07); otherwise as two rows (`step_rows`).
+
     prefill_chunk: a prompt longer than prefill_chunk + 1 tokens is prefilled in forwards of
     prefill_chunk rows (chunk_end: the last 2 to prefill_chunk + 1, never one), each at the
     past the chunks before it wrote (0: one forward). The same rows as one forward (logits,
@@ -232,14 +234,15 @@ class Decoder:
     def __init__(self, target: Backend, drafter: Drafter | None, max_length: int,
                  acceptance: str = "lossless", threshold: float = 0.0, round_observers: Sequence[RoundObserver] = (),
                  row_exact: bool = False, prefill_chunk: int = 0, length_limit: int | None = None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, repeats_one_row: bool = False,
+                 one_row_exact: bool = True):
         check_acceptance(acceptance, threshold)  # fail at load, not after the first forward
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self.target, self.drafter = target, drafter
         self.max_length = max_length
         self.length_limit = length_limit  # the largest max_length a re-export may have (named in errors; None: unknown)
-        self.row_exact = row_exact
-        self.kv = target.allocate_kv(target_kv_capacity(max_length, row_exact))
+        self.row_exact, self.repeats_one_row, self.one_row_exact = row_exact, repeats_one_row, one_row_exact
+        self.kv = target.allocate_kv(target_kv_capacity(max_length, row_exact, repeats_one_row))
         self.acceptance, self.threshold = acceptance, threshold
         self.round_observers = tuple(round_observers)
         self.prefix_cache = prefix_cache
@@ -421,10 +424,17 @@ class Decoder:
                                          np.arange(n)[None]), past)
         return out.logits[0], out.draft_features[0]
 
+    @property
+    def step_rows(self) -> int:
+        """Rows a one-token target forward runs through the graph's matmuls (row_exact.step_rows)."""
+        return step_rows(self.row_exact, self.repeats_one_row, self.one_row_exact)
+
     def run_target(self, inputs: StepInputs, past: int):
         """One target forward; with row_exact a one-token forward runs as two causal rows (the
-        token repeated at the next position) and only row 0's outputs are returned."""
-        if not self.row_exact or inputs.input_ids.shape[1] != 1:
+        token repeated at the next position) and only row 0's outputs are returned, unless the
+        graph repeats the row itself and one row is exact here (step_rows 1: one row in, its
+        two-row bits out)."""
+        if self.step_rows == 1 or inputs.input_ids.shape[1] != 1:
             return self.target.run(inputs, self.kv, past)
         twice = StepInputs(np.repeat(inputs.input_ids, 2, axis=1),
                            np.concatenate([inputs.position_ids, inputs.position_ids + 1], axis=1),

@@ -64,7 +64,8 @@ class HybridDrafter:
 
     tree: the head's configured tree (the largest plan); planned: choose each round's plan
     (DraftPlanner; needs `costs`, the device's CostModel) or always draft everything; one_path:
-    the decoder is row-exact (DraftPlanner's one_path); max_lookup: the longest lookup chain;
+    the decoder is row-exact (DraftPlanner's one_path); step_rows: the rows a vanilla step runs
+    (DraftPlanner's; None: 2 with one_path); max_lookup: the longest lookup chain;
     alternates / alternate_len: how many other lookup continuations (the lookup keeps that
     many more per n-gram: build it with `candidates >= 1 + alternates`) and how long each;
     a planned drafter drafts them only in rounds where the planner expects them to pay.
@@ -72,7 +73,7 @@ class HybridDrafter:
 
     def __init__(self, head, lookup: ContextLookup | None, tree: TreeConfig | None, planned: bool = True,
                  costs: CostModel | None = None, max_lookup: int = MAX_LOOKUP, one_path: bool = False,
-                 alternates: int = 0, alternate_len: int = ALTERNATE_LEN):
+                 alternates: int = 0, alternate_len: int = ALTERNATE_LEN, step_rows: int | None = None):
         if head is None and lookup is None:
             raise ValueError("HybridDrafter needs a head, a lookup, or both")
         if planned and costs is None:
@@ -82,7 +83,7 @@ class HybridDrafter:
         depth, total, top_k = (0, 1, 1) if head is None else (tree.depth, tree.total_tokens, tree.top_k)
         self.planner = DraftPlanner(depth, total, top_k, max_lookup if lookup is not None else 0, costs,
                                     one_path=one_path, ngrams=lookup.max_ngram if lookup is not None else 1,
-                                    alternate_len=alternate_len)
+                                    alternate_len=alternate_len, step_rows=step_rows)
         self.static = head is not None and tree.kind == "static"
         self.reset()
 
@@ -220,12 +221,13 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def make_drafter(kind: str, head, tree: TreeConfig, planned: bool = True, costs: CostModel | None = None,
-                 one_path: bool = False):
+                 one_path: bool = False, step_rows: int | None = None):
     """The drafter of `kind` ("hybrid", "eagle", "lookup") over `head` (an EagleDrafter or a
     wrapper of one; None for "lookup"). "eagle" with planned=False is `head` itself (the
     configured tree every round). Raises ValueError on an unknown kind, or a head-based kind
     without a head. one_path: the decoder is row-exact (HybridDrafter; no alternative lookup
-    continuations then, as they cannot be accepted past their first token)."""
+    continuations then, as they cannot be accepted past their first token); step_rows: the
+    rows its vanilla step runs (decode.Decoder.step_rows; None: 2 with one_path, else 1)."""
     check_drafter_kind(kind)
     if kind == "eagle" and not planned:
         return head
@@ -235,7 +237,8 @@ def make_drafter(kind: str, head, tree: TreeConfig, planned: bool = True, costs:
         raise ValueError(f"the {kind!r} drafter needs the draft graph")
     alternates = 0 if one_path else ALTERNATES  # row-exact rounds end at an accepted node off the top path
     lookup = ContextLookup(candidates=1 + alternates) if kind != "eagle" else None
-    return HybridDrafter(head, lookup, tree, planned, costs, one_path=one_path, alternates=alternates)
+    return HybridDrafter(head, lookup, tree, planned, costs, one_path=one_path, alternates=alternates,
+                         step_rows=step_rows)
 
 
 def head_of(drafter):

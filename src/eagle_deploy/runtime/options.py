@@ -47,8 +47,10 @@ class EngineOptions:
     threshold: None = DEFAULT_THRESHOLD under threshold acceptance; a value with lossless
     acceptance is refused (it would change nothing).
     verify: "fast" | "full" | "off", how the export's files are checked against the manifest
-    before a graph is opened (contract/verify.py). row_exact: decode every one-token forward as
-    two rows so that greedy EAGLE equals vanilla bit for bit (None: on for quantised targets).
+    before a graph is opened (contract/verify.py). row_exact: give every one-token forward its
+    two-row bits (two rows, or one where the target graph repeats one-row queries itself and
+    its matmuls allow: runtime/row_exact.py) so that greedy EAGLE equals vanilla bit for bit
+    (None: on for quantised targets).
     prefill_chunk: rows per prefill forward of a long prompt (0: the whole prompt in one
     forward; same bits either way). draft_forced: under a request's grammar
     (response_format), draft the tokens it forces as a chain (False: only the drafter's

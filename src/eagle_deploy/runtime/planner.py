@@ -112,7 +112,9 @@ class DraftPlanner:
     decoder accepts only along one path past depth 1 (row-exact decoding, decode.Decoder), so
     two sources do not add up: E counts the likelier of the two at each depth; and it runs a
     one-token forward as two rows, so a vanilla step costs what verifying one draft token does
-    (a single draft token is then free). ngrams: the
+    (a single draft token is then free). step_rows: the rows a vanilla step costs (None: 2
+    with one_path, else 1; 1 for a graph that repeats one-row queries itself, whose measured
+    one-token cost already holds its attention's second row: decode.Decoder.step_rows). ngrams: the
     longest suffix the lookup matches (its acceptance is tracked per match length).
     alternate_len: the longest alternative lookup continuation drafted beside the main chain
     (`choose(alternates=...)` weighs their rows against their learnt acceptance, prior
@@ -121,9 +123,10 @@ class DraftPlanner:
     def __init__(self, max_depth: int, total_tokens: int, top_k: int, max_lookup: int, costs: CostModel | None,
                  prior: float = 0.6, weight: float = 2.0, decay: float = 0.95, probe_every: int = 4,
                  probe_max: int = 64, one_path: bool = False, ngrams: int = 3, alternate_len: int = 0,
-                 alternate_prior: float = 0.2):
+                 alternate_prior: float = 0.2, step_rows: int | None = None):
         self.max_depth, self.total_tokens, self.top_k, self.max_lookup = max_depth, total_tokens, top_k, max_lookup
         self.one_path, self.ngrams, self.alternate_len = one_path, ngrams, alternate_len
+        self.step_rows = (2 if one_path else 1) if step_rows is None else step_rows
         self.costs = costs
         self.prior, self.weight, self.decay, self.alternate_prior = prior, weight, decay, alternate_prior
         self.probe_every, self.probe_max = probe_every, probe_max
@@ -176,8 +179,7 @@ class DraftPlanner:
                 expected = 1.0 + (1.0 - (1.0 - h) * (1.0 - lk)).sum(-1)
             lookup_rows = np.array([k + self.alternate_rows(k, a) for k in range(L + 1)])
             rows = 1 + head_nodes[:, None] + lookup_rows[None, :]
-            if self.one_path:  # row-exact: a one-token forward runs as two rows (decode.Decoder)
-                rows = np.maximum(rows, 2)
+            rows = np.maximum(rows, self.step_rows)  # row-exact: a one-token forward may run as two rows
             seconds = (np.arange(D + 1) * draft_s)[:, None] + self.costs.verify(rows, past)
             d, k = np.unravel_index(int(np.argmax(expected / seconds)), expected.shape)  # the first best: smallest
             plan = Plan(int(d), int(head_nodes[d]), int(k), float(expected[d, k]), float(seconds[d, k]),

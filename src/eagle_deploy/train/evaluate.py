@@ -83,9 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="write the full result here")
     p.add_argument("--row-exact", choices=("auto", "on", "off"), default="auto",
                    help="row-exact decoding, which makes greedy EAGLE on an int8 / int4 export (eagle-export "
-                        "--quant) equal its vanilla token for token: one-token forwards run as two rows and a round "
-                        "accepts past the first draft token along the tree's top path only (about 11%% less tau on "
-                        "SmolLM2). auto: on for --quant exports, as eagle-run and eagle-serve do; 'off' on such an "
+                        "--quant) equal its vanilla token for token: one-token forwards get their two-row bits and a "
+                        "round accepts past the first draft token along the tree's top path only (about 11%% less tau "
+                        "on SmolLM2). auto: on for --quant exports, as eagle-run and eagle-serve do; 'off' on such an "
                         "export shows the head's acceptance over the whole tree (its greedy output may then differ "
                         "from vanilla's at near-ties); 'on' shows that rule's cost on fp32")
     add_tree_args(p, "the export's manifest")

@@ -103,14 +103,15 @@ def feature_inputs(features: np.ndarray, from_target: bool,
     return (empty, features) if from_target else (features, empty)
 
 
-def check_step(inputs: StepInputs, kv: KVBuffer, past: int, kv_layout: str) -> None:
+def check_step(inputs: StepInputs, kv: KVBuffer, past: int, kv_layout: str, repeats_one_row: bool = False) -> None:
     """The checks every backend makes before a forward: input shapes against `past`, the rows
-    [past, past + S) fit `kv`, `kv` holds as many sequences as the batch, the buffer has the
-    graph's KV layout, and for the "shared" layout
+    the graph writes, [past, past + S) (one more for a one-token call of a graph that repeats
+    one-row queries: contract rows_written), fit `kv`, `kv` holds as many sequences as the
+    batch, the buffer has the graph's KV layout, and for the "shared" layout
     (fused attention, causal over the new tokens) no new token looks at a later one.
     Raises CapacityError or ValueError naming the problem."""
     inputs.check(past)
-    kv.check(past, inputs.input_ids.shape[1])
+    kv.check(past, c.rows_written(inputs.input_ids.shape[1], repeats_one_row))
     if kv.batch != inputs.input_ids.shape[0]:
         raise ValueError(f"a batch of {inputs.input_ids.shape[0]} rows on a KV buffer of {kv.batch} sequences")
     if kv.layout != kv_layout:

@@ -190,7 +190,7 @@ class OrtBackend:
 
     def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
         (B, S), N = inputs.input_ids.shape, inputs.logits_indices.shape[1]
-        check_step(inputs, kv, past, self.kv_layout)
+        check_step(inputs, kv, past, self.kv_layout, self.graph.repeats_one_row)
         shared = self.kv_layout == c.KV_SHARED
         b = self._binding
         # shared layout: the KV bindings (whole buffers, in and out) do not change from call to call,

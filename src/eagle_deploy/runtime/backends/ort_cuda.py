@@ -173,7 +173,7 @@ class OrtCudaBackend:
     def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
         S, N = inputs.input_ids.shape[1], inputs.logits_indices.shape[1]
         inputs.check_single(self.name)
-        check_step(inputs, kv, past, self.graph.kv_layout)
+        check_step(inputs, kv, past, self.graph.kv_layout, self.graph.repeats_one_row)
         kvh, hd = self.dims.num_kv_heads, self.dims.head_dim
         shared = self.graph.kv_layout == c.KV_SHARED
         check_device_kv(kv, self.device, {p: torch_dtype(self._in_dtypes[p]) for p, _ in self.kv_names}, (1, kvh, hd))
