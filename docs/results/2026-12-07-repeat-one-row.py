@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from eagle_deploy.contract.cpu import cpu_info
-from eagle_deploy.contract.prompts import across_categories, prompt_set
+from eagle_deploy.common.cpu import cpu_info
+from eagle_deploy.common.prompts import across_categories, prompt_set
 from eagle_deploy.runtime import api
 from eagle_deploy.runtime.api import EagleRuntime
 from eagle_deploy.runtime.backends.base import StepInputs

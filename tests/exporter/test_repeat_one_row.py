@@ -190,8 +190,7 @@ def test_the_runtime_runs_one_row_where_the_matmuls_are_row_exact_alone(exports,
 
 
 def test_which_matmuls_are_row_exact_alone():
-    from eagle_deploy.contract.cpu import CpuInfo
-
+    from eagle_deploy.common.cpu import CpuInfo
     from eagle_deploy.contract.manifest import GraphEntry, QuantRecord
 
     avx2, avx512 = (CpuInfo("x", 25, 1, frozenset(f), 2) for f in ({"avx2"}, {"avx2", "avx512f"}))

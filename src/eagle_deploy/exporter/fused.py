@@ -18,9 +18,9 @@ with standalone graphs against a numpy reference (max error <= 3e-7):
 - `cos_cache` must have at least total_sequence_length rows and a row for every position id
   (it refuses others with an error naming the position); the graphs carry one constant table
   of `rotary_rows` positions (`fused_inputs`). Computing the rows per forward for the call's
-  positions instead (earlier exports) took ~22 small nodes, and each small node costs a
-  one-token forward ~25 us on this CPU: SmolLM2 int4, 1 thread, the same graph with the table
-  and a one-node logits gather (`gather_rows`), 12.3 -> 11.4 ms per forward;
+  positions instead (earlier exports) took ~22 small nodes, and every small node costs a
+  one-token forward time (docs/decisions.md, 'measurements moved out of source comments',
+  'The fused graph');
 - bfloat16 has no CPU kernel (float16 has).
 One-row queries (target graphs of quantised exports, manifest `target.extra.repeats_one_row`):
 a one-row query runs GroupQueryAttention's probs x V through onnxruntime's one-row sgemm
@@ -36,9 +36,8 @@ spare row; from layer 1 on it holds row 0's repeated k/v, not what a second real
 have) and is overwritten by the next forward, as the second row of a two-row forward was;
 row 0's logits, features and KV are the two-row forward's bit for bit, and calls of
 S >= 2 rows compute exactly what they did (every added node copies them unchanged).
-Measured on the SmolLM2-135M target against the standard-op graph (2 threads, P = 256 / 1024,
-S = 1-16): fp32 forwards 13-22% faster, int4 15-37%, on par with onnxruntime-genai's graph
-(README, "Graph design: fused attention on onnxruntime").
+Faster than the standard-op graph at fp32 and int4, on par with onnxruntime-genai's graph
+(docs/decisions.md, "Graph design: fused attention on onnxruntime").
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import platform
 
-from eagle_deploy.contract.cpu import CpuInfo, cpu_info
+from eagle_deploy.common.cpu import CpuInfo, cpu_info
 from eagle_deploy.contract.manifest import GraphEntry
 
 X86 = ("x86_64", "amd64")
