@@ -109,14 +109,17 @@ One-row queries (fused target graphs whose manifest entry has `extra.repeats_one
 target graphs of quantised exports since 2026-12-07). onnxruntime's CPU attention computes a
 one-row query with another kernel than a query of several rows, and the two round differently
 in the last bit (which a quantised graph's int8 activation rounding turns into different
-logits). So these graphs run a call of seq = 1 as two rows inside attention (and only there:
-the matmuls and norms, which give a row the same bits alone, run one row): the second row
-repeats the token's q/k/v one position on, seeing what the first row sees, and its KV is
-written at row past_seq + 1, which the shared buffer must hold (a spare row: `rows_written`;
-what it holds is unspecified, and the next forward overwrites it). Every output and KV row
-past_seq is bit-identical to row 0 of a two-row call [token, token] at positions [p, p + 1]
-under a causal mask (what runtimes did themselves before: one-token forwards as two rows). Calls of seq >= 2 compute exactly what they compute
-without it. A batch of one-token rows repeats each row, at its own past.
+logits). So these graphs run a call of seq = 1 as two rows inside attention, and only there
+(the matmuls and norms run one row): the second row repeats the token's q/k/v one position on,
+seeing what the first row sees, and its KV is written at row past_seq + 1, which the shared
+buffer must hold (a spare row: `rows_written`; what it holds is unspecified, and the next
+forward overwrites it). Attention then computes the one row as row 0 of a two-row call
+[token, token] at positions [p, p + 1] under a causal mask computes it; where the matmuls also
+give a row the same bits alone (a CPU property: runtime/row_exact.py), every output and KV row
+past_seq are that row 0's, bit for bit, and runtimes that need those bits (row-exact decoding)
+run the call as one row; elsewhere they run it as two rows, as with any other graph. Calls of
+seq >= 2 compute exactly what they compute without it. A batch of one-token rows repeats each
+row at its own past.
 
 Shared weights (`shared.data`, `SHARED_WEIGHTS_FILE`): the tensors the draft graph takes
 from the target are stored once, in one ONNX external-data file that both graphs reference
