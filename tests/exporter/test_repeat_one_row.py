@@ -80,8 +80,8 @@ def test_a_one_row_forward_is_row_zero_of_the_two_row_forward_bit_for_bit(export
     graph's [token, token] at [p, p + 1] (causal): logits, features and KV rows [0, p + 1) are
     identical (the spare row p + 1 is not: from layer 1 on the old graph's second row had its
     own hidden state, the new graph repeats row 0's q/k/v; the next forward overwrites it).
-    Where the CPU runs int4 MatMulNBits on one row through another path (AVX2 only) the
-    matmuls differ, so there the runtime runs two rows
+    Where the CPU runs int4 MatMulNBits on one row through another path (AVX2 only) the matmuls
+    differ, so there the runtime runs two rows
     (test_the_runtime_runs_one_row_where_the_matmuls_are_row_exact_alone)."""
     new, old = _pair(exports, kind)
     if not matmuls_row_exact(new.graph):

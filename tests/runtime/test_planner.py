@@ -170,6 +170,22 @@ def test_row_exact_vanilla_steps_cost_two_rows_so_one_lookup_token_is_free():
     assert chosen[False] <= 6 and chosen[True] == len([x for x in plans[40:] if not x.probe]) >= 50, chosen
 
 
+def test_row_exact_vanilla_steps_cost_one_row_where_the_graph_repeats_the_row_itself():
+    """Row-exact decoding on a graph that repeats one-row queries (decode.Decoder.step_rows 1):
+    one path still, but a vanilla step costs one row, so the rare lookup token stops paying."""
+    costs = CostModel({0: {1: 0.010, 2: 0.014, 16: 0.030}}, {0: 0.002})
+    p = planner(max_depth=0, total_tokens=1, top_k=1, max_lookup=1, costs=costs, one_path=True, step_rows=1)
+    assert p.one_path and p.step_rows == 1
+    plans = []
+    for i in range(100):
+        plan = p.choose(1)
+        plans.append(plan)
+        p.record(plan, 0, int(plan.lookup > 0 and i % 5 == 0), 1)
+    settled = [x for x in plans[40:] if not x.probe]
+    assert settled and all(x.seconds == pytest.approx(0.014 if x.lookup else 0.010) for x in settled)
+    assert sum(x.lookup > 0 for x in settled) <= 6
+
+
 def alternates_plans(p, rounds, alternate_matched, lookup_accepted=0):
     """Rounds with a 4-token lookup match and 2 alternatives; the best alternative matches
     `alternate_matched` committed tokens (learnt whether drafted or not)."""

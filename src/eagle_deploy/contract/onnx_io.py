@@ -87,10 +87,10 @@ new tokens' rows [past_seq, total_seq) in place and leaves every other row untou
 of `attention_mask` the fused operator applies its own causal mask over the new tokens: new
 token i can see new token j only if j <= i, so tree nodes must follow their ancestors (tree
 order, which DraftTree and the drafter always produce; backends check it). Needs
-past_seq + seq <= kv_capacity. Rotary embedding comes from a constant table in the graph of
-max_position_embeddings + 1024 positions (the graph's own max_position_embeddings: the
-target's, or the draft head's), so position ids and total_seq must stay below that;
-onnxruntime refuses a forward past it with an error naming the position.
+past_seq + seq <= kv_capacity. Rotary embedding comes from a constant table in the graph
+(exports since 2026-12-01) of max_position_embeddings + 1024 positions (the graph's own
+max_position_embeddings: the target's, or the draft head's), so position ids and total_seq
+must stay below that; onnxruntime refuses a forward past it with an error naming the position.
 
 Batched forwards (fused graphs whose manifest entry has `extra.ragged_batch`, all fused graphs
 exported since batched decoding). The rows of a batch of two or more may have different past
@@ -109,15 +109,17 @@ One-row queries (fused target graphs whose manifest entry has `extra.repeats_one
 target graphs of quantised exports since 2026-12-07). onnxruntime's CPU attention computes a
 one-row query with another kernel than a query of several rows, and the two round differently
 in the last bit (which a quantised graph's int8 activation rounding turns into different
-logits). So these graphs run a call of seq = 1 as two rows inside attention (and only there:
-the matmuls and norms, which give a row the same bits alone, run one row): the second row
-repeats the token's q/k/v one position on, seeing what the first row sees, and its KV is
-written at row past_seq + 1, which the shared buffer must hold (a spare row: `rows_written`;
-what it holds is unspecified, and the next forward overwrites it). Every output and KV row
-past_seq is bit-identical to row 0 of a two-row call [token, token] at positions [p, p + 1]
-under a causal mask (what runtimes did themselves before: one-token forwards as two rows).
-Calls of seq >= 2 compute exactly what they compute without it. A batch of one-token rows
-repeats each row, at its own past.
+logits). So these graphs run a call of seq = 1 as two rows inside attention, and only there
+(the matmuls and norms run one row): the second row repeats the token's q/k/v one position on,
+seeing what the first row sees, and its KV is written at row past_seq + 1, which the shared
+buffer must hold (a spare row: `rows_written`; what it holds is unspecified, and the next
+forward overwrites it). Attention then computes the one row as row 0 of a two-row call
+[token, token] at positions [p, p + 1] under a causal mask computes it; where the matmuls also
+give a row the same bits alone (a CPU property: runtime/row_exact.py), every output and KV row
+past_seq are that row 0's, bit for bit, and runtimes that need those bits (row-exact decoding)
+run the call as one row; elsewhere they run it as two rows, as with any other graph. Calls of
+seq >= 2 compute exactly what they compute without it. A batch of one-token rows repeats each
+row at its own past.
 
 Shared weights (`shared.data`, `SHARED_WEIGHTS_FILE`): the tensors the draft graph takes
 from the target are stored once, in one ONNX external-data file that both graphs reference
