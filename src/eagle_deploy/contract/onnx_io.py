@@ -221,7 +221,7 @@ _KV_SHAPES = {KV_SEQ_MAJOR: (KV_SHAPE_PAST, KV_SHAPE_PRESENT), KV_SHARED: (KV_SH
 def rows_written(seq: int, repeats_one_row: bool = False) -> int:
     """KV rows a forward of `seq` new tokens writes from row past_seq on: seq, or 2 for a
     one-token call of a graph that repeats one-row queries ("One-row queries" above)."""
-    return max(seq, 2) if repeats_one_row and seq == 1 else seq
+    return 2 if repeats_one_row and seq == 1 else seq
 
 
 def kv_layout_of(inputs) -> str | None:
