@@ -20,12 +20,16 @@ demo: setup
 	$(VENV)/bin/eagle-export --model smollm2-135m --out engines/ --force
 	$(VENV)/bin/eagle-run --engines engines/smollm2-135m --prompt "$(PROMPT)" --compare-vanilla
 
+# Two pytest workers (pytest-xdist), a test file each at a time: one worker's onnxruntime forwards
+# overlap the other's Python, server waits and child processes (docs/decisions.md, "two test workers").
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
+
 test: setup
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 # The fast lane: everything but the tests marked slow (the real SmolLM2 export, the real tritonserver, eagle-serve child processes, the filled-up tmpfs, the GGUF conversion) and the Monte-Carlo distribution tests.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not statistical"
+	$(PYTEST) -m "not slow and not statistical"
 
 lint: setup
 	$(VENV)/bin/ruff check src tests

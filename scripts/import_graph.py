@@ -9,10 +9,15 @@ or inside a function, relative or absolute, and `from x import y` names the subm
 - the import cycles between files: strongly connected components of more than one module;
 - the upward imports under the layering (lowest first)
       contract < common < exporter, heads, runtime < validate, train < bench, serve, triton
+        < the console entry points
   that is, a module of a lower layer importing one of a higher layer, and the imports between
   `runtime` and `exporter` or `heads`, siblings that never import each other. (`heads` builds
   its modules on the exporter's torch layers and the exporter's draft graphs wrap heads: the
-  two import each other's files, never in a loop, which the cycle check sees.)
+  two import each other's files, never in a loop, which the cycle check sees.) The console
+  entry points, each package's `cli` module, sit above every layer, as Polygraphy's `tools/`
+  over its `backend/`: one may import any package (eagle-export calls the Triton repository
+  writer for --triton-repo), and no module imports one. (The smaller commands whose `main` lives
+  beside their library code, eagle-eval and the two eagle-triton-*, stay in their package's layer.)
 
 Imports of a package's `__init__` that importing a submodule runs implicitly are not edges (the
 package's own `__init__.py` is an edge only when it is named). Exits 1 when there is a cycle or
@@ -32,6 +37,7 @@ LAYERS = [("contract",), ("common",), ("exporter", "heads", "runtime"), ("valida
           ("bench", "serve", "triton")]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 NEVER_EACH_OTHER = {frozenset(("exporter", "runtime")), frozenset(("heads", "runtime"))}
+ENTRY = "entry points"
 
 
 def module_name(path: Path) -> str:
@@ -127,19 +133,25 @@ def cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
 
 def layer(name: str) -> str | None:
     parts = name.split(".")
+    if len(parts) == 3 and parts[1] in RANK and parts[2] == "cli":
+        return ENTRY
     return parts[1] if len(parts) > 1 and parts[1] in RANK else None
 
 
+def rank(layer_name: str) -> int:
+    return len(LAYERS) if layer_name == ENTRY else RANK[layer_name]
+
+
 def upward(edges: dict[str, dict[str, int]]) -> list[tuple[str, str, int]]:
-    """(importer, imported, line) for every import from a lower layer into a higher one, or
-    between two siblings that never import each other."""
+    """(importer, imported, line) for every import from a lower layer into a higher one, between
+    two siblings that never import each other, or between two console entry points."""
     found = []
     for src, targets in sorted(edges.items()):
         for dst, line in sorted(targets.items()):
             a, b = layer(src), layer(dst)
-            if a is None or b is None or a == b:
+            if a is None or b is None or (a == b and a != ENTRY):  # one command never imports another
                 continue
-            if RANK[a] < RANK[b] or frozenset((a, b)) in NEVER_EACH_OTHER:
+            if a == b or rank(a) < rank(b) or frozenset((a, b)) in NEVER_EACH_OTHER:
                 found.append((src, dst, line))
     return found
 
@@ -169,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"      {short(src)}:{line} imports {short(dst)}")
     found_upward = upward(edges)
     print(f"upward imports: {len(found_upward)}  "
-          f"(layers, lowest first: {' < '.join(', '.join(names) for names in LAYERS)})")
+          f"(layers, lowest first: {' < '.join(', '.join(names) for names in LAYERS)} < {ENTRY})")
     for src, dst, line in found_upward:
         print(f"  {short(src)}:{line} imports {short(dst)}")
     print(f"({len(known)} modules, {sum(map(len, edges.values()))} imports between them)")

@@ -21,7 +21,7 @@ PROMPTS = [
     [100, 3, 77, 20, 21, 22, 23, 1, 2],
     [65, 32, 119, 111, 114, 108, 100, 10, 200, 17, 33, 90],
 ]
-# the head's own tree every round, not the commands' planned hybrid default (EngineOptions)
+# the head's own tree every round, not the commands' planned hybrid default (RuntimeOptions)
 HEAD_TREE = {"drafter_kind": "eagle", "planned": False}
 REF_TOKENS = 96  # reference continuation length kept per prompt (no EOS stop)
 

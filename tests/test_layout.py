@@ -95,7 +95,8 @@ def test_design_map_names_every_module():
 def test_no_import_cycle_between_files_and_no_import_up_the_layers():
     """scripts/import_graph.py over the package: no two files import each other (directly or
     round a loop) and no module imports one from a higher layer (contract < common < exporter, heads,
-    runtime < validate, train < bench, serve, triton), nor runtime from exporter or heads."""
+    runtime < validate, train < bench, serve, triton < each package's cli), nor runtime from exporter
+    or heads."""
     import subprocess
     import sys
 
@@ -103,3 +104,20 @@ def test_no_import_cycle_between_files_and_no_import_up_the_layers():
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "import cycles between files: 0" in proc.stdout and "upward imports: 0" in proc.stdout
+
+
+def test_import_graph_ranks_console_entry_points_above_every_layer():
+    """A package's `cli` module may import any layer (eagle-export writes the Triton repository),
+    a command never imports another, and a library module never imports a command."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "import_graph.py"
+    spec = importlib.util.spec_from_file_location("import_graph", script)
+    graph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graph)
+    edges = {"eagle_deploy.exporter.cli": {"eagle_deploy.triton.repo": 1, "eagle_deploy.runtime.cli": 2},
+             "eagle_deploy.triton.repo": {"eagle_deploy.contract.manifest": 3},
+             "eagle_deploy.exporter.export": {"eagle_deploy.exporter.cli": 4, "eagle_deploy.triton.repo": 5}}
+    assert graph.upward(edges) == [("eagle_deploy.exporter.cli", "eagle_deploy.runtime.cli", 2),
+                                   ("eagle_deploy.exporter.export", "eagle_deploy.exporter.cli", 4),
+                                   ("eagle_deploy.exporter.export", "eagle_deploy.triton.repo", 5)]

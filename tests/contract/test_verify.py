@@ -216,16 +216,16 @@ def _mismatched(export_dir, tmp_path):
 
 
 def test_every_loader_verifies_before_serving(export_dir, tmp_path, capsys):
-    """BatchEngine.load, eagle-serve and the Triton worker refuse the same folder; --verify off
+    """BatchRuntime.load, eagle-serve and the Triton worker refuse the same folder; --verify off
     (or the worker config's "verify") turns it off."""
     pytest.importorskip("fastapi")
-    from eagle_deploy.runtime.batch import BatchEngine
+    from eagle_deploy.runtime.batch import BatchRuntime
     from eagle_deploy.serve import cli as serve_cli
     from eagle_deploy.triton.worker import load_runtime
 
     folder = _mismatched(export_dir, tmp_path)
     with pytest.raises(ManifestError, match="shared.data does not match"):
-        BatchEngine.load(folder, 2, threads=THREADS)
+        BatchRuntime.load(folder, 2, threads=THREADS)
     assert serve_cli.main(["--engines", str(folder), "--port", "0"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"eagle-serve: error: {folder / c.SHARED_WEIGHTS_FILE} does not "

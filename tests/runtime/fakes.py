@@ -19,7 +19,7 @@ from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.runtime.api import EagleRuntime
 from eagle_deploy.runtime.backends.base import TargetOutputs
 from eagle_deploy.runtime.kv import KVBuffer
-from eagle_deploy.runtime.options import EngineOptions
+from eagle_deploy.runtime.options import RuntimeOptions
 from tests.helpers import ScriptedDrafter
 
 HIDDEN = 4
@@ -120,7 +120,7 @@ def scripted_runtime(script: Script, tokenizer, drafter=None, eos: Sequence[int]
     """An EagleRuntime over a ScriptedTarget (no ONNX at all)."""
     manifest = fake_manifest(script.vocab, max_length, eos)
     target = ScriptedTarget(script.logits)
-    options = EngineOptions(tree=TreeConfig(), acceptance=acceptance,
+    options = RuntimeOptions(tree=TreeConfig(), acceptance=acceptance,
                             threshold=threshold if acceptance == "threshold" else None)
     return EagleRuntime("fake", manifest, target, None, tokenizer, options,
                         drafter=drafter or ScriptedDrafter(lambda committed: []))

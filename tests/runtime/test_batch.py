@@ -1,4 +1,4 @@
-"""Batched decoding (runtime.batch.BatchEngine): several requests share each target and draft
+"""Batched decoding (runtime.batch.BatchRuntime): several requests share each target and draft
 forward, and every request gets exactly what it gets alone.
 
 Levels: bit-identical logits rows and KV against solo runs (row-exact decoding, NaN-poisoned
@@ -17,7 +17,7 @@ from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.contract.profiles import draft_kv_capacity
 from eagle_deploy.contract.tree_config import TreeConfig
 from eagle_deploy.runtime.api import EagleRuntime
-from eagle_deploy.runtime.batch import BatchEngine
+from eagle_deploy.runtime.batch import BatchRuntime
 from eagle_deploy.runtime.batch_limits import (
     BatchError,
     check_batchable,
@@ -52,7 +52,7 @@ def reference_script(refs: dict[tuple, list[int]]):
 
 
 def forced(model, prompts, n=N):
-    """drafters= factory for BatchEngine, and the script (shared with solo runs)."""
+    """drafters= factory for BatchRuntime, and the script (shared with solo runs)."""
     script = reference_script({tuple(p): model.expected(p, n) for p in prompts})
     return (lambda slot, inner: ForcingDrafter(inner, script)), script
 
@@ -65,11 +65,11 @@ def solo_runtime(model, script=None, **kw) -> EagleRuntime:
     return model.runtime(drafter=drafter, **kw)
 
 
-def engine(model, slots: int, **kw) -> BatchEngine:
-    return BatchEngine.load(model.export_dir, slots, **{**HEAD_TREE, "threads": THREADS, **kw})
+def engine(model, slots: int, **kw) -> BatchRuntime:
+    return BatchRuntime.load(model.export_dir, slots, **{**HEAD_TREE, "threads": THREADS, **kw})
 
 
-def run_pinned(eng: BatchEngine, jobs: dict[int, tuple], kv: dict | None = None, **kw) -> dict:
+def run_pinned(eng: BatchRuntime, jobs: dict[int, tuple], kv: dict | None = None, **kw) -> dict:
     """{slot: (prompt, extra kw)} run at once, each in its own slot's thread -> {slot: result}.
     kv: filled with {slot: copies of the slot's target KV arrays} taken as its request ends,
     while the slot still holds them (a released slot's rows are free for padding)."""
@@ -174,7 +174,7 @@ def test_quantised_export_batched_equals_solo(quant_exports, kind, mode):
     batched vanilla steps are one-token rows each repeated at its own past): each request's
     greedy output batched equals its output alone."""
     folder = quant_exports[kind]
-    eng = BatchEngine.load(folder, 3, threads=THREADS)
+    eng = BatchRuntime.load(folder, 3, threads=THREADS)
     solo = EagleRuntime.load(folder, threads=THREADS)
     results = eng.generate_many(MORE, max_new_tokens=N, mode=mode)
     assert [r.token_ids for r in results] == [solo.generate(p, max_new_tokens=N, mode=mode).token_ids for p in MORE]
@@ -213,7 +213,7 @@ def test_misuse_of_slots_is_refused(gqa):
     """A forward outside busy(), a slot busy twice, a slot number out of range, and a stream
     resumed in a later busy() session (its rows were released meanwhile) all raise."""
     eng = engine(gqa, 2)
-    with pytest.raises(RuntimeError, match="outside BatchEngine.busy"):
+    with pytest.raises(RuntimeError, match="outside BatchRuntime.busy"):
         eng.runtimes[0].generate(PROMPTS[0], max_new_tokens=4)
     with eng.busy(0):
         with pytest.raises(RuntimeError, match="already busy"):
@@ -302,7 +302,7 @@ def test_refused_exports_and_settings(gqa, gqa_standard, quant_exports, tmp_path
     manifest = (old / "manifest.json").read_text().replace('"ragged_batch": true', '"ragged_batch": false')
     (old / "manifest.json").write_text(manifest)
     with pytest.raises(BatchError, match="predates batched decoding"):
-        BatchEngine.load(old, 2, threads=THREADS)
+        BatchRuntime.load(old, 2, threads=THREADS)
 
 
 def test_tree_under_load():
@@ -468,7 +468,7 @@ def test_prefill_chunk_must_be_a_whole_number(gqa):
         with pytest.raises(SettingError, match="prefill_chunk must be an integer >= 0") as err:
             engine(gqa, 2, prefill_chunk=bad)
         assert err.value.field == "prefill_chunk"
-    eng = engine(gqa, 2)  # the runtime's default chunk (EngineOptions): a 61-token prompt is one forward
+    eng = engine(gqa, 2)  # the runtime's default chunk (RuntimeOptions): a 61-token prompt is one forward
     assert eng.prefill_chunk == PREFILL_CHUNK > len(LONG) + 1
     eng.generate_many([LONG, PROMPTS[0]], max_new_tokens=8)
     assert eng.prefill_chunks == 0

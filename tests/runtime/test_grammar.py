@@ -142,9 +142,9 @@ def test_forced_tokens_raise_tau_without_changing_the_output(gqa):
 
 
 def test_a_batch_of_grammar_and_plain_requests_each_equals_vanilla(gqa):
-    from eagle_deploy.runtime.batch import BatchEngine
+    from eagle_deploy.runtime.batch import BatchRuntime
 
-    eng = BatchEngine.load(gqa.export_dir, 3, threads=1)
+    eng = BatchRuntime.load(gqa.export_dir, 3, threads=1)
     settings = [dict(response_format=RF), {}, dict(response_format={"type": "json_object"})]
     results = eng.generate_many(PROMPTS, per_request=settings, max_new_tokens=60)
     solo = gqa.runtime()

@@ -1,6 +1,6 @@
 """The hybrid drafter (runtime/hybrid.py): lookup chains merged into the head's tree, feedback
 from the committed tokens, skipped head rounds whose features reach the head later, and
-losslessness end to end (greedy = vanilla on EagleRuntime and BatchEngine)."""
+losslessness end to end (greedy = vanilla on EagleRuntime and BatchRuntime)."""
 from __future__ import annotations
 
 import numpy as np
@@ -197,9 +197,9 @@ def test_seeded_sampling_repeats_on_one_planned_runtime(mha):
 
 
 def test_batched_hybrid_greedy_equals_vanilla(gqa):
-    from eagle_deploy.runtime.batch import BatchEngine
+    from eagle_deploy.runtime.batch import BatchRuntime
 
-    eng = BatchEngine.load(gqa.export_dir, 3, threads=1, drafter_kind="hybrid", planned=True)
+    eng = BatchRuntime.load(gqa.export_dir, 3, threads=1, drafter_kind="hybrid", planned=True)
     prompts = [PROMPTS[0], REPEATING, PROMPTS[2], PROMPTS[1]]
     results = eng.generate_many(prompts, max_new_tokens=40)
     for prompt, r in zip(prompts, results):

@@ -1,4 +1,4 @@
-"""EngineOptions (one set of engine defaults for the API and every command), Request (one
+"""RuntimeOptions (one set of engine defaults for the API and every command), Request (one
 request model, its errors naming the field), and one runtime shared by several threads."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from eagle_deploy.contract.errors import SettingError
 from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER
 from eagle_deploy.runtime import cli as run_cli
 from eagle_deploy.runtime.api import EagleRuntime
-from eagle_deploy.runtime.batch import BatchEngine
+from eagle_deploy.runtime.batch import BatchRuntime
 from eagle_deploy.runtime.decode import PREFILL_CHUNK
-from eagle_deploy.runtime.options import EngineOptions
+from eagle_deploy.runtime.options import RuntimeOptions
 from eagle_deploy.runtime.request import MAX_STOPS, Request
 from eagle_deploy.serve import cli as serve_cli
 from tests.conftest import PROMPTS, THREADS
@@ -21,8 +21,8 @@ from tests.conftest import PROMPTS, THREADS
 def test_the_api_and_the_commands_share_one_set_of_defaults():
     """The Python API used to default to the head's fixed tree (1.07x vanilla on Spec-Bench)
     while eagle-run / eagle-serve planned the hybrid drafter (1.38x): now both come from
-    EngineOptions, and the flags left unset give exactly EngineOptions()."""
-    default = EngineOptions()
+    RuntimeOptions, and the flags left unset give exactly RuntimeOptions()."""
+    default = RuntimeOptions()
     assert (default.drafter_kind, default.planned, default.acceptance, default.verify) == \
         (DEFAULT_DRAFTER, True, "lossless", "fast")
     assert DEFAULT_DRAFTER == "hybrid" and default.prefill_chunk == PREFILL_CHUNK and default.threshold is None
@@ -37,7 +37,7 @@ def test_the_api_and_the_commands_share_one_set_of_defaults():
             want = default.replace(verify="full", prefix_cache_mb=serve_cli.SERVE_PREFIX_CACHE_MB)
             assert serve_cli.engine_options(args) == want and want.prefix_cache_mb > 0
         else:
-            assert EngineOptions.from_args(args) == default, parser.prog
+            assert RuntimeOptions.from_args(args) == default, parser.prog
 
 
 def test_eagle_serve_keeps_a_prefix_cache_only_where_it_is_exact(gqa, gqa_standard):
@@ -64,7 +64,7 @@ def test_a_runtime_loaded_with_no_options_plans_the_hybrid_drafter_and_stays_los
 
 
 def test_a_batch_engine_with_no_options_plans_the_hybrid_drafter(gqa):
-    eng = BatchEngine.load(gqa.export_dir, 2, threads=THREADS)
+    eng = BatchRuntime.load(gqa.export_dir, 2, threads=THREADS)
     assert all((rt.drafter_kind, rt.planned) == ("hybrid", True) for rt in eng.runtimes)
     assert eng.costs is not None and eng.prefill_chunk == PREFILL_CHUNK
     results = eng.generate_many(PROMPTS, max_new_tokens=16)
@@ -81,14 +81,14 @@ def test_a_batch_engine_with_no_options_plans_the_hybrid_drafter(gqa):
 ])
 def test_a_bad_option_is_one_error_naming_it(changes, field):
     with pytest.raises(SettingError) as err:
-        EngineOptions(**changes)
+        RuntimeOptions(**changes)
     assert err.value.field == field and str(err.value).startswith(field + " ")
 
 
 def test_options_and_keyword_changes_combine_and_unknown_names_are_refused(mha):
-    base = EngineOptions(drafter_kind="eagle", planned=False)
-    assert EngineOptions.of(base, threads=2) == EngineOptions(drafter_kind="eagle", planned=False, threads=2)
-    assert EngineOptions(acceptance="threshold").threshold == 0.3  # the default threshold of threshold acceptance
+    base = RuntimeOptions(drafter_kind="eagle", planned=False)
+    assert RuntimeOptions.of(base, threads=2) == RuntimeOptions(drafter_kind="eagle", planned=False, threads=2)
+    assert RuntimeOptions(acceptance="threshold").threshold == 0.3  # the default threshold of threshold acceptance
     with pytest.raises(TypeError, match="unknown engine option: drafter_knd"):
         EagleRuntime.load(mha.export_dir, base, drafter_knd="eagle")
     rt = EagleRuntime.load(mha.export_dir, base, threads=THREADS)

@@ -1,8 +1,8 @@
-"""The prefix cache (runtime/prefix_cache.py, EngineOptions.prefix_cache_mb): a prompt that
+"""The prefix cache (runtime/prefix_cache.py, RuntimeOptions.prefix_cache_mb): a prompt that
 starts with an earlier request's tokens, its settled answer included, copies their KV and
 features in and prefills only the rest, with the logits, features and KV of a fresh prefill
 bit for bit; a chat's next turn decodes the same tokens with the cache as without; entries
-stay within the byte budget, least recently used evicted first; BatchEngine slots share one."""
+stay within the byte budget, least recently used evicted first; BatchRuntime slots share one."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,9 +11,9 @@ import pytest
 from eagle_deploy.contract.errors import SettingError
 from eagle_deploy.runtime import cli as run_cli
 from eagle_deploy.runtime.api import EagleRuntime
-from eagle_deploy.runtime.batch import BatchEngine
+from eagle_deploy.runtime.batch import BatchRuntime
 from eagle_deploy.runtime.decode import Stats
-from eagle_deploy.runtime.options import FLAGS, EngineOptions
+from eagle_deploy.runtime.options import FLAGS, RuntimeOptions
 from eagle_deploy.runtime.prefix_cache import PrefixCache, PrefixEntry
 from eagle_deploy.runtime.sampling import SamplingParams
 from tests.conftest import HEAD_TREE, THREADS
@@ -154,7 +154,7 @@ def test_entries_stay_within_the_budget_least_recently_used_first(gqa):
 
 def test_budget_zero_is_off(gqa):
     rt = _load(gqa.export_dir, 0)
-    assert rt.prefix_cache is None and rt.decoder.prefix_cache is None and EngineOptions().prefix_cache_mb == 0
+    assert rt.prefix_cache is None and rt.decoder.prefix_cache is None and RuntimeOptions().prefix_cache_mb == 0
     r = rt.generate(FIRST, 8)
     r2 = rt.generate(FIRST + r.token_ids + TAIL, 8)
     assert r2.stats.cached_tokens == 0 and rt.decoder.unsettled is None and rt.settle() == 0.0
@@ -165,7 +165,7 @@ def test_batch_engine_slots_share_one_cache(gqa):
     while slot 0 decodes another request): the hit is exact, the tokens those of a solo
     runtime without the cache."""
     plain = _load(gqa.export_dir, 0)
-    eng = BatchEngine.load(gqa.export_dir, 2, **{**HEAD_TREE, "threads": THREADS, "prefix_cache_mb": 4,
+    eng = BatchRuntime.load(gqa.export_dir, 2, **{**HEAD_TREE, "threads": THREADS, "prefix_cache_mb": 4,
                                                  "prefill_chunk": CHUNK})
     assert all(rt.prefix_cache is eng.prefix_cache for rt in eng.runtimes)
     with eng.busy(0) as rt:
@@ -189,11 +189,11 @@ def test_the_standard_graph_is_refused(gqa_standard):
 def test_a_bad_budget_is_one_error_naming_it():
     for bad in (-1, float("nan"), "8", True):
         with pytest.raises(SettingError) as err:
-            EngineOptions(prefix_cache_mb=bad)
+            RuntimeOptions(prefix_cache_mb=bad)
         assert err.value.field == "prefix_cache_mb"
     with pytest.raises(SettingError, match="needs the onnxruntime CPU backend"):
-        EngineOptions(backend="trt", prefix_cache_mb=8)
-    assert EngineOptions(backend="trt").prefix_cache_mb == 0 and FLAGS["prefix_cache_mb"] == "--prefix-cache-mb"
+        RuntimeOptions(backend="trt", prefix_cache_mb=8)
+    assert RuntimeOptions(backend="trt").prefix_cache_mb == 0 and FLAGS["prefix_cache_mb"] == "--prefix-cache-mb"
 
 
 def test_eagle_run_reports_the_cached_tokens(gqa, capsys):

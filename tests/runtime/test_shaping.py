@@ -179,11 +179,11 @@ def test_sampling_under_penalties_follows_the_shaped_target(v16, v16_logits):
 
 
 def test_a_batch_of_mixed_requests_each_equals_its_vanilla_answer(gqa):
-    """BatchEngine slots decoding at once with different controls (one plain, one penalised,
+    """BatchRuntime slots decoding at once with different controls (one plain, one penalised,
     one biased with logprobs, one sampled): each greedy answer is its own vanilla answer."""
-    from eagle_deploy.runtime.batch import BatchEngine
+    from eagle_deploy.runtime.batch import BatchRuntime
 
-    eng = BatchEngine.load(gqa.export_dir, 4, threads=1)  # the default: planned hybrid drafter
+    eng = BatchRuntime.load(gqa.export_dir, 4, threads=1)  # the default: planned hybrid drafter
     settings = [{}, dict(PENALTIES), dict(logit_bias={5: 4.0}, logprobs=2), dict(temperature=0.8, seed=3,
                                                                                  presence_penalty=1.0)]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[1]]

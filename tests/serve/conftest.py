@@ -192,7 +192,7 @@ def make_server(folder: Path, faults=None, oracle_refs=None, reference=None, slo
     from eagle_deploy.runtime.backends import load_backend
     from eagle_deploy.runtime.drafter import EagleDrafter
     from eagle_deploy.serve.app import create_app
-    from eagle_deploy.serve.engine import SlotScheduler
+    from eagle_deploy.serve.scheduler import SlotScheduler
 
     kw = {**HEAD_TREE, "threads": THREADS, **runtime_kw}
     if oracle_refs is not None:

@@ -37,7 +37,7 @@ def test_eagle_serve_subprocess(serve_export):
             except httpx2.TransportError:
                 assert time.monotonic() < deadline, "eagle-serve did not come up"
                 time.sleep(0.2)
-        assert health["engine"]["mode"] == "vanilla" and health["batching"]["slots"] == 3
+        assert health["decoding"]["mode"] == "vanilla" and health["batching"]["slots"] == 3
         r = httpx2.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4,
                                                        "temperature": 0}, timeout=30).json()
         assert r["usage"]["completion_tokens"] == 4 and r["eagle"]["mode"] == "vanilla"

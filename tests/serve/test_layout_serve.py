@@ -16,7 +16,7 @@ def test_the_http_side_reads_only_what_the_scheduler_protocol_declares():
     by `engine.Scheduler`, and `SlotScheduler` has every declared member."""
     import ast
 
-    from eagle_deploy.serve.engine import RoundGate, Scheduler, Slot, SlotScheduler
+    from eagle_deploy.serve.scheduler import RoundGate, Scheduler, Slot, SlotScheduler
 
     def is_scheduler(node) -> bool:
         return (isinstance(node, ast.Name) and node.id == "scheduler") or (

@@ -53,7 +53,7 @@ def holding(server, faults, n: int, prompt: str):
     for t in threads:
         t.start()
     try:
-        # one holder waits in its round hook; with a BatchEngine the others wait for the batched
+        # one holder waits in its round hook; with a BatchRuntime the others wait for the batched
         # forward it holds up: every slot is taken and none progresses
         assert faults.held.acquire(timeout=30), "no holder reached its first round"
         wait_for(lambda: health(server)["active"] == n, what=f"{n} slots busy")
@@ -240,7 +240,7 @@ def test_scheduler_drops_a_cancelled_queued_job_at_once(reference):
     import asyncio
 
     from eagle_deploy.runtime.request import Request
-    from eagle_deploy.serve.engine import RoundGate, Slot, SlotScheduler, Work
+    from eagle_deploy.serve.scheduler import RoundGate, Slot, SlotScheduler, Work
 
     sched = SlotScheduler([Slot(reference, RoundGate())], max_queue=2)  # never started: jobs stay queued
     loop = asyncio.new_event_loop()

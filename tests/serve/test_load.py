@@ -104,7 +104,7 @@ def test_200_requests_with_random_disconnects(server, tmp_path):
     want = {s["prompt_id"]: s["text"] for s in solo["samples"]["eagle/1"]}
     prompts = load.repeated(base, 200 // len(base) + 1)[:200]
     sched = scheduler(server)
-    kv = sched.engine.kv_bytes if sched.engine else None
+    kv = sched.batch.kv_bytes if sched.batch else None
     result = load.run_load(load.LoadConfig(server.url, prompts=prompts, concurrency=[8], disconnect=0.3, seed=7, **kw))
     cell = result["cells"][0]
     assert cell["requests"] == 200 and cell["lost"] == 0 and cell["errors"] == []
@@ -114,7 +114,7 @@ def test_200_requests_with_random_disconnects(server, tmp_path):
             assert s["text"] == want[s["prompt_id"].split("#")[0]]
     health = wait_idle(server)
     assert (health["queued"], health["active"]) == (0, 0)
-    assert (sched.engine.kv_bytes if sched.engine else None) == kv
+    assert (sched.batch.kv_bytes if sched.batch else None) == kv
 
 
 def test_long_prompts_arrive_during_every_cell_and_are_reported_apart(server, tmp_path):

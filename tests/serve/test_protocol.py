@@ -6,7 +6,7 @@ import json
 import pytest
 
 from eagle_deploy.serve import protocol as p
-from eagle_deploy.serve.engine import engine_info, fingerprint
+from eagle_deploy.serve.scheduler import decoding_info, fingerprint
 
 
 def chat(**kw):
@@ -128,7 +128,7 @@ def test_envelope_shapes_and_sse():
 
 
 def test_fingerprints():
-    assert fingerprint("1.0", engine_info("lossless", 0.0, "eagle")) == "eagle-deploy-1.0-eagle-lossless"
-    info = engine_info("threshold", 0.25, "eagle")
+    assert fingerprint("1.0", decoding_info("lossless", 0.0, "eagle")) == "eagle-deploy-1.0-eagle-lossless"
+    info = decoding_info("threshold", 0.25, "eagle")
     assert info["lossless"] is False and fingerprint("1.0", info) == "eagle-deploy-1.0-eagle-threshold0.25-not-lossless"
-    assert engine_info("threshold", 0.25, "vanilla")["lossless"] is True
+    assert decoding_info("threshold", 0.25, "vanilla")["lossless"] is True

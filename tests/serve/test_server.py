@@ -56,7 +56,7 @@ def wait_idle(server, timeout: float = 10.0) -> dict:
 def test_models_health_and_unknown_route(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = httpx2.get(server.url + "/health").json()
-    assert health["status"] == "ok" and health["engine"]["lossless"] is True and health["engine"]["chat_template"]
+    assert health["status"] == "ok" and health["decoding"]["lossless"] is True and health["decoding"]["chat_template"]
     r = httpx2.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
@@ -260,7 +260,7 @@ def test_engine_failure_fails_that_request_only(server, client, reference, strea
     err = errors["bad"]
     assert "injected fault" in str(err)
     if isinstance(err, openai.APIStatusError):  # failed before the stream started
-        assert err.status_code == 500 and err.body["code"] == "engine_error"
+        assert err.status_code == 500 and err.body["code"] == "decoding_error"
     assert sched.failed == failed + 1
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
     assert again.choices[0].text == expected
@@ -286,9 +286,9 @@ def test_a_grammar_given_up_before_any_text_is_a_400_after_it_the_engines_error(
     if stream:
         assert r.status_code == 200 and "data: [DONE]" not in r.text
         events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: ")]
-        assert events[0]["choices"][0]["text"] and events[-1]["error"]["code"] == "engine_error"
+        assert events[0]["choices"][0]["text"] and events[-1]["error"]["code"] == "decoding_error"
     else:
-        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+        assert r.status_code == 500 and r.json()["error"]["code"] == "decoding_error"
     assert "GrammarError" in (events[-1] if stream else r.json())["error"]["message"]
 
 
@@ -394,7 +394,7 @@ def test_vanilla_mode_per_request_and_metrics(server, client, reference):
               if line.startswith(("eagle_serve_slots", "eagle_serve_batched_forwards", "eagle_serve_solo_forwards"))}
     batching = httpx2.get(server.url + "/health").json()["batching"]
     assert gauges["eagle_serve_slots"] == batching["slots"] == len(scheduler(server).slots)
-    if batching["slots"] > 1:  # a BatchEngine: at least this request's prefill ran alone
+    if batching["slots"] > 1:  # a BatchRuntime: at least this request's prefill ran alone
         assert gauges["eagle_serve_solo_forwards"] >= 1
         assert gauges["eagle_serve_batched_forwards"] <= batching["batched_forwards"]
     else:  # one request at a time: nothing is batched
@@ -420,7 +420,7 @@ def test_threshold_acceptance_is_reported(serve_export):
         assert all("not-lossless" in ch.system_fingerprint for ch in chunks)
         v = c.completions.create(model=MODEL, prompt="hi", max_tokens=8, temperature=0, extra_body={"mode": "vanilla"})
         assert v.system_fingerprint.endswith("-vanilla-lossless")
-        assert httpx2.get(srv.url + "/health").json()["engine"]["lossless"] is False
+        assert httpx2.get(srv.url + "/health").json()["decoding"]["lossless"] is False
     finally:
         srv.stop()
 
@@ -444,7 +444,7 @@ def test_scheduler_queue_bound(reference):
     import asyncio
 
     from eagle_deploy.runtime.request import Request
-    from eagle_deploy.serve.engine import QueueFull, RoundGate, Slot, SlotScheduler, Work
+    from eagle_deploy.serve.scheduler import QueueFull, RoundGate, Slot, SlotScheduler, Work
 
     sched = SlotScheduler([Slot(reference, RoundGate())], max_queue=2)  # never started: jobs stay queued
     loop = asyncio.new_event_loop()
@@ -491,7 +491,7 @@ def test_requests_an_idle_worker_is_about_to_take_are_not_counted_as_queued():
     import asyncio
 
     from eagle_deploy.runtime.request import Request
-    from eagle_deploy.serve.engine import QueueFull, RoundGate, Slot, SlotScheduler, Work
+    from eagle_deploy.serve.scheduler import QueueFull, RoundGate, Slot, SlotScheduler, Work
 
     sched = SlotScheduler([Slot(_Instant(), RoundGate()) for _ in range(4)], max_queue=4)
     loop = asyncio.new_event_loop()
@@ -533,7 +533,7 @@ def test_long_prompts_are_prefilled_in_chunks_while_others_decode(serve_export, 
     faults = Faults()
     srv = make_server(serve_export, faults, slots=2, prefill_chunk=8)
     try:
-        engine = srv.app.state.scheduler.engine
+        engine = srv.app.state.scheduler.batch
         assert engine.prefill_chunk == 8
         long_prompt = (ORACLE_PROMPTS[1] + " ") * 8
         out = {}

@@ -330,7 +330,7 @@ def run_load(cfg: LoadConfig, log=lambda msg: None) -> dict:
     config = {k: v for k, v in asdict(cfg).items() if k not in ("prompts", "long_prompts")}
     config["prompt_ids"] = [p["id"] for p in cfg.prompts]
     config["long_prompt_ids"] = [p["id"] for p in cfg.long_prompts]
-    return {"schema": SCHEMA, "config": config, "model": model, "server": health.get("engine"), "cells": cells,
+    return {"schema": SCHEMA, "config": config, "model": model, "server": health.get("decoding"), "cells": cells,
             "samples": samples}
 
 

@@ -209,7 +209,7 @@ DEFAULT_THRESHOLD = 0.3  # the threshold of threshold acceptance when none is gi
 
 
 def threshold_of(args) -> float | None:
-    """--threshold as given (None: runtime.options.EngineOptions' default). ValueError for
+    """--threshold as given (None: runtime.options.RuntimeOptions' default). ValueError for
     --threshold without --acceptance threshold, worded with the flags (it would change
     nothing)."""
     if args.threshold is not None and args.acceptance != "threshold":

@@ -10,7 +10,7 @@ from pathlib import Path
 
 class SettingError(ValueError):
     """A request field or engine option with a bad value: the one error type of
-    `runtime.request.Request` and `runtime.options.EngineOptions`. `field` names it as the
+    `runtime.request.Request` and `runtime.options.RuntimeOptions`. `field` names it as the
     Python API does ("top_p", "stop[1]", "messages[0].content"), `rule` says what is wrong
     ("must be in (0, 1], got 2.0"); str() is "<field> <rule>". Each front end names the field
     its own way through `named`: eagle-run by its flag ("--top-p"), eagle-serve by its JSON

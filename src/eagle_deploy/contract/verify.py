@@ -1,5 +1,5 @@
 """Is an export folder made of the files its manifest describes? `verify_export` answers
-before anything is served from it (EagleRuntime.load, BatchEngine.load, eagle-run,
+before anything is served from it (EagleRuntime.load, BatchRuntime.load, eagle-run,
 eagle-serve, the Triton model, eagle-validate), at one of three levels (`VERIFY_LEVELS`):
 
 - "fast" (the default): every graph's own inputs and outputs (names, dtypes, shapes, read

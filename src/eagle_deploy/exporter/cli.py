@@ -113,18 +113,18 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def triton_repo(export: Path, repo: Path, instances: int) -> str:
-    """`eagle-triton-repo --engines export --out repo --instances N --force` in a child process
-    (the exporter sits below the Triton tools and does not import them); returns the model
-    folder it wrote. ValueError with the tool's own one-line error when it fails."""
-    import subprocess
+def triton_repo(export: Path, repo: Path, instances: int) -> Path:
+    """`eagle-triton-repo --engines export --out repo --instances N --force`: the Triton model
+    folder for the export just written (triton.repo.write_repo; this module is a console entry
+    point, above every layer). ValueError naming --triton-repo when it cannot be written."""
+    from eagle_deploy.contract.manifest import ManifestError
+    from eagle_deploy.triton.env import StubEnvError
+    from eagle_deploy.triton.repo import write_repo
 
-    proc = subprocess.run([sys.executable, "-m", "eagle_deploy.triton.repo", "--engines", str(export), "--out",
-                           str(repo), "--instances", str(instances), "--force"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        raise ValueError(f"--triton-repo: {last.removeprefix('eagle-triton-repo: error: ')}")
-    return proc.stdout.strip().splitlines()[-1]
+    try:
+        return write_repo(export, repo, instances=instances, force=True)
+    except (ValueError, ManifestError, FileExistsError, FileNotFoundError, StubEnvError) as err:
+        raise ValueError(f"--triton-repo: {err}") from err
 
 
 @interruptible("eagle-export")

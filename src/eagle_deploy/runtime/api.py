@@ -37,7 +37,7 @@ from .decode import Decoder, RoundObserver, Stats, TokenStopper
 from .drafter import Drafter, EagleDrafter
 from .grammar import Grammar, GrammarState, GrammarTokenizer
 from .hybrid import LOOKUP_ROWS, head_of, make_drafter, uses_draft_graph
-from .options import EngineOptions
+from .options import RuntimeOptions
 from .prefix_cache import PrefixCache
 from .request import Prompt, Request
 from .row_exact import matmuls_row_exact
@@ -152,7 +152,7 @@ class Generation:
 def load_tokenizer(folder: Path, manifest: Manifest):
     """The export's tokenizer (transformers AutoTokenizer), or None for an export without one.
     Raises ManifestError when the folder the manifest names is missing or unreadable. The one
-    loader of an export's tokenizer: EagleRuntime, BatchEngine, eagle-serve's frontend and
+    loader of an export's tokenizer: EagleRuntime, BatchRuntime, eagle-serve's frontend and
     eagle-validate all call it."""
     if not manifest.tokenizer:
         return None
@@ -180,30 +180,30 @@ def row_exact_default(manifest: Manifest) -> bool:
 
 class EagleRuntime:
     """An export folder loaded once: target + draft backends, KV buffers, tokenizer, decoded
-    as its `options` (an EngineOptions: the one set of defaults) say.
+    as its `options` (an RuntimeOptions: the one set of defaults) say.
 
     One request at a time owns the KV buffers. A request started from another thread while
     one runs waits until it has ended (requests from several threads are served one after
     another, each answer correct); a second request started from the same thread while a
     stream of it is paused takes the buffers over, and the paused stream then raises
     RuntimeError instead of decoding from overwritten KV. For requests decoded at once, use a
-    `BatchEngine` (or one instance per thread).
+    `BatchRuntime` (or one instance per thread).
 
     acceptance "threshold" is NOT lossless (see verify.verify_threshold); the default
     "lossless" reproduces the target's distribution exactly (greedy: token for token).
     """
 
     def __init__(self, folder: Path, manifest: Manifest, target, draft, tokenizer,
-                 options: EngineOptions | None = None, drafter: Drafter | None = None,
+                 options: RuntimeOptions | None = None, drafter: Drafter | None = None,
                  round_observers: Sequence[RoundObserver] = (), costs: CostModel | None = None,
                  prefix_cache: PrefixCache | None = None):
         """target / draft: Backends (draft None with a custom `drafter`); options: how to
-        decode (EngineOptions; its tree None: the manifest's); round_observers: see Decoder;
+        decode (RuntimeOptions; its tree None: the manifest's); round_observers: see Decoder;
         costs: the device's CostModel for a planned drafter (default: `device_costs`);
-        prefix_cache: a cache to share (BatchEngine: one for every slot; default: a new one of
+        prefix_cache: a cache to share (BatchRuntime: one for every slot; default: a new one of
         options.prefix_cache_mb, None when that is 0).
         Raises SettingError (a ValueError) on options the export cannot take."""
-        options = EngineOptions.of(options)
+        options = RuntimeOptions.of(options)
         self.folder, self.manifest, self.tokenizer = Path(folder), manifest, tokenizer
         self.tree = (options.tree or manifest.tree).validate(manifest.draft.graph_top_k)
         row_exact = row_exact_default(manifest) if options.row_exact is None else options.row_exact
@@ -249,11 +249,11 @@ class EagleRuntime:
                             self.decoder.step_rows)
 
     @classmethod
-    def load(cls, folder, options: EngineOptions | None = None, *, drafter: Drafter | None = None,
+    def load(cls, folder, options: RuntimeOptions | None = None, *, drafter: Drafter | None = None,
              wrap_backend: Callable[[Backend], Backend] | None = None,
              round_observers: Sequence[RoundObserver] = (), with_draft: bool = True, **changes) -> "EagleRuntime":
-        """Load `folder` (an eagle-export output) to decode as `options` say (EngineOptions;
-        default: EngineOptions(), the commands' defaults), with `changes` to single options on
+        """Load `folder` (an eagle-export output) to decode as `options` say (RuntimeOptions;
+        default: RuntimeOptions(), the commands' defaults), with `changes` to single options on
         top (`EagleRuntime.load(folder, threads=2, drafter_kind="eagle")`).
         drafter: a custom Drafter instead of the options' kind. wrap_backend: applied to each
         loaded backend (target, draft) before use, e.g. a timing wrapper; round_observers: see
@@ -262,7 +262,7 @@ class EagleRuntime:
         the manifest first (options.verify; its report is `self.verification`).
         Raises SettingError (ValueError), TypeError (an unknown option), ManifestError,
         TreeConfigError, FileNotFoundError."""
-        options = EngineOptions.of(options, **changes)
+        options = RuntimeOptions.of(options, **changes)
         folder = Path(folder)
         manifest = Manifest.load(folder)
         verification = verify_export(folder, manifest, options.verify)

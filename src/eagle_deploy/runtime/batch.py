@@ -1,8 +1,8 @@
 """Batched decoding: several requests in flight, their forwards run as one batched forward.
 
-A `BatchEngine` holds `slots` sequences. Each slot is an ordinary `EagleRuntime` (its own
+A `BatchRuntime` holds `slots` sequences. Each slot is an ordinary `EagleRuntime` (its own
 `Decoder`, drafter, stop strings, sampling RNG and stats) whose target and draft backends are
-`SlotBackend`s: a slot's forward is handed to the engine, which waits until every busy slot
+`SlotBackend`s: a slot's forward is handed to the batch runtime, which waits until every busy slot
 has handed in its next forward and then runs them together:
 
 1. a prefill (a prompt's rows, `StepInputs.prefill`: from row 0, or from the rows a prefix-cache
@@ -99,7 +99,7 @@ from .decode import RoundObserver, chunk_end
 from .drafter import Drafter, EagleDrafter
 from .hybrid import LOOKUP_ROWS, make_drafter, uses_draft_graph
 from .kv import KVBuffer
-from .options import EngineOptions
+from .options import RuntimeOptions
 from .prefix_cache import PrefixCache
 from .request import Prompt
 from .row_exact import matmuls_row_exact, step_rows
@@ -108,8 +108,8 @@ from .row_exact import matmuls_row_exact, step_rows
 class _LoadTrees:
     """Slot drafter wrapper: each round drafts `tree_under_load` of the slots busy right now."""
 
-    def __init__(self, inner: EagleDrafter, engine: "BatchEngine"):
-        self.inner, self.engine, self.base = inner, engine, inner.tree
+    def __init__(self, inner: EagleDrafter, runtime: "BatchRuntime"):
+        self.inner, self.runtime, self.base = inner, runtime, inner.tree
 
     @property
     def forwards(self) -> int:
@@ -119,7 +119,7 @@ class _LoadTrees:
         self.inner.reset()
 
     def propose(self, request):
-        self.inner.tree = tree_under_load(self.base, self.engine.busy_slots)
+        self.inner.tree = tree_under_load(self.base, self.runtime.busy_slots)
         return self.inner.propose(request)
 
     def __getattr__(self, name: str):  # the EAGLE drafter's other attributes (backend, kv, length)
@@ -127,40 +127,40 @@ class _LoadTrees:
 
 
 class SlotBackend:
-    """Slot `slot`'s view of graph `role` in a BatchEngine (a `Backend`): `allocate_kv` returns
-    the slot's block of the engine's batched buffer, `run` hands the forward to the engine and
+    """Slot `slot`'s view of graph `role` in a BatchRuntime (a `Backend`): `allocate_kv` returns
+    the slot's block of the batch runtime's buffer, `run` hands the forward to the batch runtime and
     returns this slot's rows of the batched result (batch 1, as a solo forward would)."""
 
-    def __init__(self, engine: "BatchEngine", role: str, slot: int):
-        self.engine, self.role, self.slot = engine, role, slot
-        inner = engine.backends[role]
+    def __init__(self, runtime: "BatchRuntime", role: str, slot: int):
+        self.runtime, self.role, self.slot = runtime, role, slot
+        inner = runtime.backends[role]
         self.name = f"{inner.name}-batched"
         self.kv_names = inner.kv_names
 
     def allocate_kv(self, capacity: int) -> KVBuffer:
-        return self.engine.slot_kv(self.role, self.slot, capacity)
+        return self.runtime.slot_kv(self.role, self.slot, capacity)
 
     def run(self, inputs: StepInputs, kv: KVBuffer, past: int) -> StepOutputs:
-        return self.engine.forward(_Call(self.slot, self.role, inputs, past))
+        return self.runtime.forward(_Call(self.slot, self.role, inputs, past))
 
 
-class BatchEngine:
+class BatchRuntime:
     """`slots` EagleRuntimes over one pair of backends, their forwards batched (module doc).
 
     runtimes[b]: slot b's runtime; drive each from its own thread inside `busy(b)`:
 
-        engine = BatchEngine.load("engines/smollm2-135m", slots=4)
-        results = engine.generate_many(["Hi", "Write a haiku", ...], max_new_tokens=64)
+        batch = BatchRuntime.load("engines/smollm2-135m", slots=4)
+        results = batch.generate_many(["Hi", "Write a haiku", ...], max_new_tokens=64)
 
     Counters: batched_forwards (forwards of two or more slots), solo_forwards (of one slot).
     """
 
     def __init__(self, folder: Path, manifest: Manifest, backends: dict, tokenizer, slots: int,
-                 options: EngineOptions | None = None,
+                 options: RuntimeOptions | None = None,
                  round_observers: Callable[[int], Sequence[RoundObserver]] | None = None,
                  drafters: Callable[[int, EagleDrafter], Drafter] | None = None, shrink_trees: bool = True):
         """backends: {"target": Backend, "draft": Backend} (batch-capable, see check_batchable);
-        options: how every slot decodes (EngineOptions: the drafter kind and planning as for
+        options: how every slot decodes (RuntimeOptions: the drafter kind and planning as for
         EagleRuntime, the slots sharing one CostModel; its tree None: the manifest's; its
         prefill_chunk: a prompt of prefill_chunk + 2 tokens or more is prefilled in chunks of
         that size, one chunk per forward of the other slots while they decode, back to back
@@ -170,7 +170,7 @@ class BatchEngine:
         it to force trees); shrink_trees: draft `tree_under_load` of the busy slots each round
         (False: the tree always, so a seed gives the same tokens batched as alone).
         Raises BatchError."""
-        options = EngineOptions.of(options)
+        options = RuntimeOptions.of(options)
         check_batchable(manifest, slots, options.backend)
         tree = (options.tree or manifest.tree).validate(manifest.draft.graph_top_k)
         drafter_kind, planned = options.drafter_kind, options.planned
@@ -215,15 +215,15 @@ class BatchEngine:
                          for b in range(slots)]
 
     @classmethod
-    def load(cls, folder, slots: int, options: EngineOptions | None = None, *,
+    def load(cls, folder, slots: int, options: RuntimeOptions | None = None, *,
              round_observers: Callable[[int], Sequence[RoundObserver]] | None = None,
              drafters: Callable[[int, EagleDrafter], Drafter] | None = None, shrink_trees: bool = True,
-             **changes) -> "BatchEngine":
+             **changes) -> "BatchRuntime":
         """Load `folder` once for `slots` sequences, decoded as `options` say with `changes`
         on top (as for EagleRuntime.load; the other arguments as for __init__). Raises
         BatchError (check_batchable, check_kv_fits: before any graph is opened), and what
         EagleRuntime.load raises."""
-        options = EngineOptions.of(options, **changes)
+        options = RuntimeOptions.of(options, **changes)
         folder = Path(folder)
         manifest = Manifest.load(folder)
         verify_export(folder, manifest, options.verify)  # as for EagleRuntime.load
@@ -269,7 +269,7 @@ class BatchEngine:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of every KV buffer the engine holds (all slots, both graphs)."""
+        """Bytes of every KV buffer the batch runtime holds (all slots, both graphs)."""
         return sum(buf.nbytes for buf in self._buffers.values())
 
     # -- slots ---------------------------------------------------------------------------------
@@ -282,11 +282,11 @@ class BatchEngine:
     @contextmanager
     def busy(self, slot: int) -> Iterator[EagleRuntime]:
         """Mark `slot` busy while its thread decodes a request with the yielded runtime; the
-        engine waits for a forward from every busy slot before it runs a batch, so a busy slot
+        batch runtime waits for a forward from every busy slot before it runs a batch, so a busy slot
         must be driven without pause. On exit the slot's rows are released (and a request
         not settled into the prefix cache by then is dropped: module doc)."""
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.slots:
-            raise IndexError(f"slot {slot!r}: this engine has slots 0 .. {self.slots - 1}")
+            raise IndexError(f"slot {slot!r}: this batch runtime has slots 0 .. {self.slots - 1}")
         with self._cond:
             if slot in self._busy:
                 raise RuntimeError(f"slot {slot} is already busy")
@@ -309,7 +309,7 @@ class BatchEngine:
         session of the slot (its rows were released and may hold other requests' padding)."""
         with self._cond:
             if call.slot not in self._busy:
-                raise RuntimeError(f"slot {call.slot} ran a forward outside BatchEngine.busy()")
+                raise RuntimeError(f"slot {call.slot} ran a forward outside BatchRuntime.busy()")
             if call.role == "target" and (call.past == 0 or call.inputs.prefill):  # a prefill starts the request
                 self._started[call.slot] = self._session[call.slot]
             elif self._started[call.slot] != self._session[call.slot]:
@@ -486,4 +486,4 @@ class BatchEngine:
         return results
 
 
-__all__ = ["BatchEngine", "BatchError", "SlotBackend"]
+__all__ = ["BatchRuntime", "BatchError", "SlotBackend"]

@@ -1,8 +1,8 @@
 """What batched decoding accepts and what each of its slots holds: the exports and settings a
-`BatchEngine` (runtime/batch.py) can serve, the KV rows and bytes of one slot, how many slots
+`BatchRuntime` (runtime/batch.py) can serve, the KV rows and bytes of one slot, how many slots
 fit in memory, and the tree each slot drafts while others are busy.
 
-Accepted (`check_batchable`, raised as `BatchError` when the engine is built): the fused graphs
+Accepted (`check_batchable`, raised as `BatchError` when the batch runtime is built): the fused graphs
 (KV layout "shared", manifest `extra.ragged_batch`: the default onnxruntime export; each slot's
 rows are one contiguous block, so a prefill binds that block alone), a backend whose
 `allocate_kv` takes a batch (onnxruntime CPU), and graphs whose rows round independently of
@@ -31,7 +31,7 @@ from .row_exact import target_kv_capacity
 
 
 class BatchError(ValueError):
-    """An export or setting batched decoding cannot serve (raised when the engine is built)."""
+    """An export or setting batched decoding cannot serve (raised when the batch runtime is built)."""
 
 
 def check_batchable(manifest: Manifest, slots: int, backend: str) -> None:
@@ -91,7 +91,7 @@ def tree_under_load(tree: TreeConfig, busy: int) -> TreeConfig:
 
 
 def kv_bytes_per_slot(manifest: Manifest, tree: TreeConfig, row_exact: bool) -> int:
-    """Bytes of target + draft KV one slot holds in a BatchEngine (capacities as the decoder
+    """Bytes of target + draft KV one slot holds in a BatchRuntime (capacities as the decoder
     and drafter ask for them, plus margin_rows)."""
     repeats = manifest.target.repeats_one_row
     margin = margin_rows(tree, row_exact or repeats)

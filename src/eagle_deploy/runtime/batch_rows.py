@@ -1,10 +1,10 @@
-"""The rows of a batched forward: one slot's forward as a `BatchEngine` holds it (`_Call`), the
+"""The rows of a batched forward: one slot's forward as a `BatchRuntime` holds it (`_Call`), the
 slots' inputs padded into one batched forward (`_pad`), each slot's rows of its outputs
 (`_rows`), a chunked prefill's outputs joined (`_join_chunks`), and outputs copied out of the
 backend's reused arrays (`_copied`).
 
 How rows are laid out (each row at its own past, its new tokens first, padding after them):
-runtime/batch.py's module doc, "Padding". These are the engine's own helpers (runtime/batch.py
+runtime/batch.py's module doc, "Padding". These are the batch runtime's own helpers (runtime/batch.py
 imports them), not an API.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ _PER_LOGIT = {"logits", "topk_logprobs", "topk_ids"}
 
 @dataclass
 class _Call:
-    """One slot's forward waiting for the engine."""
+    """One slot's forward waiting for the batch runtime."""
 
     slot: int
     role: str  # "target" | "draft"

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--json-object", action="store_true", help="any JSON object")
     p.add_argument("--stream", action="store_true", help="print text as tokens are committed")
     which = p.add_mutually_exclusive_group()  # --vanilla --compare-vanilla would compare vanilla with itself
-    which.add_argument("--vanilla", action="store_true", help="plain one-token-per-forward decoding on the same engine")
+    which.add_argument("--vanilla", action="store_true", help="plain one-token-per-forward decoding on the same export")
     which.add_argument("--compare-vanilla", action="store_true",
                        help="also run vanilla decoding and print the speed-up and whether outputs are identical "
                             "(not with --vanilla)")
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MiB of KV kept from earlier requests (prompt and answer) and reused, bit for bit, by later "
                         "ones that start with the same tokens (here: the warm-up's prompt); --backend ort only; 0: off")
     add_tree_args(p, "the export's manifest")
-    p.set_defaults(drafter=None)  # unset -> EngineOptions' default, after _check_no_effect
+    p.set_defaults(drafter=None)  # unset -> RuntimeOptions' default, after _check_no_effect
     return p
 
 
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     from .hybrid import uses_draft_graph
     from .memory import export_sizes, rss_mb, snapshot
     from .options import FLAGS as OPTION_FLAGS
-    from .options import EngineOptions
+    from .options import RuntimeOptions
     from .request import FLAGS as REQUEST_FLAGS
 
     flags = {**OPTION_FLAGS, **REQUEST_FLAGS}
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         if args.logprobs is not None and not args.json:
             raise ValueError("--logprobs needs --json (the log-probabilities are printed in its 'logprobs')")
         threshold_of(args)  # --threshold without --acceptance threshold, worded with both flags
-        options = EngineOptions.from_args(args)
+        options = RuntimeOptions.from_args(args)
         manifest = Manifest.load(args.engines)
         options = options.replace(tree=tree_from_args(args, manifest.tree))
         memory = {"rss_before_load_mb": rss_mb()}  # --json: resident memory by stage (runtime/memory.py)

@@ -1,14 +1,14 @@
-"""How an export is decoded: `EngineOptions`, the one set of engine defaults.
+"""How an export is decoded: `RuntimeOptions`, the one set of runtime defaults.
 
-`EagleRuntime.load`, `BatchEngine.load`, eagle-run, eagle-serve, the Triton model and
-eagle-bench all take one `EngineOptions` (the CLIs build it from their flags with
-`EngineOptions.from_args`), so a default lives here and nowhere else. The default decodes with
+`EagleRuntime.load`, `BatchRuntime.load`, eagle-run, eagle-serve, the Triton model and
+eagle-bench all take one `RuntimeOptions` (the CLIs build it from their flags with
+`RuntimeOptions.from_args`), so a default lives here and nowhere else. The default decodes with
 the fastest lossless drafter measured (`hybrid`, planned: the head's tree plus context lookup,
 each round sized by its expected tokens per second; docs/drafting.md), the same for the Python
 API as for the commands.
 
     rt = EagleRuntime.load("engines/smollm2-135m")                             # the defaults
-    rt = EagleRuntime.load(folder, EngineOptions(drafter_kind="eagle", planned=False))
+    rt = EagleRuntime.load(folder, RuntimeOptions(drafter_kind="eagle", planned=False))
     rt = EagleRuntime.load(folder, threads=2)                      # one option changed
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ FLAGS = {"backend": "--backend", "tree": "--tree", "threads": "--threads", "draf
 
 
 @dataclass(frozen=True)
-class EngineOptions:
+class RuntimeOptions:
     """Engine settings, checked when made (SettingError, a ValueError, naming the option).
 
     backend: "ort" (onnxruntime CPU), "ort-cuda", "trt" (TensorRT engines of the export).
@@ -107,24 +107,24 @@ class EngineOptions:
         """The acceptance threshold the Decoder takes (0.0 under lossless acceptance)."""
         return self.threshold if self.threshold is not None else 0.0
 
-    def replace(self, **changes) -> "EngineOptions":
+    def replace(self, **changes) -> "RuntimeOptions":
         """A copy with `changes` (option names); TypeError for a name that is no option."""
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
         if unknown:
-            raise TypeError(f"unknown engine option{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
-                            f"(EngineOptions has {', '.join(f.name for f in dataclasses.fields(self))})")
+            raise TypeError(f"unknown runtime option{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
+                            f"(RuntimeOptions has {', '.join(f.name for f in dataclasses.fields(self))})")
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def of(cls, options: "EngineOptions | None" = None, **changes) -> "EngineOptions":
-        """`options` (default: EngineOptions()) with `changes`: what every loader does with its
+    def of(cls, options: "RuntimeOptions | None" = None, **changes) -> "RuntimeOptions":
+        """`options` (default: RuntimeOptions()) with `changes`: what every loader does with its
         `options` argument and its keyword overrides."""
-        if options is not None and not isinstance(options, EngineOptions):
-            raise TypeError(f"options must be an EngineOptions, got {type(options).__name__}")
+        if options is not None and not isinstance(options, RuntimeOptions):
+            raise TypeError(f"options must be an RuntimeOptions, got {type(options).__name__}")
         return (options or cls()).replace(**changes) if changes else (options or cls())
 
     @classmethod
-    def from_args(cls, args, tree: TreeConfig | None = None, **changes) -> "EngineOptions":
+    def from_args(cls, args, tree: TreeConfig | None = None, **changes) -> "RuntimeOptions":
         """The options of `common.cli_args.add_engine_args`' flags (eagle-run, eagle-serve):
         --backend, --threads, --drafter, --always-draft, --acceptance, --threshold, --verify,
         and the command's --prefix-cache-mb where it has one;

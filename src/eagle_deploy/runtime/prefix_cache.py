@@ -25,10 +25,10 @@ Entries do not share rows: two prompts with one system prompt each hold its rows
 tree would share them). They are evicted least recently used first, so that `nbytes` stays
 within the budget; an entry larger than the whole budget is not stored.
 
-One cache per loaded export: it lives and dies with its EagleRuntime (or BatchEngine), so it
-is invalidated with the export. A BatchEngine's slots share one cache (a lock guards it), so a
+One cache per loaded export: it lives and dies with its EagleRuntime (or BatchRuntime), so it
+is invalidated with the export. A BatchRuntime's slots share one cache (a lock guards it), so a
 conversation's next turn hits whichever slot it lands on: a superset of a cache per slot.
-The arrays are host (numpy) arrays: the onnxruntime CPU backend only (EngineOptions), and
+The arrays are host (numpy) arrays: the onnxruntime CPU backend only (RuntimeOptions), and
 only for the fused target graph (KV layout "shared"): the standard-op graph (`--graph
 standard`) computes a prompt's rows in the last bit differently in parts than at once
 (EagleRuntime refuses the cache for it).
@@ -113,7 +113,7 @@ class PrefixCache:
 
     @classmethod
     def of_mb(cls, mb: float) -> "PrefixCache | None":
-        """A cache of `mb` MiB (EngineOptions.prefix_cache_mb), None for 0 (off)."""
+        """A cache of `mb` MiB (RuntimeOptions.prefix_cache_mb), None for 0 (off)."""
         return cls(int(mb * 2**20)) if mb else None
 
     @property

@@ -1,6 +1,6 @@
 """One generation request: `Request`, checked in one place.
 
-The Python API (`EagleRuntime.generate` / `stream`), eagle-run, eagle-serve, `BatchEngine` and
+The Python API (`EagleRuntime.generate` / `stream`), eagle-run, eagle-serve, `BatchRuntime` and
 the Triton model all build a `Request`; every check that needs no model runs when it is made
 and raises `SettingError` (a ValueError) naming the field as the API names it. A front end
 maps the field to its own name: eagle-run to the flag (`FLAGS`), eagle-serve to the JSON
@@ -52,7 +52,7 @@ class Request:
     truncate the target distribution; seed: an int makes sampled output reproducible. stop:
     a string or strings (at most MAX_STOPS, each 1 to MAX_STOP_CHARS characters); the text
     ends before the first one. mode: "eagle" (speculative) or "vanilla" (one token per target
-    forward on the same engine). min_p, logit_bias ({token id: bias}), presence_penalty,
+    forward on the same export). min_p, logit_bias ({token id: bias}), presence_penalty,
     frequency_penalty, repetition_penalty: see sampling.SamplingParams (each keeps EAGLE's
     output equal to vanilla decoding's under the same settings: shaping.LogitShaper).
     logprobs: None (off) or k in [0, MAX_TOP_LOGPROBS]: return each generated token's

@@ -2,8 +2,8 @@
 
 - `protocol`: request parsing and validation (OpenAI-style 400 errors naming the field),
   response and SSE chunk bodies.
-- `engine`: the engine side behind the `Scheduler` protocol: `SlotScheduler`, a queue and one
-  engine worker per slot (`--slots N`: the slots of a `runtime.batch.BatchEngine`).
+- `scheduler`: the decoding side behind the `Scheduler` protocol: `SlotScheduler`, a queue and one
+  decode worker per slot (`--slots N`: the slots of a `runtime.batch.BatchRuntime`).
 - `metrics`: Prometheus counters, histograms and gauges.
 - `app`: the FastAPI application (`create_app`: the routes) and `Frontend` (prompt -> token ids).
 - `completion`: one completion request from its body to its answer (`Completions`), and its

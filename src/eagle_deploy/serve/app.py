@@ -28,12 +28,12 @@ from eagle_deploy.runtime.request import Request as GenerationRequest
 from eagle_deploy.runtime.text import encode_prompt
 
 from .completion import Completions, Drain, error_response
-from .engine import Scheduler, engine_info
 from .guard import OPEN_PATHS, BearerAuth, RequestLimit
 from .metrics import ServeMetrics
 from .protocol import ApiError, CompletionRequest, invalid, parse_chat, parse_completion
+from .scheduler import Scheduler, decoding_info
 
-POLL_S = 0.05  # seconds between disconnect checks while a request waits for the engine
+POLL_S = 0.05  # seconds between disconnect checks while a request waits for a slot
 MAX_BODY_MB = 8.0  # request body size limit (--max-body-mb)
 PREFIX_CHARS_PER_TOKEN = 16  # a text over max_length * this many characters is first counted on that prefix
 
@@ -67,7 +67,7 @@ class Frontend:
 
     @classmethod
     def for_runtime(cls, runtime) -> "Frontend":
-        """A second tokenizer instance loaded from the export (the engine thread keeps its own)."""
+        """A second tokenizer instance loaded from the export (the decode workers keep their own)."""
         m = runtime.manifest
         tokenizer = load_tokenizer(runtime.folder, m)
         if tokenizer is None:
@@ -186,7 +186,7 @@ def create_app(scheduler: Scheduler, *, model_name: str | None = None, default_m
         return {"status": "ok", "model": model_name, "queued": scheduler.queued, "active": scheduler.active,
                 "submitted": scheduler.submitted, "completed": scheduler.completed, "failed": scheduler.failed,
                 "cancelled": scheduler.cancelled, "batching": scheduler.batching,
-                "engine": {**engine_info(scheduler.acceptance, scheduler.threshold, default_mode),
+                "decoding": {**decoding_info(scheduler.acceptance, scheduler.threshold, default_mode),
                            "max_length": manifest.max_length, "chat_template": frontend.has_chat_template}}
 
     @app.get("/v1/models")

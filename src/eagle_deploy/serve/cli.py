@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(usage.prompt_tokens_details.cached_tokens); least recently used dropped first; 0: off "
                         f"(default: {SERVE_PREFIX_CACHE_MB} with --backend ort, else 0)")
     p.add_argument("--max-queue", type=int, default=64,
-                   help="requests waiting for the engine at most; more get HTTP 429")
+                   help="requests waiting for a slot at most; more get HTTP 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("limits and access")
     g.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit; larger bodies get 413")
@@ -119,17 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_options(args, manifest=None):
-    """The EngineOptions of eagle-serve's engine flags (EngineOptions.from_args), its
+    """The RuntimeOptions of eagle-serve's runtime flags (RuntimeOptions.from_args), its
     --prefix-cache-mb unset: SERVE_PREFIX_CACHE_MB where the cache is exact (--backend ort and,
     given the export's `manifest`, its fused target graph), else 0. Raises SettingError."""
     from eagle_deploy.contract.onnx_io import KV_SHARED
-    from eagle_deploy.runtime.options import EngineOptions
+    from eagle_deploy.runtime.options import RuntimeOptions
 
     cache = args.prefix_cache_mb
     if cache is None:
         fused = manifest is None or manifest.target.kv_layout == KV_SHARED
         cache = SERVE_PREFIX_CACHE_MB if args.backend == "ort" and fused else 0
-    return EngineOptions.from_args(args, prefix_cache_mb=cache)
+    return RuntimeOptions.from_args(args, prefix_cache_mb=cache)
 
 
 def build_server(args, app):
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
         engine_options(args)  # bad settings fail before the export is read
         manifest = Manifest.load(args.engines)
         options = engine_options(args, manifest)
-        # --prefill-chunk is the batched engine's (chunks interleaved with the other slots'
+        # --prefill-chunk is the batch runtime's (chunks interleaved with the other slots'
         # forwards); one slot keeps the runtime's default
         options = options.replace(tree=tree_from_args(args, manifest.tree),
                                   **({"prefill_chunk": args.prefill_chunk} if args.slots > 1 else {}))
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
         import uvicorn  # noqa: F401  (a missing serve extra fails here, before loading)
 
         from .app import create_app
-        from .engine import SlotScheduler
+        from .scheduler import SlotScheduler
 
         scheduler = SlotScheduler.load(args.engines, options, slots=args.slots, max_queue=args.max_queue,
                                        shrink_trees=not args.fixed_tree)

@@ -4,21 +4,21 @@
 beyond) within the server's deadline, then parses, validates and tokenises it on the
 frontend's own thread (its own tokenizer instance, so a long prompt never stalls the event
 loop: other streams and /health go on), builds the runtime's `Request` (its own checks) and
-submits it to the scheduler. An invalid request gets a 400 and never touches the engine; a
+submits it to the scheduler. An invalid request gets a 400 and never touches the scheduler; a
 body still uploading at the server's deadline a 408 `request_timeout` with `Connection:
 close`; a full queue a 429; a client gone before its body arrived a 499.
 
 `Completion` (one per submitted job) waits for the job's events, polling
 `request.is_disconnected()` every `poll_s` seconds, so a client that goes away frees the
-engine within one decode round. A request's deadline (`request_timeout_s`, shortened by the
+scheduler within one decode round. A request's deadline (`request_timeout_s`, shortened by the
 request's own field) is counted from the arrival of its head. A streamed response starts once
-the engine has produced the first text (or finished); before that every request is answered
+the decode worker has produced the first text (or finished); before that every request is answered
 as JSON. However the job ends, `Completion.outcome` turns its last event into the answer and
 its count in `eagle_serve_requests_total`, in one place:
 
     last event  counted    JSON response                           SSE events, once streaming
     done        ok         200 the response                        last chunks, usage, [DONE]
-    error       error      500 engine_error (a GrammarError         error event
+    error       error      500 decoding_error (a GrammarError         error event
                 invalid    before any text: 400 unsupported_value)
     timeout     timeout    408 request_timeout, no retry            error event
     shutdown    cancelled  503 server_shutdown                      error event, [DONE]
@@ -44,10 +44,10 @@ from eagle_deploy.runtime.grammar import GrammarError
 from eagle_deploy.runtime.request import Request as GenerationRequest
 from eagle_deploy.runtime.text import token_bytes
 
-from .engine import Event, Job, QueueFull, Scheduler, Work, engine_info, fingerprint, stats_info
 from .guard import read_body
 from .metrics import ServeMetrics
 from .protocol import CHAT, DONE, ApiError, CompletionRequest, Envelope, invalid, logprobs_body, parse_json, sse, usage
+from .scheduler import Event, Job, QueueFull, Scheduler, Work, decoding_info, fingerprint, stats_info
 
 Parse = Callable[[dict], CompletionRequest]  # protocol.parse_chat or parse_completion
 
@@ -56,10 +56,10 @@ def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
-def engine_error(error: BaseException | None) -> ApiError:
+def decoding_error(error: BaseException | None) -> ApiError:
     what = f"{type(error).__name__}: {error}" if error is not None else "unknown error"
-    return ApiError(500, f"the engine failed on this request ({what}); the server keeps serving", None,
-                    "engine_error", "server_error")
+    return ApiError(500, f"decoding failed on this request ({what}); the server keeps serving", None,
+                    "decoding_error", "server_error")
 
 
 def timed_out(limit: float) -> ApiError:
@@ -149,8 +149,8 @@ class Completions:
         return req, self.frontend.prompt_ids(req)
 
     def _runtime_request(self, req: CompletionRequest, ids: list[int], mode: str) -> GenerationRequest:
-        """The runtime's Request (its own checks, so nothing it would refuse reaches the
-        engine; max_tokens unset: up to the KV capacity); a SettingError is answered as a 400
+        """The runtime's Request (its own checks, so nothing it would refuse reaches a
+        decode worker; max_tokens unset: up to the KV capacity); a SettingError is answered as a 400
         naming the HTTP field."""
         runtime = self.scheduler.runtime
         max_tokens = req.max_tokens if req.max_tokens is not None else runtime.manifest.max_length
@@ -187,9 +187,9 @@ class Completion:
                  endpoint: str, deadline: tuple[float, float] | None):
         self.flow, self.request, self.req, self.job = flow, request, req, job
         self.endpoint, self.deadline = endpoint, deadline
-        self.info = engine_info(flow.scheduler.acceptance, flow.scheduler.threshold, mode)
+        self.info = decoding_info(flow.scheduler.acceptance, flow.scheduler.threshold, mode)
         self.env = Envelope(req.kind, flow.model_name, fingerprint(flow.version, self.info))
-        self.text_seen = False  # a delta has arrived (a GrammarError after one is the engine's error)
+        self.text_seen = False  # a delta has arrived (a GrammarError after one is the grammar engine's error)
         self.sent_lp, self.sent_chars = 0, 0  # logprobs and characters streamed so far (completions' text_offset)
         # with tools a streamed answer's text is held until it ends: it may turn out to be a call
         self.hold = req.kind == CHAT and bool(req.tools) and req.tool_choice != "none"
@@ -283,11 +283,11 @@ class Completion:
             return "cancelled", shutting_down()
         if ev.kind != "error":
             return "cancelled", None
-        if isinstance(ev.error, GrammarError) and not self.text_seen:  # a schema the engine accepted, cannot follow
+        if isinstance(ev.error, GrammarError) and not self.text_seen:  # a schema accepted, then not followed
             req = self.req
             field = "tools" if req.tools and req.tool_choice not in (None, "none", "auto") else "response_format"
             return "invalid", invalid(field, str(ev.error), "unsupported_value")
-        return "error", engine_error(ev.error)
+        return "error", decoding_error(ev.error)
 
     def _delta_chunk(self, ev: Event) -> dict:
         lp = self._logprobs(ev.logprobs, self.sent_chars) if self.req.logprobs is not None else None

@@ -10,11 +10,11 @@
                                                       cost-aware drafter skips drafting where it does not pay)
     eagle_serve_time_to_first_token_seconds           histogram, from arrival (queue wait included)
     eagle_serve_time_per_output_token_seconds         histogram, (last - first token time) / (tokens - 1)
-    eagle_serve_queue_length                          gauge: requests waiting for the engine
+    eagle_serve_queue_length                          gauge: requests waiting for a slot
     eagle_serve_active_requests                       gauge: requests being decoded
-    eagle_serve_slots                                 gauge: requests the engine decodes at once (--slots)
+    eagle_serve_slots                                 gauge: requests decoded at once (--slots)
     eagle_serve_batched_forwards                      gauge: forwards run for 2+ slots at once, since start
-    eagle_serve_solo_forwards                         gauge: forwards of a batching engine run for one slot alone
+    eagle_serve_solo_forwards                         gauge: batched forwards run for one slot alone
                                                       (prefills, a lone busy slot); both 0 with --slots 1
     eagle_serve_prefill_chunks                        gauge: of those, chunks of a chunked prefill (--prefill-chunk)
     eagle_serve_prefix_cache_hits_total               finished requests whose prompt reused prefix-cache KV
@@ -23,7 +23,8 @@
     eagle_serve_prefix_cache_bytes                    gauge: bytes the prefix cache holds (--prefix-cache-mb)
 
 and vLLM's speculative-decoding counters, named and labelled as vLLM names them (labels
-model_name, engine = "0"), from each finished request's `Stats` (see `SpecCounts`):
+model_name, engine = "0": vLLM's label names, kept so its dashboards read them), from each
+finished request's `Stats` (see `SpecCounts`):
 
     vllm:spec_decode_num_drafts_total                 rounds that verified at least one draft token
     vllm:spec_decode_num_draft_tokens_total           draft positions proposed (tree depth per round)
@@ -61,9 +62,9 @@ class ServeMetrics:
                               buckets=TIME_BUCKETS, registry=r)
         self.tpot = Histogram("eagle_serve_time_per_output_token_seconds", "Time per output token after the first",
                               buckets=TIME_BUCKETS, registry=r)
-        self.queue_length = Gauge("eagle_serve_queue_length", "Requests waiting for the engine", registry=r)
+        self.queue_length = Gauge("eagle_serve_queue_length", "Requests waiting for a slot", registry=r)
         self.active = Gauge("eagle_serve_active_requests", "Requests being decoded", registry=r)
-        self.slots = Gauge("eagle_serve_slots", "Requests the engine decodes at once (--slots)", registry=r)
+        self.slots = Gauge("eagle_serve_slots", "Requests decoded at once (--slots)", registry=r)
         self.batched = Gauge("eagle_serve_batched_forwards", "Forwards run for two or more slots at once",
                              registry=r)
         self.solo = Gauge("eagle_serve_solo_forwards", "Forwards run for one slot alone", registry=r)
@@ -98,7 +99,7 @@ class ServeMetrics:
         self.cache_bytes.set_function(lambda: cache.nbytes if (cache := scheduler.prefix_cache) is not None else 0)
 
     def finished(self, endpoint: str, job, result) -> None:
-        """Record a request that ran to its end (`job`: engine.Job, `result`: GenerationResult)."""
+        """Record a request that ran to its end (`job`: scheduler.Job, `result`: GenerationResult)."""
         s = result.stats
         self.requests.labels(endpoint, "ok").inc()
         self.prompt_tokens.inc(s.prompt_tokens)

@@ -1,6 +1,6 @@
 """The OpenAI wire format: request parsing and validation, response bodies, SSE framing.
 
-Requests are validated here, before anything reaches the engine, by one pydantic model per
+Requests are validated here, before anything reaches the scheduler, by one pydantic model per
 endpoint (`ChatBody`, `CompletionBody` in serve/bodies.py: strict types, so `true` is no
 integer; null is the same as absent). The first bad field raises `ApiError` (HTTP 400) whose
 body is OpenAI's error shape (the field located by contract/field_errors.py)
@@ -48,7 +48,7 @@ __all__ = ["MAX_STOPS", "MAX_STOP_CHARS", "MODES"]  # the runtime's limits, re-e
 
 class ApiError(Exception):
     """An error answered in OpenAI's shape. status: HTTP status (400 invalid request, 429 queue
-    full, 500 engine failure); param: the offending request field or None."""
+    full, 500 decoding failure); param: the offending request field or None."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str = "invalid_request_error"):

@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--answers-from", type=Path, default=None, metavar="EXPORT",
                    help="an eagle-export folder of the same target (its manifest's source sha256 must match) "
                         "whose target graph writes the data stage's answers: greedy (--modes 0), --gen-batch "
-                        "sequences at a time in batched forwards (BatchEngine). "
+                        "sequences at a time in batched forwards (BatchRuntime). "
                         "A quantised export answers several times faster than torch on a CPU (docs/decisions.md); "
                         "its answers are the quantised graph's. Features and training still run the torch target")
     p.add_argument("--stop-after", choices=STAGES, default=None,

@@ -329,22 +329,22 @@ def generate_data(hf_model, tokenizer, prompts: list[dict], modes: Sequence[floa
 def export_answers(folder, tokenizer, prompts: list[dict], max_new_tokens: int, slots: int, progress=None,
                    threads: int | None = None) -> TokenData:
     """Greedy responses of an export's target graph (eagle-export's folder) to every prompt,
-    `slots` at a time in batched forwards (runtime.batch.BatchEngine, vanilla decoding, one-token
+    `slots` at a time in batched forwards (runtime.batch.BatchRuntime, vanilla decoding, one-token
     forwards as one row: row-exactness buys nothing here). The prompts are encoded as
     generate_data encodes them (chat_ids) and handed to the graph as ids; a response ends with
     its EOS id when one was produced, as generate_data's do. On a CPU a quantised export answers
     faster than torch's fp32 target (docs/decisions.md, 'who writes the answers for
     Qwen2.5-Coder-0.5B's head'): its answers are those of the quantised graph, the target the
     head is deployed with.
-    Raises what BatchEngine.load and EagleRuntime.generate raise (e.g. a prompt longer than
+    Raises what BatchRuntime.load and EagleRuntime.generate raise (e.g. a prompt longer than
     the export's max_length allows)."""
-    from eagle_deploy.runtime.batch import BatchEngine
-    from eagle_deploy.runtime.options import EngineOptions
+    from eagle_deploy.runtime.batch import BatchRuntime
+    from eagle_deploy.runtime.options import RuntimeOptions
 
     encoded = [chat_ids(tokenizer, p["prompt"]) for p in prompts]
-    engine = BatchEngine.load(folder, min(slots, len(prompts)), EngineOptions(
+    batch = BatchRuntime.load(folder, min(slots, len(prompts)), RuntimeOptions(
         threads=threads, drafter_kind="eagle", planned=False, row_exact=False, prefill_chunk=0))
-    results = engine.generate_many(encoded, max_new_tokens=max_new_tokens, mode="vanilla", temperature=0.0)
+    results = batch.generate_many(encoded, max_new_tokens=max_new_tokens, mode="vanilla", temperature=0.0)
     if progress:
         progress(len(prompts))
     return TokenData.from_sequences([e + list(r.token_ids) for e, r in zip(encoded, results)],

@@ -66,7 +66,7 @@ def load_runtime(config: dict, host=None, round_observers=()):
     from eagle_deploy.contract.manifest import Manifest
     from eagle_deploy.contract.tree_config import TreeConfig
     from eagle_deploy.runtime.api import EagleRuntime
-    from eagle_deploy.runtime.options import EngineOptions
+    from eagle_deploy.runtime.options import RuntimeOptions
 
     from .select import probe_host, select_backend
 
@@ -82,7 +82,7 @@ def load_runtime(config: dict, host=None, round_observers=()):
         factory = getattr(importlib.import_module(module), attr or "make_drafter")
         drafter = factory(folder, manifest, (tree or manifest.tree), threads)
     threshold = float(config["threshold"]) if config["acceptance"] == "threshold" else None
-    options = EngineOptions(backend=backend, tree=tree, threads=threads, acceptance=config["acceptance"],
+    options = RuntimeOptions(backend=backend, tree=tree, threads=threads, acceptance=config["acceptance"],
                             threshold=threshold, drafter_kind=str(config["drafter_kind"]),
                             planned=bool(config["planned"]), verify=str(config["verify"]))  # files vs manifest
     rt = EagleRuntime.load(folder, options, drafter=drafter, round_observers=round_observers)

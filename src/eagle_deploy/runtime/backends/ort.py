@@ -162,7 +162,7 @@ class OrtBackend:
 
     def allocate_kv(self, capacity: int, batch: int = 1) -> KVBuffer:
         """KV buffers in this graph's layout (graph.kv_layout), `capacity` rows each, for
-        `batch` sequences (batch > 1: the slots of `runtime.batch.BatchEngine`)."""
+        `batch` sequences (batch > 1: the slots of `runtime.batch.BatchRuntime`)."""
         return KVBuffer.allocate(self.kv_names, capacity, batch, self.dims.num_kv_heads, self.dims.head_dim,
                                  self.kv_dtype, layout=self.graph.kv_layout)
 

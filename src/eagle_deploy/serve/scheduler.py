@@ -1,9 +1,9 @@
-"""The engine side of eagle-serve: a scheduler with a queue and one engine worker per slot.
+"""The decoding side of eagle-serve: a scheduler with a queue and one decode worker per slot.
 
 The HTTP layer only ever talks to a `Scheduler`: `submit(work, loop) -> Job`, then awaits
 the job's events; `Job.cancel()` when the client goes away. `SlotScheduler` implements it:
 with one slot, one worker owns an `EagleRuntime` and decodes the queued requests one at a
-time; with `--slots N`, N workers each drive one slot of a `runtime.batch.BatchEngine`, which
+time; with `--slots N`, N workers each drive one slot of a `runtime.batch.BatchRuntime`, which
 runs the slots' forwards as batched forwards (continuous batching: a finished request frees
 its slot at once and the next queued one takes it).
 
@@ -24,8 +24,8 @@ from functools import partial
 from typing import Callable, ContextManager, Protocol, Sequence
 
 from eagle_deploy.runtime.api import EagleRuntime, Generation, GenerationResult
-from eagle_deploy.runtime.batch import BatchEngine
-from eagle_deploy.runtime.options import EngineOptions
+from eagle_deploy.runtime.batch import BatchRuntime
+from eagle_deploy.runtime.options import RuntimeOptions
 from eagle_deploy.runtime.request import Request
 
 log = logging.getLogger("eagle_deploy.serve")
@@ -33,7 +33,7 @@ log = logging.getLogger("eagle_deploy.serve")
 
 @dataclass(frozen=True)
 class Work:
-    """One validated request for the engine: `request` (a runtime Request whose prompt is the
+    """One validated request for a decode worker: `request` (a runtime Request whose prompt is the
     token ids, fewer than the export's max_length) and `user`, the client's tag (OpenAI
     `user`), for logs and test hooks."""
 
@@ -47,7 +47,7 @@ class Work:
 
 @dataclass(frozen=True)
 class Event:
-    """What the engine reports about a job. kind: "delta" (text, and with Request.logprobs the
+    """What a decode worker reports about a job. kind: "delta" (text, and with Request.logprobs the
     TokenLogprobs of the tokens committed since the previous delta), "done" (result), "error"
     (error: the exception that ended the job), "cancelled"."""
 
@@ -76,7 +76,7 @@ class Job:
         self._cancel = threading.Event()
         self.state = "queued"
         self.rounds = 0  # verification rounds run for this job
-        self.slot: int | None = None  # the engine slot that decodes it, once taken
+        self.slot: int | None = None  # the slot that decodes it, once taken
         self.t_submit = time.perf_counter()
         self.t_start: float | None = None
         self.t_first: float | None = None
@@ -119,7 +119,7 @@ RoundHook = Callable[[Job], None]
 
 
 class Scheduler(Protocol):
-    """What the HTTP layer needs from the engine side: the app reads nothing else of it.
+    """What the HTTP layer needs from the decoding side: the app reads nothing else of it.
     runtime: the export's manifest, tokenizer folder and grammar checks (the same in every
     slot); submitted, completed, failed, cancelled: jobs submitted, and those ended each way
     (/health); acceptance, threshold: how drafts are accepted (a response's `eagle` field and
@@ -178,8 +178,8 @@ class RoundGate:
 
 @dataclass
 class Slot:
-    """One engine worker's sequence: the runtime it decodes with (its round observers include
-    `gate`) and `busy()`, the context a request runs in (BatchEngine.busy for a batched slot)."""
+    """One decode worker's sequence: the runtime it decodes with (its round observers include
+    `gate`) and `busy()`, the context a request runs in (BatchRuntime.busy for a batched slot)."""
 
     runtime: EagleRuntime
     gate: RoundGate
@@ -188,21 +188,21 @@ class Slot:
 
 
 class SlotScheduler:
-    """A FIFO queue and one engine worker thread per slot; each worker decodes one request at a
+    """A FIFO queue and one decode worker thread per slot; each worker decodes one request at a
     time on its slot, first come first served. With one slot requests run one after another;
-    with several (`load(slots=N)`) they share a `runtime.batch.BatchEngine`, whose batched
+    with several (`load(slots=N)`) they share a `runtime.batch.BatchRuntime`, whose batched
     forwards serve every busy slot at once (continuous batching: a worker takes the next queued
     request as soon as its slot frees).
 
     max_queue: jobs waiting (not running) at most; `submit` raises QueueFull beyond it.
     Counters: submitted, completed, failed, cancelled (jobs ended that way)."""
 
-    def __init__(self, slots: Sequence[Slot], max_queue: int = 64, engine: BatchEngine | None = None):
+    def __init__(self, slots: Sequence[Slot], max_queue: int = 64, batch: BatchRuntime | None = None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if not slots:
             raise ValueError("a scheduler needs at least one slot")
-        self.slots, self.max_queue, self.engine = list(slots), max_queue, engine
+        self.slots, self.max_queue, self.batch = list(slots), max_queue, batch
         self.runtime = self.slots[0].runtime  # tokenizer, manifest and settings (the same in every slot)
         self._jobs: deque[Job] = deque()
         self._lock = threading.Condition()
@@ -212,27 +212,27 @@ class SlotScheduler:
         self.submitted = self.completed = self.failed = self.cancelled = 0
 
     @classmethod
-    def load(cls, folder, options: EngineOptions | None = None, slots: int = 1, max_queue: int = 64,
+    def load(cls, folder, options: RuntimeOptions | None = None, slots: int = 1, max_queue: int = 64,
              round_hook: RoundHook | None = None, shrink_trees: bool = True, round_observers=(),
              drafter=None, drafters=None, **changes) -> "SlotScheduler":
         """Load `folder` for `slots` concurrent requests, decoded as `options` (with `changes`
         on top, as for EagleRuntime.load) say: one slot is an `EagleRuntime`; several share a
-        `BatchEngine` (shrink_trees: see BatchEngine; one slot always drafts its configured
+        `BatchRuntime` (shrink_trees: see BatchRuntime; one slot always drafts its configured
         tree). Each slot's runtime gets its own round gate after `round_observers`. drafter
-        (one slot) / drafters (several): a custom drafter, as EagleRuntime.load / BatchEngine
+        (one slot) / drafters (several): a custom drafter, as EagleRuntime.load / BatchRuntime
         take them (tests).
         round_hook: see RoundHook (tests). Raises what those loaders raise (BatchError, before
         any graph is opened, for an export or setting batched decoding cannot serve)."""
-        options = EngineOptions.of(options, **changes)
+        options = RuntimeOptions.of(options, **changes)
         gates = [RoundGate(round_hook) for _ in range(slots)]
         extra = list(round_observers)
         if slots == 1:
             runtime = EagleRuntime.load(folder, options, round_observers=[*extra, gates[0]], drafter=drafter)
             return cls([Slot(runtime, gates[0])], max_queue)
-        engine = BatchEngine.load(folder, slots, options, round_observers=lambda b: [*extra, gates[b]],
+        batch = BatchRuntime.load(folder, slots, options, round_observers=lambda b: [*extra, gates[b]],
                                   drafters=drafters, shrink_trees=shrink_trees)
-        return cls([Slot(rt, gates[b], partial(engine.busy, b)) for b, rt in enumerate(engine.runtimes)], max_queue,
-                   engine)
+        return cls([Slot(rt, gates[b], partial(batch.busy, b)) for b, rt in enumerate(batch.runtimes)], max_queue,
+                   batch)
 
     @property
     def acceptance(self) -> str:
@@ -254,22 +254,22 @@ class SlotScheduler:
 
     @property
     def prefix_cache(self):
-        """The engine's PrefixCache (every slot's), or None when it is off."""
+        """The batch runtime's PrefixCache (every slot's), or None when it is off."""
         return self.runtime.prefix_cache
 
     @property
     def batching(self) -> dict:
         """{"slots", "batched_forwards", "solo_forwards", "prefill_chunks"}: forwards the
-        BatchEngine ran for two or more slots at once, and alone (prefills, or one busy slot),
+        BatchRuntime ran for two or more slots at once, and alone (prefills, or one busy slot),
         and how many of those were chunks of a chunked prefill; zeros with one slot."""
-        e = self.engine
+        e = self.batch
         return {"slots": len(self.slots), "batched_forwards": e.batched_forwards if e else 0,
                 "solo_forwards": e.solo_forwards if e else 0, "prefill_chunks": e.prefill_chunks if e else 0}
 
     def start(self) -> None:
         if not self._threads:
             self._closing = False
-            self._threads = [threading.Thread(target=self._work, args=(b,), name=f"eagle-engine-{b}", daemon=True)
+            self._threads = [threading.Thread(target=self._work, args=(b,), name=f"eagle-decode-{b}", daemon=True)
                              for b in range(len(self.slots))]
             for t in self._threads:
                 t.start()
@@ -369,7 +369,7 @@ class SlotScheduler:
             if ended:  # answered already: only its prefix-cache entry is lost
                 log.exception("settling request %s into the prefix cache failed", job.seq)
             else:
-                log.exception("request %s failed in the engine", job.seq)
+                log.exception("request %s failed in its decode worker", job.seq)
                 self._end(job, "error", Event("error", error=err))
 
     def _end(self, job: Job, state: str, event: Event) -> None:
@@ -384,7 +384,7 @@ class SlotScheduler:
         job.emit(event)
 
 
-def engine_info(acceptance: str, threshold: float, mode: str) -> dict:
+def decoding_info(acceptance: str, threshold: float, mode: str) -> dict:
     """How a response was decoded: {"mode", "acceptance", "lossless"} (+ "threshold" in the
     threshold acceptance mode, which is NOT lossless: the output no longer follows the
     target's distribution). Vanilla decoding verifies no draft tokens, so it is lossless."""
@@ -406,13 +406,13 @@ def fingerprint(version: str, info: dict) -> str:
 def stats_info(result: GenerationResult) -> dict:
     """Per-request decoding figures for the response's `eagle` field: tau (tokens per target
     verification forward, bonus included), rounds, target and draft forwards, TTFT (prefill)
-    and total engine time in ms, limited_by (which limit ended a "length" finish, named as the
+    and total decoding time in ms, limited_by (which limit ended a "length" finish, named as the
     HTTP request names it: "max_tokens" (the request's max_tokens or max_completion_tokens) |
     "capacity" (the export's KV capacity) | None), drafter (what proposed the draft tokens:
     "hybrid", "eagle", "lookup"; None for vanilla). A subset of `Stats.to_json()` (prefill_ms,
-    engine_ms: its time_ms prefill, total), plus `Stats.rounds`."""
+    total_ms: its time_ms prefill, total), plus `Stats.rounds`."""
     j = result.stats.to_json()
     limited_by = "max_tokens" if j["limited_by"] == "max_new_tokens" else j["limited_by"]
     return {"drafter": j["drafter"], "mean_accept_len": j["mean_accept_len"], "rounds": result.stats.rounds,
             "target_forwards": j["target_forwards"], "draft_forwards": j["draft_forwards"],
-            "prefill_ms": j["time_ms"]["prefill"], "engine_ms": j["time_ms"]["total"], "limited_by": limited_by}
+            "prefill_ms": j["time_ms"]["prefill"], "total_ms": j["time_ms"]["total"], "limited_by": limited_by}
