@@ -4,6 +4,7 @@
     build_prefill_graph    the fp32 target.onnx of an export folder -> prefill.onnx beside it
                            (GraphEntry), written one weight at a time
     per_token_streamed     the graph rewrite itself: every constant-weight MatMul -> int8 x int8
+    prefill_weights        the weights it multiplies with, read back (eagle-validate's reference)
 
 On a CPU an int4 graph (MatMulNBits) runs a prompt's forward at fp32 speed, while int8 weights
 times int8 activations (MatMulInteger) run it about twice as fast (docs/decisions.md,
@@ -160,3 +161,28 @@ def build_prefill_graph(folder: Path, target: GraphEntry, external_data: str = "
                        batch_invariant=False, weights="int8 per output column, symmetric",
                        activations="int8 per token (row), zero point 128")
     return target.replace(path=PREFILL_FILE, quant="int8", quant_info=info, sha256=None)
+
+
+def prefill_weights(model, folder: Path | None = None) -> list[tuple]:
+    """[(node name, W [N, K] float32, step [N, K] float32)] for every MatMulInteger the rewrite
+    made (per_token_streamed), as quantize.dequantised_weights gives them for MatMulNBits: the
+    weight the node multiplies with, w_q * w_scale transposed (the node computes x @ W.T), and
+    its quantisation step (the column's scale). `model` may be loaded without its external
+    data (read from `folder`). ValueError for a MatMulInteger this module did not write."""
+    import numpy as np
+
+    from .external_data import array_of
+
+    inits = {t.name: t for t in model.graph.initializer}
+    column = {n.name: n for n in model.graph.node if n.op_type == "Mul" and n.name.startswith(_P)}
+    out = []
+    for node in model.graph.node:
+        if node.op_type != "MatMulInteger":
+            continue
+        scale_node = column.get(node.name.removesuffix("MatMulInteger") + "column")
+        if not node.name.startswith(_P) or scale_node is None:
+            raise ValueError(f"MatMulInteger {node.name} is not the prefill graph's (exporter/prefill.py)")
+        q = array_of(inits[node.input[1]], folder).astype(np.float32)
+        scale = array_of(inits[scale_node.input[1]], folder).astype(np.float32)
+        out.append((node.name, np.ascontiguousarray((q * scale).T), np.repeat(scale[:, None], q.shape[0], axis=1)))
+    return out
