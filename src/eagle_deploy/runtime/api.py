@@ -203,7 +203,8 @@ class EagleRuntime:
         decode (RuntimeOptions; its tree None: the manifest's); round_observers: see Decoder;
         costs: the device's CostModel for a planned drafter (default: `device_costs`);
         prefix_cache: a cache to share (BatchRuntime: one for every slot; default: a new one of
-        options.prefix_cache_mb, None when that is 0).
+        options.prefix_cache_mb, None when that is 0), filled by runtimes that prefill with the
+        same graph (prefix_cache.py).
         Raises SettingError (a ValueError) on options the export cannot take."""
         options = RuntimeOptions.of(options)
         self.folder, self.manifest, self.tokenizer = Path(folder), manifest, tokenizer
