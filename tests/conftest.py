@@ -254,3 +254,19 @@ def quant_exports(tmp_path_factory) -> dict:
                 ("fp32", None, "auto", "auto"), ("int8", "int8", "auto", "auto"), ("int4", "int4", "auto", "auto"),
                 ("fp32-draft", None, "none", "auto"), ("int8-two-row", "int8", "auto", "off"),
                 ("int4-two-row", "int4", "auto", "off"))}
+
+
+@pytest.fixture(scope="session")
+def prefill_exports(tmp_path_factory) -> dict:
+    """{"int4-prefill": an export of quant_exports' tiny tied-embedding GQA target and head with
+    --quant int4 --prefill-weights int8 (prefill.onnx beside the int4 target.onnx), "fp32": the
+    same models unquantised (the reference the int8 graph approximates)}."""
+    from eagle_deploy.exporter.export import ExportOptions, export
+
+    root = tmp_path_factory.mktemp("prefill")
+    target = tiny.build_tiny_target(root / "target", gqa=True, seed=5, norm_noise=0.1, tie_word_embeddings=True)
+    head = tiny.build_tiny_head(root / "head", target, seed=6, norm_noise=0.1)
+    return {name: export(str(target), str(head), root / "exports",
+                         ExportOptions(max_length=MAX_LENGTH, quant=quant, prefill_weights=prefill, name=name),
+                         progress=None)
+            for name, quant, prefill in (("int4-prefill", "int4", "int8"), ("fp32", None, "none"))}

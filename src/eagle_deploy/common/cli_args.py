@@ -188,7 +188,8 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser, threshold_effect: str, verify_default: str = "fast") -> None:
     """The flags of every command that decodes over an export (eagle-run, eagle-serve): --engines,
-    --drafter, --always-draft, --verify (default `verify_default`), --backend, --threads, --acceptance, --threshold.
+    --drafter, --always-draft, --verify (default `verify_default`), --backend, --threads, --prefill-graph,
+    --acceptance, --threshold.
     `threshold_effect` ends the --acceptance help (what the command says about lossy output)."""
     parser.add_argument("--engines", type=Path, required=True, help="an export folder written by eagle-export")
     add_drafter_args(parser)
@@ -197,6 +198,10 @@ def add_engine_args(parser: argparse.ArgumentParser, threshold_effect: str, veri
                         help="ort = onnxruntime CPU; ort-cuda and trt need a CUDA GPU "
                              "(trt: engines from eagle-export --backend trt)")
     parser.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads per session")
+    parser.add_argument("--prefill-graph", default="auto", choices=["auto", "target"],
+                        help="which graph runs prompt forwards: 'auto' = the export's int8 prefill graph where it has "
+                             "one (eagle-export --prefill-weights int8) and the backend is ort, else the target graph; "
+                             "'target' = the target graph always (decoding runs the target graph either way)")
     parser.add_argument("--acceptance", default="lossless", choices=["lossless", "threshold"],
                         help="'threshold' accepts a draft token when the target's probability of it is >= "
                              f"--threshold: {LOSSY}, {threshold_effect}")

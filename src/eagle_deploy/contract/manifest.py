@@ -19,7 +19,9 @@ with the inputs/outputs an opened graph reports (backends call it when they open
 Format 2 (FORMAT_VERSION): a manifest of another format is refused with one line that says to
 export again (docs/exports.md, "The manifest"). The draft record (`graph_top_k`, `trained`,
 ...) and the quantisation record live under each graph's `"extra"` object; `engines` holds
-`"trt"` (`TrtRecord`) and `"tuning"` (`TuningRecord`).
+`"trt"` (`TrtRecord`) and `"tuning"` (`TuningRecord`). `"prefill"`, a third graph entry beside
+`"target"` and `"draft"`, is optional within format 2: exports without a prefill graph leave it
+out and load as before (contract onnx_io, "Prefill graph").
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from .manifest_records import (  # noqa: F401 (the records, imported from here b
     DRAFT_VOCAB_SOURCES,
     GRAPHS,
     HEAD_KINDS,
+    PREFILL_GRAPH,
     QUANT_KINDS,
     SHARED_ROLES,
     Dims,
@@ -76,6 +79,9 @@ class Manifest(Record):
     max_length: at_least(2)  # KV capacity in tokens (prompt + generated), 2..dims.max_position_embeddings
     target: Annotated[GraphEntry, _ENTRY]
     draft: Annotated[DraftEntry, _ENTRY]
+    # the int8 prefill graph (`eagle-export --prefill-weights int8`): the target's I/O, run for
+    # prompt forwards only; None: the target graph prefills (every export before 2026-12-07)
+    prefill: Annotated[Optional[GraphEntry], _ENTRY] = omitted(None)
     tree: Tree  # the default draft tree, valid for draft.graph_top_k
     eos_token_ids: tuple[at_least(0, "a token id (integer >= 0)"), ...]
     tokenizer: Optional[Text]  # folder name inside the export, or None
@@ -94,13 +100,18 @@ class Manifest(Record):
         return self.notes if draft_graph else tuple(n for n in self.notes if not n.startswith(DRAFT_GRAPH_NOTE))
 
     @property
+    def graph_names(self) -> tuple[str, ...]:
+        """The graphs this export holds: "target", "draft", and "prefill" when it has one."""
+        return GRAPHS + ((PREFILL_GRAPH,) if self.prefill is not None else ())
+
+    @property
     def length_limit(self) -> int:
         """The largest max_length a re-export of this model and head may have (`eagle-export
         --max-length`): the smaller of the target's and the head's max_position_embeddings."""
         return min(self.dims.max_position_embeddings, self.draft.max_position_embeddings)
 
     def graph_dims(self, which: str) -> Dims:
-        """The dims graph `which` ("target" | "draft") runs with: the target's, except that an
+        """The dims graph `which` ("target" | "draft" | "prefill") runs with: the target's, except that an
         EAGLE-3 head has its own hidden width, heads and head dim (its KV buffer and
         `features` / `next_features` are sized by them)."""
         head = self.draft.head
@@ -175,6 +186,9 @@ class Manifest(Record):
         _check_taps(self.target, self.draft, dims)
         _check_target(self.target, dims)
         _check_draft(self.draft, dims)
+        if self.prefill is not None:
+            shared = self.shared_weights.file if self.shared_weights is not None else c.SHARED_WEIGHTS_FILE
+            _check_prefill(self.prefill, self.target, (self.draft.path, shared))
         limit = self.draft.max_position_embeddings
         if self.max_length > limit:
             raise failed("max_length", expected=f"at most draft.extra.max_position_embeddings {limit} (the draft "
@@ -187,6 +201,10 @@ class Manifest(Record):
         file = self.shared_weights.file if self.shared_weights is not None else None
         if file is not None and ("/" in file or "\\" in file or file in (".", "..", self.target.path, self.draft.path)):
             raise failed("shared_weights", "file", expected="a data file name inside the export folder")
+        for i, t in enumerate(self.shared_weights.tensors if self.shared_weights is not None else ()):
+            if t.prefill_name is not None and self.prefill is None:
+                raise failed("shared_weights", "tensors", i, "prefill_name",
+                             expected="no such field (this export has no prefill graph)", found=t.prefill_name)
         for path in self.files:
             if path == MANIFEST_FILE or "\\" in path or any(p in ("", ".", "..") for p in path.split("/")):
                 raise failed("files", path, expected="a relative file path inside the export folder ('/'-separated)",
@@ -252,6 +270,24 @@ def _check_draft(graph: DraftEntry, dims: Dims) -> None:
         raise failed("draft", "graph_top_k", expected=f"{found_k} (the last dimension of draft.outputs "
                                                       f"{c.TOPK_IDS!r})")
     _check_contract(graph, "draft", *c.draft_io(graph.dtype, top_k, graph.kv_layout, head.tapped_width(dims.hidden)))
+
+
+def _check_prefill(graph: GraphEntry, target: GraphEntry, taken: tuple[str, ...]) -> None:
+    """The prefill graph: a file of its own, int8, and exactly the target graph's inputs,
+    outputs and taps (the runtime runs it in the target's place: contract "Prefill graph")."""
+    if graph.path in (target.path, *taken):
+        raise failed("prefill", "path", expected="a graph file of its own (not the target's, the draft's or the "
+                                                 "shared weights')")
+    _check_quant(graph, "prefill")
+    if graph.quant != "int8":
+        raise failed("prefill", "quant", expected="'int8' (the prefill graph's weights)")
+    if graph.feature_layers != target.feature_layers:
+        raise failed("prefill", "feature_layers", expected=f"{shown(list(target.feature_layers or []) or None)} "
+                                                           "(the target graph's)",
+                     found=list(graph.feature_layers) if graph.feature_layers else None)
+    for key in ("inputs", "outputs"):
+        if getattr(graph, key) != getattr(target, key):
+            _check_contract(graph, "prefill", list(target.inputs), list(target.outputs))
 
 
 def _check_contract(graph: GraphEntry, which: str, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> None:

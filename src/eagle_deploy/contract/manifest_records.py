@@ -21,6 +21,9 @@ from .tree_config import TreeConfig, TreeConfigError
 
 QUANT_KINDS = ("int4", "int8")  # weight quantisation of a graph (`eagle-export --quant`)
 GRAPHS = ("target", "draft")
+# an export's optional graph beside them: the target's I/O contract with int8 weights and per-token
+# int8 activations, run for prompt forwards only (`eagle-export --prefill-weights int8`, Manifest.prefill)
+PREFILL_GRAPH = "prefill"
 # how a reduced draft vocabulary was ranked: the head's token_counts.npy (response-token
 # frequencies from eagle-train), the tokenizer's merge rank (BPE merge order; no data needed),
 # or token id order (tokenizers without merges), see exporter/draft_vocab.py; or an EAGLE-3
@@ -213,11 +216,19 @@ class SharedTensor(Record):
     """One weight tensor the target and draft graphs both use, stored once: `role` ("embedding":
     the token embedding; "lm_head": LM head weights, with a full draft vocabulary), its
     initializer name in each graph, dtype (contract name) and shape as stored, and where its
-    bytes lie in the shared file (offset, length)."""
+    bytes lie in the shared file (offset, length). `prefill_name`: its initializer name in the
+    prefill graph (Manifest.prefill) when that graph uses it too (the embedding; None: it does
+    not, or the export has no prefill graph)."""
 
     role: Literal[SHARED_ROLES]
     target_name: Text
     draft_name: Text
+    prefill_name: Optional[Text] = omitted(None)
+
+    def name_in(self, which: str) -> str | None:
+        """Its initializer name in graph `which` ("target", "draft" or "prefill"; None: that
+        graph does not use it)."""
+        return {"target": self.target_name, "draft": self.draft_name, PREFILL_GRAPH: self.prefill_name}[which]
     dtype: Literal[NAMES]
     shape: tuple[at_least(0), ...]
     offset: at_least(0)
@@ -227,8 +238,9 @@ class SharedTensor(Record):
 class SharedWeights(Record):
     """The weights the draft graph takes from the target (JSON: `shared_weights`): one
     external-data file in the export folder (`onnx_io.SHARED_WEIGHTS_FILE`) that both graphs
-    reference, so the folder holds them once and onnxruntime maps them once per graph without
-    copying (see onnx_io). `size`: the file's length in bytes; `sha256`: its hash."""
+    (and a prefill graph, for the embedding) reference, so the folder holds them once and
+    onnxruntime maps them once per graph without copying (see onnx_io). `size`: the file's
+    length in bytes; `sha256`: its hash."""
 
     file: Text
     size: at_least(0)

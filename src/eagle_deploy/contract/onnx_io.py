@@ -134,6 +134,20 @@ file's size and sha256. onnxruntime maps external data read-only instead of copy
 the shared tensors occupy memory once (only the embedding rows actually gathered become
 resident). Neither graph loads without the file: the runtime checks it before opening a
 session (ManifestError naming the file and the tensors).
+
+Prefill graph (`prefill.onnx`, `PREFILL_FILE`; `Manifest.prefill`, optional: `eagle-export
+--quant int4 --prefill-weights int8`). The target graph again, built from the same fp32 graph
+before the target was quantised, with the same inputs and outputs (every name, dtype, shape and
+KV layout above, `extra.repeats_one_row` included), so a runtime runs it in the target graph's
+place, on the same KV buffer. Every constant-weight MatMul is int8 weights (one scale per output
+column) times int8 activations quantised per token (one scale per row: max |x| / 127 of that
+row), accumulated exactly in int32: a row's result depends on that row alone, so a prompt run
+in chunks computes the same bits as one forward, as with the target graph. Runtimes use it for
+a prompt's rows only (their prefill forwards, and the rows a prefix cache stores); decoding and
+tree verification stay on `target.onnx`. It reads the token embedding from `shared.data` (its
+`SharedTensor.prefill_name`). Its logits, features and KV differ from the target graph's (other
+weights): greedy output after a prompt it prefilled is the quantised target's continuation of
+that KV, the same in EAGLE and vanilla decoding.
 """
 from __future__ import annotations
 
@@ -147,6 +161,7 @@ from .field_errors import Expect
 
 TARGET_FILE = "target.onnx"
 DRAFT_FILE = "draft.onnx"
+PREFILL_FILE = "prefill.onnx"  # the optional int8 prefill graph (see "Prefill graph" above)
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 SHARED_WEIGHTS_FILE = "shared.data"  # the tensors both graphs use (see "Shared weights" above)

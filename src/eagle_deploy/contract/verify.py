@@ -3,7 +3,8 @@ before anything is served from it (EagleRuntime.load, BatchRuntime.load, eagle-r
 eagle-serve, the Triton model, eagle-validate), at one of three levels (`VERIFY_LEVELS`):
 
 - "fast" (the default): every graph's own inputs and outputs (names, dtypes, shapes, read
-  from the .onnx file without its weights, `graph_io`) against the manifest, which
+  from the .onnx file without its weights, `graph_io`; the prefill graph's too when the export
+  has one) against the manifest, which
   Manifest.load already checked against the ONNX I/O contract; every recorded file present
   with its recorded size, and no unrecorded file in the tokenizer folder; the sha256 of every
   file up to `SMALL_FILE` bytes (tokenizer, draft vocabulary, small graphs) and, for larger
@@ -32,7 +33,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .manifest import GRAPHS, FileRecord, Manifest, ManifestError, check_graph_io, unreadable
+from .manifest import FileRecord, Manifest, ManifestError, check_graph_io, unreadable
 from .onnx_io import MANIFEST_FILE, TensorSpec
 
 VERIFY_LEVELS = ("fast", "full", "off")
@@ -248,7 +249,7 @@ def verify_export(folder: Path, manifest: Manifest, level: str = "fast", progres
         return VerifyReport("off")
     folder = Path(folder)
     source = folder / MANIFEST_FILE
-    for which in GRAPHS:  # the most specific message first: the graph and the manifest disagree
+    for which in manifest.graph_names:  # the most specific message first: the graph and the manifest disagree
         entry = getattr(manifest, which)
         check_graph_io(entry, which, *graph_io(folder / entry.path), dims=manifest.graph_dims(which),
                        source=str(source))

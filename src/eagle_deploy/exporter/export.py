@@ -33,6 +33,7 @@ from eagle_deploy.heads.files import HEAD_WEIGHT_FILES
 from .draft_vocab import default_size as default_draft_vocab
 from .draft_vocab import draft_vocab_ids
 from .models import Checkpoint, resolve_draft, resolve_model
+from .prefill import build_prefill_graph, prefill_graph_wanted
 from .publish import destination_lock, partial_prefix, publish_folder, remove_stale_partials
 from .sources import eos_ids, weight_digests
 from .steps import TORCH_DTYPES, DraftOnnxFromHead, TargetOnnxFromHF, TokenizerFromHF
@@ -40,6 +41,9 @@ from .target import dims_of
 from .weights import skeleton_target
 
 DRAFT_VOCAB_FILE = "draft_vocab.npy"
+PREFILL_NOTE = ("prompts are prefilled by prefill.onnx (int8 weights, per-token int8 activations), decoding and "
+                "verification by the int4 target graph; --prefill-graph target (RuntimeOptions prefill_graph) "
+                "prefills with the target graph instead")
 
 
 @dataclass
@@ -47,7 +51,8 @@ class ExportOptions:
     """dtype: float32 | float16 | bfloat16. max_length: KV capacity in rows (prompt + output - 1).
     graph_top_k: top-k computed inside the draft graph. quant: None | "int4" | "int8" (the
     target graph); draft_quant: one of DRAFT_QUANTS (`draft_quant_for`); repeat_one_row: one of
-    REPEAT_ONE_ROW (`repeat_one_row_for`)."""
+    REPEAT_ONE_ROW (`repeat_one_row_for`); prefill_weights: one of prefill.PREFILL_WEIGHTS ("int8":
+    an int8 prefill graph beside an int4 target, `prefill.prefill_graph_wanted`)."""
 
     dtype: str = "float32"
     max_length: int | None = None
@@ -62,6 +67,7 @@ class ExportOptions:
     seed: int = 0
     graph: str = "auto"  # GRAPH_KINDS: "fused" (onnxruntime contrib ops), "standard" (plain ONNX, TensorRT)
     repeat_one_row: str = "auto"  # REPEAT_ONE_ROW: "auto" = on for a quantised fused target graph
+    prefill_weights: str = "none"  # prefill.PREFILL_WEIGHTS: "int8" = prefill.onnx beside an int4 target.onnx
 
 
 # "fused": attention/RoPE/residual norms as onnxruntime contrib operators, KV layout "shared"
@@ -208,6 +214,7 @@ def check_options(options: ExportOptions) -> tuple[str, TreeConfig]:
                          f"{options.graph_top_k}")
     layout = kv_layout_for(options.graph, dtype)
     repeat_one_row_for(options, layout)
+    prefill_graph_wanted(options.prefill_weights, options.quant)
     return dtype, tree_for(options, dtype, layout)
 
 
@@ -365,24 +372,35 @@ def quantise_graphs(target_entry: GraphEntry, draft_entry: DraftEntry, options: 
     return target_entry, draft_entry, notes
 
 
+def prefill_graph(target_entry: GraphEntry, options: ExportOptions, tmp: Path, progress=None) -> GraphEntry | None:
+    """With options.prefill_weights "int8": prefill.onnx from the fp32 target graph in `tmp`,
+    before the target is quantised (exporter/prefill.py); returns its entry, else None."""
+    if not prefill_graph_wanted(options.prefill_weights, options.quant):
+        return None
+    _say(progress, "building the int8 prefill graph (int8 weights, per-token int8 activations)")
+    return build_prefill_graph(tmp, target_entry, options.external_data)
+
+
 def share_graph_weights(target_entry: GraphEntry, draft_entry: DraftEntry, dims: Dims, options: ExportOptions,
-                        tmp: Path, progress=None) -> SharedWeights | None:
+                        tmp: Path, progress=None, prefill: GraphEntry | None = None) -> SharedWeights | None:
     """Store the weights the draft graph takes from the target (its token embedding; with a
     full draft vocabulary its LM head too) once, in `shared.data`, referenced by both graphs
-    (exporter/share.py); returns the manifest record (None: nothing shared)."""
+    and by the `prefill` graph (its embedding; exporter/share.py); returns the manifest record
+    (None: nothing shared)."""
     from .share import share_weights
 
-    _say(progress, "sharing the target's embedding with the draft graph")
-    return share_weights(tmp, target_entry, draft_entry, dims.vocab, options.external_data)
+    _say(progress, "sharing the target's embedding with the draft graph" + (" and the prefill graph" * bool(prefill)))
+    return share_weights(tmp, target_entry, draft_entry, dims.vocab, options.external_data, prefill)
 
 
 def write_manifest(plan: ExportPlan, models: LoadedModels, target_entry: GraphEntry, draft_entry: DraftEntry,
                    tokenizer, notes: list[str], tmp: Path, progress=None,
-                   shared: SharedWeights | None = None) -> Manifest:
+                   shared: SharedWeights | None = None, prefill: GraphEntry | None = None) -> Manifest:
     """Hash the sources and every file of `tmp` (the manifest's `files`, which the runtime
     checks on load: contract/verify.py), write `tmp/manifest.json` and read it back (the
     runtime's own validation), so a manifest the runtime would refuse is never published.
-    `shared`: the weights both graphs take from the shared file (share_graph_weights)."""
+    `shared`: the weights both graphs take from the shared file (share_graph_weights);
+    `prefill`: the prefill graph's entry (prefill_graph), None without one."""
     _say(progress, "hashing sources and writing manifest")
     checkpoint, head_dir = plan.checkpoint, plan.head_dir
     sources = Sources(
@@ -397,6 +415,7 @@ def write_manifest(plan: ExportPlan, models: LoadedModels, target_entry: GraphEn
         name=plan.out.name, dims=models.dims, max_length=models.max_length,
         target=target_entry.replace(sha256=files[target_entry.path].sha256),
         draft=draft_entry.replace(sha256=files[draft_entry.path].sha256),
+        prefill=prefill.replace(sha256=files[prefill.path].sha256) if prefill is not None else None,
         tree=plan.tree, eos_token_ids=tuple(eos_ids(checkpoint.hf_dir, models.hf.config, tokenizer)),
         tokenizer=TOKENIZER_DIR if tokenizer is not None else None,
         chat_template=bool(getattr(tokenizer, "chat_template", None)), sources=sources,
@@ -411,7 +430,8 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
     "random", or None for the alias default) into `out_root/<name>`; returns that folder.
 
     Steps: resolve_inputs (options checked, nothing loaded) -> load_models (sizes checked,
-    nothing written) -> build_graphs -> quantise_graphs -> share_graph_weights -> write_manifest,
+    nothing written) -> build_graphs -> prefill_graph -> quantise_graphs -> share_graph_weights
+    -> write_manifest,
     all in a private temporary folder under `out_root` -> publish_folder (renamed into place).
     From the start to the rename it holds the destination's lock (publish.destination_lock);
     --force (options.force) is checked again at the rename, and an old folder is deleted only
@@ -437,9 +457,12 @@ def export(model: str, draft: str | None, out_root: Path, options: ExportOptions
             try:
                 target_entry, draft_entry, tokenizer = build_graphs(plan, models, options, tmp, progress)
                 plan = replace(plan, tree=tree_for(options, plan.dtype, target_entry.kv_layout))  # the graph kind made
+                prefill = prefill_graph(target_entry, options, tmp, progress)  # from the fp32 target graph
                 target_entry, draft_entry, notes = quantise_graphs(target_entry, draft_entry, options, tmp, progress)
-                shared = share_graph_weights(target_entry, draft_entry, models.dims, options, tmp, progress)
-                write_manifest(plan, models, target_entry, draft_entry, tokenizer, notes, tmp, progress, shared)
+                notes += [PREFILL_NOTE] if prefill is not None else []
+                shared = share_graph_weights(target_entry, draft_entry, models.dims, options, tmp, progress, prefill)
+                write_manifest(plan, models, target_entry, draft_entry, tokenizer, notes, tmp, progress, shared,
+                               prefill)
                 publish_folder(tmp, plan.out, replace=options.force)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)

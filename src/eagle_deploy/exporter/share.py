@@ -2,7 +2,7 @@
 
     share_weights   export folder + both graph entries -> the shared tensors moved out of
                     target.onnx and draft.onnx into one external-data file, `shared.data`,
-                    that both graphs reference; returns the manifest record
+                    that both graphs (and a prefill graph) reference; returns the manifest record
 
 A draft initializer is shared when it is byte-identical to a target initializer and
 vocabulary-sized (one dimension a multiple of the vocabulary): the token embedding always
@@ -10,7 +10,9 @@ vocabulary-sized (one dimension a multiple of the vocabulary): the token embeddi
 vocabulary is full (in quantised exports the same MatMulNBits blobs and scales, quantised the
 same way). Small constants that happen to be equal (RoPE's rotate-half matrix) are left alone.
 Runs after quantisation, on the finished graphs, so it works for any head kind without
-knowing its tensor names. See contract/onnx_io.py ("Shared weights").
+knowing its tensor names. An export's prefill graph (exporter/prefill.py) references the shared
+tensors it holds byte-identical too (the fp32 token embedding; its int8 LM head is its own).
+See contract/onnx_io.py ("Shared weights", "Prefill graph").
 """
 from __future__ import annotations
 
@@ -56,13 +58,25 @@ def matching_tensors(target_model, draft_model, vocab: int,
     return found
 
 
+def _same_bytes(model, vocab: int, folder: Path) -> dict[tuple, list]:
+    """{(data type, dims, sha256 digest): [initializer]} of `model`'s vocabulary-sized
+    initializers (read one at a time)."""
+    found: dict[tuple, list] = {}
+    for t in model.graph.initializer:
+        if _vocab_sized(t, vocab):
+            key = (t.data_type, tuple(t.dims), hashlib.sha256(tensor_bytes(t, folder)).digest())
+            found.setdefault(key, []).append(t)
+    return found
+
+
 def share_weights(folder: Path, target: GraphEntry, draft: GraphEntry, vocab: int,
-                  external_data: str = "auto") -> SharedWeights | None:
+                  external_data: str = "auto", prefill: GraphEntry | None = None) -> SharedWeights | None:
     """Move the tensors `draft` shares with `target` (see matching_tensors) into
     `folder/shared.data` and rewrite both graphs to reference it (their other weights stay
-    inline, or in their own `<graph>.data` as `external_data` decides), one tensor at a time.
-    Returns the manifest record, or None when the graphs share nothing (nothing is rewritten
-    then)."""
+    inline, or in their own `<graph>.data` as `external_data` decides), one tensor at a time;
+    with `prefill` (the prefill graph's entry), that graph's initializers byte-identical to a
+    shared tensor are pointed at it too (SharedTensor.prefill_name). Returns the manifest
+    record, or None when the graphs share nothing (nothing is rewritten then)."""
     import onnx
     from onnx.helper import tensor_dtype_to_np_dtype
 
@@ -72,6 +86,8 @@ def share_weights(folder: Path, target: GraphEntry, draft: GraphEntry, vocab: in
     matches = matching_tensors(target_model, draft_model, vocab, folder)
     if not matches:
         return None
+    prefill_model = onnx.load(str(folder / prefill.path), load_external_data=False) if prefill is not None else None
+    in_prefill = _same_bytes(prefill_model, vocab, folder) if prefill_model is not None else {}
     records, offset, digest = [], 0, hashlib.sha256()
     with open(folder / SHARED_WEIGHTS_FILE, "wb") as f:
         for role, t, d in matches:
@@ -82,13 +98,18 @@ def share_weights(folder: Path, target: GraphEntry, draft: GraphEntry, vocab: in
             offset += pad
             f.write(data)
             digest.update(data)
-            for tensor in (t, d):
+            same = in_prefill.get((t.data_type, tuple(t.dims), hashlib.sha256(data).digest()), [])
+            p = same.pop(0) if same else None
+            for tensor in (t, d) + ((p,) if p is not None else ()):
                 set_external(tensor, SHARED_WEIGHTS_FILE, offset, len(data))
             records.append(SharedTensor(role=role, target_name=t.name, draft_name=d.name,
+                                        prefill_name=p.name if p is not None else None,
                                         dtype=str(tensor_dtype_to_np_dtype(t.data_type)), shape=tuple(t.dims),
                                         offset=offset, length=len(data)))
             offset += len(data)
             del data
     save_graph(target_model, folder / target.path, folder, external_data, keep=(SHARED_WEIGHTS_FILE,))
     save_graph(draft_model, folder / draft.path, folder, external_data, keep=(SHARED_WEIGHTS_FILE,))
+    if prefill_model is not None:
+        save_graph(prefill_model, folder / prefill.path, folder, external_data, keep=(SHARED_WEIGHTS_FILE,))
     return SharedWeights(file=SHARED_WEIGHTS_FILE, size=offset, tensors=tuple(records), sha256=digest.hexdigest())

@@ -196,12 +196,15 @@ class EagleRuntime:
     def __init__(self, folder: Path, manifest: Manifest, target, draft, tokenizer,
                  options: RuntimeOptions | None = None, drafter: Drafter | None = None,
                  round_observers: Sequence[RoundObserver] = (), costs: CostModel | None = None,
-                 prefix_cache: PrefixCache | None = None):
-        """target / draft: Backends (draft None with a custom `drafter`); options: how to
+                 prefix_cache: PrefixCache | None = None, prefill: Backend | None = None):
+        """target / draft: Backends (draft None with a custom `drafter`); prefill: the export's
+        prefill graph's backend, run for prompt forwards (Decoder.prefill_target; None: the
+        target runs them; `load` opens it as options.uses_prefill_graph says); options: how to
         decode (RuntimeOptions; its tree None: the manifest's); round_observers: see Decoder;
         costs: the device's CostModel for a planned drafter (default: `device_costs`);
         prefix_cache: a cache to share (BatchRuntime: one for every slot; default: a new one of
-        options.prefix_cache_mb, None when that is 0).
+        options.prefix_cache_mb, None when that is 0), filled by runtimes that prefill with the
+        same graph (prefix_cache.py).
         Raises SettingError (a ValueError) on options the export cannot take."""
         options = RuntimeOptions.of(options)
         self.folder, self.manifest, self.tokenizer = Path(folder), manifest, tokenizer
@@ -218,7 +221,7 @@ class EagleRuntime:
         self.decoder = Decoder(target, None, manifest.max_length, options.acceptance, options.threshold_or_zero,
                                round_observers, row_exact, options.prefill_chunk, manifest.length_limit,
                                self.prefix_cache, manifest.target.repeats_one_row,
-                               matmuls_row_exact(manifest.target))
+                               matmuls_row_exact(manifest.target), prefill)
         if drafter is None and (draft is not None or not uses_draft_graph(options.drafter_kind)):
             drafter = self._drafter(draft)
         self.decoder.drafter = drafter
@@ -258,8 +261,10 @@ class EagleRuntime:
         drafter: a custom Drafter instead of the options' kind. wrap_backend: applied to each
         loaded backend (target, draft) before use, e.g. a timing wrapper; round_observers: see
         Decoder. with_draft=False: open the target graph only (vanilla decoding, e.g. to
-        measure its memory alone) until `load_draft()`. The folder's files are checked against
-        the manifest first (options.verify; its report is `self.verification`).
+        measure its memory alone) until `load_draft()`. The export's prefill graph is opened
+        too where options.uses_prefill_graph (manifest `prefill`, prefill_graph "auto", backend
+        "ort"), else never. The folder's files are checked against the manifest first
+        (options.verify; its report is `self.verification`).
         Raises SettingError (ValueError), TypeError (an unknown option), ManifestError,
         TreeConfigError, FileNotFoundError."""
         options = RuntimeOptions.of(options, **changes)
@@ -270,6 +275,8 @@ class EagleRuntime:
         options = options.replace(tree=tree)
         wrap = wrap_backend or (lambda b: b)
         target = wrap(load_backend(options.backend, folder, manifest, "target", options.threads, tree=tree))
+        prefill = (wrap(load_backend(options.backend, folder, manifest, "prefill", options.threads))
+                   if options.uses_prefill_graph(manifest) else None)
         draft = None
 
         def open_draft() -> Backend:
@@ -278,7 +285,8 @@ class EagleRuntime:
         graph = drafter is None and uses_draft_graph(options.drafter_kind)
         if graph and with_draft:
             draft = open_draft()
-        rt = cls(folder, manifest, target, draft, load_tokenizer(folder, manifest), options, drafter, round_observers)
+        rt = cls(folder, manifest, target, draft, load_tokenizer(folder, manifest), options, drafter, round_observers,
+                 prefill=prefill)
         if graph and not with_draft:
             rt._open_draft = open_draft
         rt.verification = verification

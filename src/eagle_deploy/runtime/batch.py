@@ -65,6 +65,11 @@ row-exact.
 Seeded tokens also need the same tree: they match alone with `shrink_trees=False`, or while at
 most two slots are busy.
 
+Prefill graph (an export's `prefill.onnx`, RuntimeOptions.prefill_graph): every target forward
+flagged `StepInputs.prefill` (a prompt, whole or a chunk, and an answer being settled) runs on
+it, on the slot's own rows of the target's KV buffer, as EagleRuntime's Decoder runs them, so a
+request gets the same tokens batched as from eagle-run; those forwards always run alone.
+
 Prefix cache (`prefix_cache_mb`, runtime/prefix_cache.py): one cache for all slots, so a
 conversation's next turn reuses its KV on whichever slot it lands. A hit's rows are copied into
 the slot's block by the slot's thread before its first forward, while no forward runs (every
@@ -159,7 +164,9 @@ class BatchRuntime:
                  options: RuntimeOptions | None = None,
                  round_observers: Callable[[int], Sequence[RoundObserver]] | None = None,
                  drafters: Callable[[int, EagleDrafter], Drafter] | None = None, shrink_trees: bool = True):
-        """backends: {"target": Backend, "draft": Backend} (batch-capable, see check_batchable);
+        """backends: {"target": Backend, "draft": Backend} (batch-capable, see check_batchable),
+        and "prefill": the export's prefill graph, which then runs every prefill forward (each
+        alone, on its slot's target KV: module doc, "Prefill graph");
         options: how every slot decodes (RuntimeOptions: the drafter kind and planning as for
         EagleRuntime, the slots sharing one CostModel; its tree None: the manifest's; its
         prefill_chunk: a prompt of prefill_chunk + 2 tokens or more is prefilled in chunks of
@@ -185,7 +192,7 @@ class BatchRuntime:
         self._views: dict[tuple, KVBuffer] = {}  # (role, lo, hi) -> view of slots [lo, hi), made once
         self._busy: set[int] = set()
         self._pending: dict[int, _Call] = {}
-        self._held = {role: [0] * slots for role in backends}  # rows each slot still holds, per graph
+        self._held = {role: [0] * slots for role in ("target", "draft")}  # rows each slot still holds, per graph
         self._capacity: dict[str, int] = {}  # rows per slot each graph's buffer was allocated for
         self._session = [0] * slots  # busy() sessions per slot
         self._started = [-1] * slots  # the session in which each slot's current request was prefilled
@@ -232,8 +239,9 @@ class BatchRuntime:
         options = options.replace(tree=tree)
         check_kv_fits(manifest, tree, slots, row_exact_default(manifest) if options.row_exact is None
                       else options.row_exact)
+        graphs = ("target", "draft") + (("prefill",) if options.uses_prefill_graph(manifest) else ())
         backends = {which: load_backend(options.backend, folder, manifest, which, options.threads, tree=tree)
-                    for which in ("target", "draft")}
+                    for which in graphs}
         return cls(folder, manifest, backends, load_tokenizer(folder, manifest), slots, options, round_observers,
                    drafters, shrink_trees)
 
@@ -421,7 +429,8 @@ class BatchRuntime:
 
     def _run_solo(self, call: _Call) -> None:
         kv = self._view(call.role, call.slot, call.slot + 1)
-        call.result = self.backends[call.role].run(call.inputs, kv, call.past)
+        role = "prefill" if call.role == "target" and call.inputs.prefill and "prefill" in self.backends else call.role
+        call.result = self.backends[role].run(call.inputs, kv, call.past)
         self._held[call.role][call.slot] = call.past + call.seq
         self.solo_forwards += 1
 

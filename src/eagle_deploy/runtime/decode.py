@@ -229,16 +229,22 @@ class Decoder:
     prefix_cache: reuse the KV and features of earlier sequences that share the prompt's
     first tokens (runtime/prefix_cache.py: bit-identical to a fresh prefill); a finished
     request is kept `unsettled` until `settle` stores it (None: no cache).
+
+    prefill_target: the export's prefill graph (contract onnx_io, "Prefill graph"), which then
+    runs the forwards flagged `StepInputs.prefill` (prefill_rows: a prompt's, and those `settle`
+    stores) on the same KV buffer (None: the target). Decoding and verification stay on the
+    target, so EAGLE and vanilla start from the same prefill (greedy: the same tokens).
     """
 
     def __init__(self, target: Backend, drafter: Drafter | None, max_length: int,
                  acceptance: str = "lossless", threshold: float = 0.0, round_observers: Sequence[RoundObserver] = (),
                  row_exact: bool = False, prefill_chunk: int = 0, length_limit: int | None = None,
                  prefix_cache: PrefixCache | None = None, repeats_one_row: bool = False,
-                 one_row_exact: bool = True):
+                 one_row_exact: bool = True, prefill_target: Backend | None = None):
         check_acceptance(acceptance, threshold)  # fail at load, not after the first forward
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self.target, self.drafter = target, drafter
+        self.prefill_target = prefill_target  # runs the forwards flagged `prefill` (None: the target)
         self.max_length = max_length
         self.length_limit = length_limit  # the largest max_length a re-export may have (named in errors; None: unknown)
         self.row_exact, self.repeats_one_row, self.one_row_exact = row_exact, repeats_one_row, one_row_exact
@@ -433,16 +439,17 @@ class Decoder:
         return step_rows(self.row_exact, self.repeats_one_row, self.one_row_exact)
 
     def run_target(self, inputs: StepInputs, past: int):
-        """One target forward; with row_exact a one-token forward runs as two causal rows (the
-        token repeated at the next position) and only row 0's outputs are returned, unless the
-        graph repeats the row itself and one row is exact here (step_rows 1: one row in, its
-        two-row bits out)."""
+        """One target forward (a forward flagged `prefill` on prefill_target when there is
+        one); with row_exact a one-token forward runs as two causal rows (the token repeated at
+        the next position) and only row 0's outputs are returned, unless the graph repeats the
+        row itself and one row is exact here (step_rows 1: one row in, its two-row bits out)."""
+        graph = self.prefill_target if inputs.prefill and self.prefill_target is not None else self.target
         if self.step_rows == 1 or inputs.input_ids.shape[1] != 1:
-            return self.target.run(inputs, self.kv, past)
+            return graph.run(inputs, self.kv, past)
         twice = StepInputs(np.repeat(inputs.input_ids, 2, axis=1),
                            np.concatenate([inputs.position_ids, inputs.position_ids + 1], axis=1),
-                           causal_mask(past, 2), inputs.logits_indices)
-        out = self.target.run(twice, self.kv, past)
+                           causal_mask(past, 2), inputs.logits_indices, prefill=inputs.prefill)
+        out = graph.run(twice, self.kv, past)
         tapped = None if out.tapped_features is None else out.tapped_features[:, :1]
         return replace(out, features=out.features[:, :1], tapped_features=tapped)
 

@@ -26,7 +26,11 @@ from .sampling import finite_number, whole_number
 # option -> the flag that sets it (eagle-run, eagle-serve): errors name the flag on the command line
 FLAGS = {"backend": "--backend", "tree": "--tree", "threads": "--threads", "drafter_kind": "--drafter",
          "planned": "--always-draft", "acceptance": "--acceptance", "threshold": "--threshold",
-         "verify": "--verify", "prefill_chunk": "--prefill-chunk", "prefix_cache_mb": "--prefix-cache-mb"}
+         "verify": "--verify", "prefill_chunk": "--prefill-chunk", "prefix_cache_mb": "--prefix-cache-mb",
+         "prefill_graph": "--prefill-graph"}
+# RuntimeOptions.prefill_graph: "auto" = the export's prefill graph (manifest `prefill`) for prompt
+# forwards where there is one and the backend is "ort"; "target" = target.onnx for every forward
+PREFILL_GRAPHS = ("auto", "target")
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,12 @@ class RuntimeOptions:
     prefix_cache_mb: MiB of target KV and features of earlier requests kept for later requests
     that start with the same tokens (runtime/prefix_cache.py: exact, least recently used
     evicted first; backend "ort" only); 0: off, the default here and in eagle-run (a process
-    of one request gains nothing), while eagle-serve keeps serve.cli.SERVE_PREFIX_CACHE_MB."""
+    of one request gains nothing), while eagle-serve keeps serve.cli.SERVE_PREFIX_CACHE_MB.
+    prefill_graph: which graph runs a prompt's forwards (its prefill chunks, and the rows a
+    prefix cache stores): "auto" (the default) the export's int8 prefill graph when it has one
+    (`eagle-export --prefill-weights int8`, manifest `prefill`) and the backend is "ort", else
+    the target graph; "target": the target graph always. Decoding and verification forwards
+    run the target graph either way (`uses_prefill_graph`)."""
 
     backend: str = "ort"
     tree: TreeConfig | None = None
@@ -72,12 +81,14 @@ class RuntimeOptions:
     prefill_chunk: int = PREFILL_CHUNK
     draft_forced: bool = True
     prefix_cache_mb: float = 0
+    prefill_graph: str = "auto"
 
     def __post_init__(self):
         _one_of("backend", self.backend, BACKEND_NAMES)
         _one_of("drafter_kind", self.drafter_kind, DRAFTER_KINDS)
         _one_of("acceptance", self.acceptance, ("lossless", "threshold"))
         _one_of("verify", self.verify, VERIFY_CHOICES)
+        _one_of("prefill_graph", self.prefill_graph, PREFILL_GRAPHS)
         if self.tree is not None and not isinstance(self.tree, TreeConfig):
             raise SettingError("tree", f"must be a TreeConfig or None, got {self.tree!r}")
         if self.threads is not None:
@@ -101,6 +112,12 @@ class RuntimeOptions:
             if not 0.0 < threshold <= 1.0:
                 raise SettingError("threshold", f"must be in (0, 1], got {threshold}")
             object.__setattr__(self, "threshold", threshold)
+
+    def uses_prefill_graph(self, manifest) -> bool:
+        """Whether a runtime decoding `manifest`'s export with these options runs its prompt
+        forwards on the export's prefill graph (prefill_graph "auto", the manifest has one, the
+        backend is "ort": the only one measured; TensorRT engines are built from target.onnx)."""
+        return self.prefill_graph == "auto" and manifest.prefill is not None and self.backend == "ort"
 
     @property
     def threshold_or_zero(self) -> float:
@@ -127,11 +144,12 @@ class RuntimeOptions:
     def from_args(cls, args, tree: TreeConfig | None = None, **changes) -> "RuntimeOptions":
         """The options of `common.cli_args.add_engine_args`' flags (eagle-run, eagle-serve):
         --backend, --threads, --drafter, --always-draft, --acceptance, --threshold, --verify,
-        and the command's --prefix-cache-mb where it has one;
+        --prefill-graph, and the command's --prefix-cache-mb where it has one;
         `tree` (the tree flags resolved against the manifest) and `changes` on top. Raises
         SettingError; `cli_message` words it with the flag."""
         drafter = getattr(args, "drafter", None) or DEFAULT_DRAFTER
         changes.setdefault("prefix_cache_mb", getattr(args, "prefix_cache_mb", None) or 0)
+        changes.setdefault("prefill_graph", getattr(args, "prefill_graph", None) or "auto")
         return cls(backend=args.backend, tree=tree, threads=args.threads, drafter_kind=drafter,
                    planned=not args.always_draft, acceptance=args.acceptance, threshold=args.threshold,
                    verify=args.verify, **changes)

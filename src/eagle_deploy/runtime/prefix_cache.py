@@ -26,7 +26,11 @@ tree would share them). They are evicted least recently used first, so that `nby
 within the budget; an entry larger than the whole budget is not stored.
 
 One cache per loaded export: it lives and dies with its EagleRuntime (or BatchRuntime), so it
-is invalidated with the export. A BatchRuntime's slots share one cache (a lock guards it), so a
+is invalidated with the export. Its rows are those of the graph that prefills: the export's
+int8 prefill graph where the runtime uses one (RuntimeOptions.prefill_graph; prompts and
+settled answers both run on it, so an entry is still what a fresh prefill computes), else the
+target graph; a cache handed to another runtime (EagleRuntime's `prefix_cache`) must come from
+one that prefills with the same graph. A BatchRuntime's slots share one cache (a lock guards it), so a
 conversation's next turn hits whichever slot it lands on: a superset of a cache per slot.
 The arrays are host (numpy) arrays: the onnxruntime CPU backend only (RuntimeOptions), and
 only for the fused target graph (KV layout "shared"): the standard-op graph (`--graph

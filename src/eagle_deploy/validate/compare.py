@@ -11,12 +11,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from eagle_deploy.contract import onnx_io as c
+from eagle_deploy.exporter.prefill import PER_TOKEN
 
 # Quantised graphs as shipped vs the reference with their own weights: what is left is the
 # kernel's int8 rounding of activations, which moves the top-1 only at near-ties and keeps the
 # KL small; both bounds sit well above what that rounding did and well below what comparing
 # against the fp32 weights did (docs/decisions.md, 'eagle-validate tolerances, measured').
 QUANT_TIE, QUANT_MAX_KL = 0.5, 2e-2
+# The prefill graph (exporter/prefill.py) rounds each activation row to int8 with one scale for
+# the whole row, far coarser than MatMulNBits' blocks of 32: against its own int8 weights
+# SmolLM2-135M measured top-1 84-86% off near-ties and mean KL 0.20-0.24 (against the fp32
+# checkpoint 0.16, where the int4 target graph is at 0.71), the tiny test exports 100% and 0.004;
+# these bounds leave a margin over that (docs/decisions.md, '2026-12-07: the int8 prefill graph
+# built'); a wrong weight or weight scale fails the weight check itself (run.quantised_reference).
+PER_TOKEN_MIN_TOP1, PER_TOKEN_MAX_KL = 0.75, 0.5
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,8 @@ FP32_POLICY = Policy("elementwise", atol=5e-4)
 
 
 def policy_for(graph) -> Policy:
+    if graph.quant and graph.quant_info is not None and graph.quant_info.method == PER_TOKEN:  # the prefill graph
+        return Policy("top1", min_top1=PER_TOKEN_MIN_TOP1, tie=QUANT_TIE, max_kl=PER_TOKEN_MAX_KL)
     if graph.quant:  # against the reference with the graph's own quantised weights (see the module docstring)
         return Policy("top1", tie=QUANT_TIE, max_kl=QUANT_MAX_KL)
     return {"float32": Policy("elementwise"), "float16": Policy("relative", rel=2e-2, tie=5e-2),

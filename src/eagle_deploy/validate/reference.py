@@ -13,12 +13,13 @@ from eagle_deploy.exporter.sources import ReferenceLoadError, target_checkpoint_
 
 def memory_needed(manifest, folder: Path, graphs=("target", "draft")) -> tuple[int, str]:
     """(bytes, breakdown) eagle-validate needs at once: the PyTorch reference in fp32 (every
-    checkpoint tensor x 4 bytes, read from the file headers) plus the files of the graphs it
-    opens with onnxruntime (their data and shared.data, which onnxruntime loads)."""
+    checkpoint tensor x 4 bytes, read from the file headers; twice with the prefill graph, which
+    gets a copy with its own weights) plus the files of the graphs it opens with onnxruntime
+    (their data and shared.data, which onnxruntime loads)."""
     from eagle_deploy.exporter.weights import CheckpointWeights
 
     weights = CheckpointWeights(target_checkpoint_dir(manifest))
-    params = sum(math.prod(shape) for shape in weights.shapes.values())
+    params = sum(math.prod(shape) for shape in weights.shapes.values()) * (2 if "prefill" in graphs else 1)
     folder = Path(folder)
     files = set()
     for which in graphs:

@@ -5,6 +5,7 @@ every output (compare.py); returns the report the command prints. torch, onnx an
 are imported by the functions that run them (`eagle-validate --help` loads none)."""
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 
 from eagle_deploy.contract.manifest import Manifest
 from eagle_deploy.contract.verify import verify_export
+from eagle_deploy.exporter.prefill import prefill_weights
 from eagle_deploy.exporter.quantize import dequantised_weights
 from eagle_deploy.exporter.sources import load_reference_head, load_reference_target
 from eagle_deploy.runtime.api import load_tokenizer
@@ -20,7 +22,7 @@ from eagle_deploy.runtime.api import load_tokenizer
 from . import feeds as fd
 from .compare import FP32_POLICY, EagleCompareFunc, Row, policy_for
 from .reference import check_memory, reference_backends, with_quantised_weights
-from .runners import FP32_ACTIVATIONS, REFERENCE, graph_runners, torch_runner
+from .runners import FP32_ACTIVATIONS, REFERENCE, graph_runners, has_fp32_copy, torch_runner
 
 
 def validate_graph(folder: Path, manifest, which: str, reference, feeds,
@@ -47,38 +49,43 @@ def validate_graph(folder: Path, manifest, which: str, reference, feeds,
         Comparator.compare_accuracy(results, comparisons=[(0, i)], compare_func=func)
         rows += func.rows
     # a quantised graph: the command checks its fp32-activation copy, which the elementwise rule fits
-    checked = (work / f"{which}_fp32act.onnx").resolve() if graph.quant else folder.resolve() / graph.path
+    copy = has_fp32_copy(graph)
+    checked = (work / f"{which}_fp32act.onnx").resolve() if copy else folder.resolve() / graph.path
     command = (f"polygraphy run {checked} --onnxrt --load-inputs {inputs_path.resolve()} "
-               f"--load-outputs {ref_path.resolve()} {(FP32_POLICY if graph.quant else policy).cli_flags()} "
+               f"--load-outputs {ref_path.resolve()} {(FP32_POLICY if copy else policy).cli_flags()} "
                f"--save-outputs {(work / f'{which}_onnxrt_outputs.json').resolve()}")
     return rows, notes, command
 
 
 def quantised_reference(folder: Path, manifest, refs: dict) -> list[Row]:
-    """Give the torch reference of each quantised graph that graph's own weights (read back
-    from its MatMulNBits nodes): quantisation is a deliberate change of the model, so the
-    graph is checked against the model it is meant to compute. Returns one failing Row per
-    quantised weight that matches no weight of the checkpoint."""
+    """Give the torch reference of each quantised graph in `refs` that graph's own weights (read
+    back from its MatMulNBits nodes, or the prefill graph's MatMulInteger ones): quantisation is
+    a deliberate change of the model, so the graph is checked against the model it is meant to
+    compute. Returns one failing Row per quantised weight that matches no weight of the
+    checkpoint."""
     import onnx
 
     rows = []
-    for which in ("target", "draft"):
+    for which in refs:
         graph = getattr(manifest, which)
         if not graph.quant:
             continue
         # its external data read by our own reader: onnx.load refuses symlinked / hard-linked data files
-        weights = dequantised_weights(onnx.load(str(folder / graph.path), load_external_data=False), folder)
+        model = onnx.load(str(folder / graph.path), load_external_data=False)
+        weights = (prefill_weights if which == "prefill" else dequantised_weights)(model, folder)
         for node in with_quantised_weights(refs[which].module, weights):
             rows.append(Row(which, "onnxrt", "weights", node, float("nan"), float("nan"), None, False,
                             "quantised weight matches no weight of the checkpoint"))
     return rows
 
 
-def run_validation(folder: Path, work: Path | None = None, graphs=("target", "draft"), log=print,
+def run_validation(folder: Path, work: Path | None = None, graphs=None, log=print,
                    verify: str = "fast") -> dict:
-    """Validate an export folder; returns {"passed", "rows", "notes", "commands", ...}. verify:
-    how its files are first checked against the manifest (contract.verify.verify_export).
-    Raises ManifestError (a file that is not the one the manifest describes, ...)."""
+    """Validate graphs `graphs` ("target", "draft", "prefill"; None: every graph the export
+    has, Manifest.graph_names) of an export folder; returns {"passed", "rows", "notes",
+    "commands", ...}. verify: how its files are first checked against the manifest
+    (contract.verify.verify_export). Raises ManifestError (a file that is not the one the
+    manifest describes, ...), ValueError for a graph the export does not have."""
     import torch
     from polygraphy.logger import G_LOGGER
 
@@ -86,6 +93,12 @@ def run_validation(folder: Path, work: Path | None = None, graphs=("target", "dr
     folder = Path(folder)
     manifest = Manifest.load(folder)
     verify_export(folder, manifest, verify)
+    graphs = manifest.graph_names if graphs is None else tuple(graphs)
+    missing = [g for g in graphs if g not in manifest.graph_names]
+    if missing:
+        raise ValueError(f"--graphs {','.join(missing)}: {folder} has no such graph (it has "
+                         f"{', '.join(manifest.graph_names)}; a prefill graph comes from eagle-export --quant int4 "
+                         "--prefill-weights int8)")
     check_memory(manifest, folder, graphs)  # a 7B reference is 27 GB in fp32: refuse before loading it
     work = Path(work) if work else folder / "validate"
     work.mkdir(parents=True, exist_ok=True)
@@ -94,6 +107,10 @@ def run_validation(folder: Path, work: Path | None = None, graphs=("target", "dr
         hf = load_reference_target(manifest)
         head, head_note = load_reference_head(manifest, hf)
     refs = reference_backends(manifest, hf, head, folder)
+    if "prefill" in graphs:  # a reference of its own, for its own (int8) weights
+        from .torch_backend import TorchBackend
+
+        refs["prefill"] = TorchBackend.target(copy.deepcopy(hf), manifest.target.feature_layers)
     weight_rows = quantised_reference(folder, manifest, refs)
     log(f"reference loaded in {time.perf_counter() - t0:.1f}s ({head_note})")
     tokenizer = load_tokenizer(folder, manifest)  # None for an export without one
@@ -106,6 +123,7 @@ def run_validation(folder: Path, work: Path | None = None, graphs=("target", "dr
              "draft": fd.draft_feeds(fd.reference_forward(refs["draft"]), prompt, state,
                                      np.dtype(manifest.draft.dtype), draft_dims=manifest.graph_dims("draft"),
                                      eagle3=manifest.draft.head_kind == "eagle3")}
+    feeds["prefill"] = target_feeds  # the target's contract: the same feeds
     report = {"engines": str(folder), "passed": True, "rows": [], "notes": [head_note], "commands": {}, "policies": {}}
     for which in graphs:
         t1 = time.perf_counter()
@@ -113,9 +131,13 @@ def run_validation(folder: Path, work: Path | None = None, graphs=("target", "dr
         rows = [r for r in weight_rows if r.graph == which] + rows
         report["rows"] += [asdict(r) for r in rows]
         report["notes"] += notes
+        if getattr(manifest, which).quant and not has_fp32_copy(getattr(manifest, which)):
+            report["notes"].append(f"{which}: no fp32-activation copy exists (int8 x int8 matmuls); its command below "
+                                   "compares elementwise, which its int8 activation rounding exceeds: read it as a "
+                                   "report")
         report["commands"][which] = command
         report["policies"][which] = policy_for(getattr(manifest, which)).describe()
-        if getattr(manifest, which).quant:
+        if has_fp32_copy(getattr(manifest, which)):
             report["policies"][which] += f"; {FP32_ACTIVATIONS}: {FP32_POLICY.describe()}"
         report["passed"] &= all(r.passed for r in rows)
         log(f"{which}: {len(feeds[which])} feeds compared in {time.perf_counter() - t1:.1f}s "

@@ -16,6 +16,7 @@ import numpy as np
 from eagle_deploy.contract import onnx_io as c
 from eagle_deploy.contract.profiles import ProfileSpec
 from eagle_deploy.exporter.external_data import load_model
+from eagle_deploy.exporter.prefill import PER_TOKEN
 from eagle_deploy.exporter.quantize import save_graph_in_place, with_fp32_activations
 
 from .compare import to_numpy
@@ -67,15 +68,21 @@ def torch_runner(backend, graph, name: str = REFERENCE):
     return TorchRunner()
 
 
+def has_fp32_copy(graph) -> bool:
+    """Whether a quantised graph is also run with fp32 activations (FP32_ACTIVATIONS): yes but
+    for the prefill graph, whose int8 x int8 matmuls have no such setting."""
+    return bool(graph.quant) and (graph.quant_info is None or graph.quant_info.method != PER_TOKEN)
+
+
 def graph_runners(folder: Path, manifest, which: str, work: Path | None = None) -> tuple[list, list[str]]:
-    """([OnnxrtRunner, (OnnxrtRunner with fp32 activations), (TrtRunner)], notes) for graph
-    `which` of the export. A quantised graph's fp32-activation copy is written to `work`
+    """([OnnxrtRunner, (OnnxrtRunner with fp32 activations: has_fp32_copy), (TrtRunner)], notes)
+    for graph `which` of the export. A quantised graph's fp32-activation copy is written to `work`
     (`<which>_fp32act.onnx`) when given."""
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
 
     graph = getattr(manifest, which)
     runners = [OnnxrtRunner(SessionFromOnnx(str(folder / graph.path)), name="onnxrt")]
-    if graph.quant:
+    if has_fp32_copy(graph):
         runners.append(OnnxrtRunner(SessionFromOnnx(fp32_activation_graph(folder / graph.path, work, which)),
                                     name=FP32_ACTIVATIONS))
     notes = []

@@ -11,17 +11,21 @@ BACKENDS = BACKEND_NAMES
 
 
 def load_backend(kind: str, folder: Path, manifest, which: str, threads: int | None = None, tree=None) -> Backend:
-    """Open graph `which` ("target" or "draft") of an export with backend `kind`. `tree`
-    (a TreeConfig; default the manifest's) lets TensorRT reject a tree too large for its
-    optimization profiles at start-up. Graphs that take weights from the export's shared file
-    (manifest.shared_weights) fail with ManifestError when it is missing; the CPU backend maps
-    it once for both graphs. TensorRT engines hold their own weights and do not read it."""
+    """Open graph `which` ("target", "draft", or "prefill" where the manifest has one) of an
+    export with backend `kind`. `tree` (a TreeConfig; default the manifest's) lets TensorRT
+    reject a tree too large for its optimization profiles at start-up. Graphs that take weights
+    from the export's shared file (manifest.shared_weights) fail with ManifestError when it is
+    missing; the CPU backend maps it once for every graph. TensorRT engines hold their own
+    weights and do not read it (and exist for "target" and "draft" only). ValueError for a
+    graph the export does not have or an unknown backend."""
     graph = getattr(manifest, which)
+    if graph is None:
+        raise ValueError(f"this export has no {which} graph")
     shared = getattr(manifest, "shared_weights", None)
     if kind == "ort":
         from .ort import OrtBackend
 
-        return OrtBackend(folder, graph, manifest.graph_dims(which), threads=threads, shared=shared)
+        return OrtBackend(folder, graph, manifest.graph_dims(which), threads=threads, shared=shared, which=which)
     if kind == "ort-cuda" and shared is not None:
         shared.check(folder, which)
     if kind == "ort-cuda":

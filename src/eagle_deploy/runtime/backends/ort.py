@@ -45,11 +45,12 @@ def session_io(session) -> tuple[list[TensorSpec], list[TensorSpec]]:
     return [spec(a) for a in session.get_inputs()], [spec(a) for a in session.get_outputs()]
 
 
-def check_session(session, folder: Path, graph: GraphEntry, dims: Dims) -> None:
+def check_session(session, folder: Path, graph: GraphEntry, dims: Dims, which: str | None = None) -> None:
     """ManifestError (one line, naming the manifest field) unless the manifest's entry for this
-    graph declares exactly the inputs/outputs the opened session has (names in order, dtypes,
-    ranks, fixed sizes against `dims`)."""
-    which = "draft" if isinstance(graph, DraftEntry) else "target"
+    graph (`which`; None: "draft" for a DraftEntry, else "target") declares exactly the
+    inputs/outputs the opened session has (names in order, dtypes, ranks, fixed sizes against
+    `dims`)."""
+    which = which or ("draft" if isinstance(graph, DraftEntry) else "target")
     check_graph_io(graph, which, *session_io(session), dims=dims, source=str(Path(folder) / c.MANIFEST_FILE))
 
 
@@ -72,16 +73,17 @@ def session_options(threads: int | None = None, spinning: bool = False):
 
 
 class _Mapping:
-    """The shared-weights file mapped read-only once, and an OrtValue over each embedding in it."""
+    """The shared-weights file mapped read-only once, and an OrtValue over each embedding in it
+    (`values`: [(SharedTensor, OrtValue)])."""
 
     def __init__(self, path: Path, shared: SharedWeights):
         self.array = np.memmap(path, dtype=np.uint8, mode="r", shape=(shared.size,))
-        self.values = {}
+        self.values = []
         for t in shared.tensors:
             if t.role not in MAPPED_ROLES:
                 continue
             view = self.array[t.offset:t.offset + t.length].view(numpy_dtype(t.dtype)).reshape(t.shape)
-            self.values[(t.target_name, t.draft_name)] = ort_value(view)
+            self.values.append((t, ort_value(view)))
 
 
 _MAPPINGS: "weakref.WeakValueDictionary[tuple, _Mapping]" = weakref.WeakValueDictionary()
@@ -102,7 +104,7 @@ def shared_initializers(folder: Path, shared: SharedWeights | None, which: str) 
     """(keep-alive handle, {initializer name in graph `which`: OrtValue}) for the shared
     embedding of an export (MAPPED_ROLES): the file is mapped once per process (np.memmap,
     read-only) and every session of the export gets OrtValues over that one mapping
-    (SessionOptions.add_initializer: no copy), so the target and draft graphs hold one copy,
+    (SessionOptions.add_initializer: no copy), so the target, draft (and prefill) graphs hold one copy,
     counted once in RSS, of which only the rows actually gathered become resident
     (docs/decisions.md, 'One mapping of shared.data, measured'). Raises ManifestError when the
     file is missing or truncated (SharedWeights.check)."""
@@ -118,8 +120,7 @@ def shared_initializers(folder: Path, shared: SharedWeights | None, which: str) 
     if mapping is None:
         mapping = _Mapping(path, shared)
         _MAPPINGS[key] = mapping
-    index = 0 if which == "target" else 1
-    return mapping, {names[index]: value for names, value in mapping.values.items()}
+    return mapping, {t.name_in(which): value for t, value in mapping.values if t.name_in(which) is not None}
 
 
 class OrtBackend:
@@ -127,12 +128,14 @@ class OrtBackend:
 
     def __init__(self, folder: Path, graph: GraphEntry, dims: Dims, threads: int | None = None,
                  spinning: bool | None = None, providers: list[str] | None = None,
-                 shared: SharedWeights | None = None):
+                 shared: SharedWeights | None = None, which: str | None = None):
         """spinning: intra-op threads spin between ops; None = on for the target graph (the
-        one with logits), off for the draft (see session_options). shared: the export's
-        shared weights (Manifest.shared_weights), given to the session from one process-wide
-        mapping (shared_initializers). Raises ManifestError when the graph's inputs/outputs
-        are not the ones `graph` declares (check_session) or the shared weights are missing."""
+        one with logits, and the prefill graph, which has them too), off for the draft (see
+        session_options). shared: the export's shared weights (Manifest.shared_weights), given
+        to the session from one process-wide mapping (shared_initializers). which: the graph's
+        name in the manifest ("target" | "draft" | "prefill"; None: "draft" for a DraftEntry,
+        else "target"). Raises ManifestError when the graph's inputs/outputs are not the ones
+        `graph` declares (check_session) or the shared weights are missing."""
         if spinning is None:
             spinning = any(o.name == c.LOGITS for o in graph.outputs)
 
@@ -143,12 +146,12 @@ class OrtBackend:
         if not path.exists():
             raise FileNotFoundError(f"graph {path} is missing from the export folder")
         options = session_options(threads, spinning)
-        which = "draft" if isinstance(graph, DraftEntry) else "target"
+        which = which or ("draft" if isinstance(graph, DraftEntry) else "target")
         self._shared, initializers = shared_initializers(folder, shared, which)  # kept alive with the session
         for name, value in initializers.items():
             options.add_initializer(name, value)
         self.session = open_session(path, options, providers or ["CPUExecutionProvider"])
-        check_session(self.session, folder, graph, dims)
+        check_session(self.session, folder, graph, dims, which)
         self.name = "ort-" + self.session.get_providers()[0].replace("ExecutionProvider", "").lower()
         self.kv_names = [(p, q) for p, q in c.kv_names(graph.num_kv_layers())]
         self.kv_dtype = numpy_dtype(graph.dtype)
