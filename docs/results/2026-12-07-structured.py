@@ -215,36 +215,9 @@ def select(prompts: list[dict], limit: int | None, per_schema: int | None) -> li
     return prompts[:limit] if limit else prompts
 
 
-class _RootOnly:
-    """A request's GrammarState whose forced tokens are drafted at the round's root only (as
-    before 2026-12-07's second session): `extend` leaves the tree as the drafter left it."""
-
-    def __init__(self, state):
-        self._state = state
-
-    def __getattr__(self, name):
-        return getattr(self._state, name)
-
-    def extend(self, tree, *args, **kwargs):
-        return tree
-
-
-def root_forced_only(rt: EagleRuntime) -> EagleRuntime:
-    """`rt` with forced tokens drafted at the root only, not below drafted leaves."""
-    expand = rt.decoder.expand_tree
-
-    def expand_tree(state, drafter, max_new_tokens, grammar=None, draft_forced=True):
-        return expand(state, drafter, max_new_tokens, None if grammar is None else _RootOnly(grammar), draft_forced)
-
-    rt.decoder.expand_tree = expand_tree
-    return rt
-
-
-def load_runtimes(folder: Path, threads: int, eagle_drafter: bool, no_forced: bool = False,
-                  root_forced: bool = False) -> dict[str, EagleRuntime]:
+def load_runtimes(folder: Path, threads: int, eagle_drafter: bool, no_forced: bool = False
+                  ) -> dict[str, EagleRuntime]:
     rts = {"default": EagleRuntime.load(folder, threads=threads)}
-    if root_forced:  # forced tokens at the round's root only, not below the drafted leaves
-        rts["root-forced"] = root_forced_only(EagleRuntime.load(folder, threads=threads))
     if eagle_drafter:
         rts["eagle-head"] = EagleRuntime.load(folder, threads=threads, drafter_kind="eagle", planned=False)
     if no_forced:  # the same drafter without the grammar's forced-token chains (what they add to tau)
@@ -262,7 +235,7 @@ def warm_up(rts: dict[str, EagleRuntime], grammar: bool, name: str, schema: dict
 
 def bench_export(folder: Path, data: dict, args) -> dict:
     grammar = not args.no_grammar
-    rts = load_runtimes(folder, args.threads, args.eagle_drafter, args.no_forced, args.root_forced)
+    rts = load_runtimes(folder, args.threads, args.eagle_drafter, args.no_forced)
     default = rts["default"]
     schemas = data["schemas"]
     prompts = select(data["prompts"], args.limit, args.per_schema)
@@ -414,8 +387,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-forced", action="store_true",
                     help="also EAGLE without drafting the grammar's forced tokens (draft_forced=False)")
-    ap.add_argument("--root-forced", action="store_true",
-                    help="also EAGLE with the forced tokens drafted at the round's root only (not below leaves)")
     args = ap.parse_args()
 
     data = json.loads(args.set_json.read_text())

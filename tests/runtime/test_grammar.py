@@ -62,28 +62,6 @@ def test_prune_keeps_only_the_paths_the_grammar_allows(byte_grammar):
     assert not state.complete and _text(state.forced(3)) == b""  # the walk left the state where it was
 
 
-def _paths(tree: DraftTree) -> list[bytes]:
-    return sorted(bytes(int(tree.tokens[j]) for j in tree.path_to(i)[1:]) for i in range(tree.size)
-                  if not len(tree.children(i)))
-
-
-def test_extend_hangs_the_forced_tokens_below_likely_leaves(byte_grammar):
-    state = byte_grammar.state()
-    for t in b'{"name": "':
-        state.consume(t)
-    tree = DraftTree.from_paths(ord('"'), [list(b'ab"'), list(b'x"'), list(b"q")])
-    grown = state.extend(tree, max_depth=12, max_nodes=64)
-    assert _paths(grown) == [b'ab", "age": ', b"q", b'x", "age": ']  # "q": the name may go on, nothing forced
-    assert grown.tokens[: tree.size].tolist() == tree.tokens.tolist()  # the drafter's nodes keep their numbers
-    assert _paths(state.extend(tree, max_depth=5, max_nodes=64)) == [b'ab", ', b"q", b'x", "']  # depth <= 5
-    capped = state.extend(tree, max_depth=12, max_nodes=tree.size + 4)
-    assert capped.size == tree.size + 4 and _paths(capped) == [b'ab", "a', b"q", b'x"']  # best leaf first
-    assert _paths(state.extend(tree, max_depth=12, max_nodes=64, one_path=True)) == [b'ab", "age": ', b"q", b'x"']
-    unlikely = DraftTree(tree.tokens, tree.parents, np.where(np.arange(tree.size) > 3, -5.0, -0.1))
-    assert _paths(state.extend(unlikely, max_depth=12, max_nodes=64)) == [b'ab", "age": ', b"q", b'x"']
-    assert _text(state.forced(3)) == b""  # the walk left the state where it was
-
-
 def test_grammar_rows_mask_each_node_from_its_own_path_and_roll_back(byte_grammar):
     state = byte_grammar.state()
     for t in b'{"name": "ab", "age": ':

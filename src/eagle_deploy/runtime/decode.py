@@ -405,8 +405,7 @@ class Decoder:
     def expand_tree(self, state: _State, drafter: Drafter | None, max_new_tokens: int,
                     grammar: GrammarState | None = None, draft_forced: bool = True) -> DraftTree:
         """This round's draft tree: the drafter's proposal (none for vanilla decoding), with a
-        grammar the nodes it forbids pruned and the tokens it forces below likely leaves added
-        (GrammarState.extend), or, where it forces the next tokens, that chain."""
+        grammar the nodes it forbids pruned, or, where it forces the next tokens, that chain."""
         root = state.committed[-1]
         room = self.max_length - state.target_len  # KV rows left for this round's tree
         left = max_new_tokens - state.generated  # a path of depth d commits d + 1 tokens
@@ -421,8 +420,6 @@ class Decoder:
         tree = drafter.propose(request)
         if grammar is not None:
             tree = grammar.prune(tree)
-            if draft_forced:
-                tree = grammar.extend(tree, request.max_depth, room, one_path=self.row_exact)
         return tree.depth_first() if self.row_exact else tree
 
     def verify_forward(self, tree: DraftTree, state: _State) -> tuple[np.ndarray, np.ndarray]:

@@ -34,10 +34,6 @@ from eagle_deploy.contract.errors import SettingError, first_line
 
 from .tree import DraftTree
 
-# Forced tokens below a drafted leaf are verified only where the drafter gives the leaf at least
-# this probability (GrammarState.extend; docs/decisions.md, "forced tokens below drafted leaves").
-FORCED_MIN_REACH = 0.1
-
 
 class GrammarError(ValueError):
     """The grammar engine cannot follow a request's grammar mid-output (the request fails
@@ -155,8 +151,7 @@ class GrammarState:
     """The grammar state of one request after its committed tokens (an llguidance matcher).
     `allowed()`: [V] bool of the legal next tokens; `consume(t)`: advance (False for an
     illegal token, state unchanged); `rollback(k)`; `forced(n)`: up to n tokens the grammar
-    forces next; `prune(tree)`: the tree without the nodes the grammar forbids; `extend(tree,
-    ...)`: the tree with the tokens the grammar forces below its likely leaves."""
+    forces next; `prune(tree)`: the tree without the nodes the grammar forbids."""
 
     def __init__(self, grammar: Grammar):
         import llguidance
@@ -227,51 +222,6 @@ class GrammarState:
         out = [int(t) for t in self.matcher.compute_ff_tokens()[:n] if int(t) != self.eos]
         self.seconds += time.perf_counter() - t0
         return out
-
-    def extend(self, tree: DraftTree, max_depth: int, max_nodes: int, min_reach: float = FORCED_MIN_REACH,
-               one_path: bool = False) -> DraftTree:
-        """`tree` (pruned to the grammar) with, below each leaf, the tokens the grammar forces
-        after that leaf's own path (a schema's next key after a drafted value, a closing
-        bracket): they are accepted whenever the leaf is, so each costs a verified row and
-        adds the leaf's acceptance probability to τ. Leaves are taken best score first while
-        their draft probability exp(score) >= `min_reach` (a row spent below an unlikely leaf
-        is wasted), the chain of a leaf at depth d at most `max_depth - d` long and the tree at
-        most `max_nodes` nodes; `one_path`: the top path's leaf only (row-exact rounds end at
-        the first accepted node off it). Forced nodes carry their leaf's score. The grammar
-        state is left as it was (one consume and one rollback per node walked)."""
-        if tree.size <= 1 or tree.size >= max_nodes:
-            return tree
-        t0 = time.perf_counter()
-        leaves: list[tuple[float, int, list[int]]] = []  # (score, leaf, forced tokens below it)
-
-        def walk(node: int) -> None:
-            kids = tree.children(node)
-            if len(kids) == 0:
-                if node and float(tree.scores[node]) >= np.log(min_reach):
-                    chain = self.forced(max_depth - int(tree.depths[node]))
-                    if chain:
-                        leaves.append((float(tree.scores[node]), node, chain))
-                return
-            for child in kids[:1] if one_path else kids:
-                if not self.consume(int(tree.tokens[child])):
-                    raise RuntimeError(f"grammar extend: node {int(child)} is not legal; prune the tree first")
-                walk(int(child))
-                self.rollback(1)
-
-        walk(0)
-        tokens, parents, scores = list(tree.tokens), list(tree.parents), list(tree.scores)
-        for score, leaf, chain in sorted(leaves, key=lambda item: -item[0]):
-            chain = chain[: max_nodes - len(tokens)]
-            for depth, token in enumerate(chain):
-                parents.append(leaf if depth == 0 else len(tokens) - 1)
-                tokens.append(token)
-                scores.append(score)
-            if len(tokens) >= max_nodes:
-                break
-        self.seconds += time.perf_counter() - t0
-        if len(tokens) == tree.size:
-            return tree
-        return DraftTree(np.array(tokens), np.array(parents), np.array(scores, np.float32))
 
     def prune(self, tree: DraftTree) -> DraftTree:
         """`tree` without the draft nodes whose token the grammar forbids along their own path
