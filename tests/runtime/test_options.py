@@ -89,7 +89,7 @@ def test_options_and_keyword_changes_combine_and_unknown_names_are_refused(mha):
     base = RuntimeOptions(drafter_kind="eagle", planned=False)
     assert RuntimeOptions.of(base, threads=2) == RuntimeOptions(drafter_kind="eagle", planned=False, threads=2)
     assert RuntimeOptions(acceptance="threshold").threshold == 0.3  # the default threshold of threshold acceptance
-    with pytest.raises(TypeError, match="unknown engine option: drafter_knd"):
+    with pytest.raises(TypeError, match="unknown runtime option: drafter_knd"):
         EagleRuntime.load(mha.export_dir, base, drafter_knd="eagle")
     rt = EagleRuntime.load(mha.export_dir, base, threads=THREADS)
     assert (rt.drafter_kind, rt.planned, rt.options.threads) == ("eagle", False, THREADS)
