@@ -95,7 +95,8 @@ def per_token_streamed(model, folder: Path, out, exclude: Sequence[str]) -> int:
     import numpy as np
     from onnx import TensorProto, helper
 
-    from .external_data import array_of, tensor_bytes
+    from .external_data import array_of
+    from .quantize import replace_nodes
 
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
@@ -126,13 +127,7 @@ def per_token_streamed(model, folder: Path, out, exclude: Sequence[str]) -> int:
         n += 1
     consts = [out.tensor(_P + k, np.float32(v).tobytes(), TensorProto.FLOAT, ()) for k, v in _CONSTANTS.items()]
     consts.append(out.tensor(_P + "zero_point", np.uint8(128).tobytes(), TensorProto.UINT8, ()))
-    read = {i for node in nodes for i in node.input}
-    kept = [out.tensor(t.name, tensor_bytes(t, folder), t.data_type, t.dims)
-            for t in graph.initializer if t.name not in weights and t.name in read]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    del graph.initializer[:]
-    graph.initializer.extend(kept + new_inits + consts)
+    replace_nodes(graph, nodes, new_inits + consts, set(weights), out, folder)
     return n
 
 

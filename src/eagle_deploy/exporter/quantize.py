@@ -212,14 +212,22 @@ def nbits_streamed(model, folder: Path, out, bits: int, exclude: Sequence[str], 
         done.add(node.input[1])
         n += 1
         del quantised, one
+    replace_nodes(graph, nodes, new_inits, done, out, folder)
+    return n
+
+
+def replace_nodes(graph, nodes: list, new_inits: list, dropped: set, out, folder: Path) -> None:
+    """Give `graph` the nodes `nodes` and, as initializers, the old ones they still read (but
+    those named in `dropped`, written again by `out`) followed by `new_inits`."""
+    from .external_data import tensor_bytes
+
     read = {i for node in nodes for i in node.input}
     kept = [out.tensor(t.name, tensor_bytes(t, folder), t.data_type, t.dims)
-            for t in graph.initializer if t.name not in done and t.name in read]
+            for t in graph.initializer if t.name not in dropped and t.name in read]
     del graph.node[:]
     graph.node.extend(nodes)
     del graph.initializer[:]
     graph.initializer.extend(kept + new_inits)
-    return n
 
 
 def quantize_graph(folder: Path, entry: GraphEntry, kind: str, external_data: str = "auto", **options) -> GraphEntry:

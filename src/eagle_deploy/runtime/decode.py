@@ -244,7 +244,7 @@ class Decoder:
         check_acceptance(acceptance, threshold)  # fail at load, not after the first forward
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self.target, self.drafter = target, drafter
-        self.prefill_target = prefill_target  # runs the forwards flagged `prefill` (None: the target)
+        self.prefill_target = prefill_target
         self.max_length = max_length
         self.length_limit = length_limit  # the largest max_length a re-export may have (named in errors; None: unknown)
         self.row_exact, self.repeats_one_row, self.one_row_exact = row_exact, repeats_one_row, one_row_exact
