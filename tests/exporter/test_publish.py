@@ -182,7 +182,7 @@ def test_a_stale_lock_file_is_not_a_lock(tmp_path):
 def test_a_write_failure_mid_export_is_one_line(sources, tmp_path, capsys, monkeypatch, code, words):
     out = tmp_path / "out"
 
-    def fail(target, draft, dims, options, tmp, progress=None):
+    def fail(target, draft, dims, options, tmp, progress=None, prefill=None):
         raise OSError(code, os.strerror(code), str(tmp / c.SHARED_WEIGHTS_FILE))
 
     monkeypatch.setattr(ex, "share_graph_weights", fail)

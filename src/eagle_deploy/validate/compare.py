@@ -81,8 +81,8 @@ class Row:
     runner: str
     feed: str
     output: str
-    max_abs: float
-    max_rel: float
+    max_abs: float | None  # None: ids, where a difference has no size (topk_ids)
+    max_rel: float | None
     argmax: float | None  # fraction of positions whose argmax (top-1 id) agrees
     passed: bool
     note: str = ""
@@ -120,14 +120,15 @@ def compare_output(name: str, ref: np.ndarray, out: np.ndarray, policy: Policy, 
         lp = ref_all[c.TOPK_LOGPROBS].reshape(-1, ref.shape[-1]).astype(np.float64)
         gap = np.minimum(np.abs(np.diff(lp, axis=1, prepend=np.inf)), np.abs(np.diff(lp, axis=1, append=-np.inf)))
         excused = gap <= policy.tie
+        differ = f"{int((~same).sum())} of {same.size} ids differ"
         if policy.kind == "top1":  # quantised: the first id is judged as logits' argmax is; the others reported
             judged = ~excused[:, 0]
             top1 = float(same[judged, 0].mean()) if judged.any() else 1.0
-            return (float((~same).sum()), 0.0, float(same[:, 0].mean()), top1 >= policy.min_top1,
-                    f"quantised: top-1 {top1:.1%} off near-ties")
+            return (None, None, float(same[:, 0].mean()), top1 >= policy.min_top1,
+                    f"quantised: top-1 {top1:.1%} off near-ties" + (f"; {differ}" if not same.all() else ""))
         ok = bool(np.all(same | excused))
-        note = "" if same.all() else "ids differ only at near-ties" if ok else "ids differ"
-        return float((~same).sum()), 0.0, float(same[:, 0].mean()), ok, note
+        note = "" if same.all() else f"{differ}, only at near-ties" if ok else differ
+        return None, None, float(same[:, 0].mean()), ok, note
     ref64, out64 = ref.astype(np.float64), out.astype(np.float64)
     err = np.abs(out64 - ref64)
     max_abs = float(err.max()) if err.size else 0.0
@@ -213,7 +214,8 @@ def collapse(rows: list[Row]) -> list[Row]:
 
 def format_table(rows: list[Row]) -> str:
     head = ("graph", "runner", "feed", "output", "max abs err", "max rel err", "argmax agree", "result")
-    body = [(r.graph, r.runner, r.feed, r.output, f"{r.max_abs:.3g}", f"{r.max_rel:.3g}",
+    size = lambda x: "-" if x is None else f"{x:.3g}"  # noqa: E731
+    body = [(r.graph, r.runner, r.feed, r.output, size(r.max_abs), size(r.max_rel),
              "-" if r.argmax is None else f"{r.argmax:.1%}",
              ("pass" if r.passed else "FAIL") + (f" ({r.note})" if r.note else ""))
             for r in rows]
