@@ -35,7 +35,7 @@ def test_the_api_and_the_commands_share_one_set_of_defaults():
         # requests share prefixes); eagle-run and the API check fast and keep none
         if parser.prog == "eagle-serve":
             want = default.replace(verify="full", prefix_cache_mb=serve_cli.SERVE_PREFIX_CACHE_MB)
-            assert serve_cli.engine_options(args) == want and want.prefix_cache_mb > 0
+            assert serve_cli.runtime_options(args) == want and want.prefix_cache_mb > 0
         else:
             assert RuntimeOptions.from_args(args) == default, parser.prog
 
@@ -44,13 +44,13 @@ def test_eagle_serve_keeps_a_prefix_cache_only_where_it_is_exact(gqa, gqa_standa
     """Its default: on with --backend ort and the fused graph; off on a device backend or the
     standard-op graph (EagleRuntime refuses the cache there); a value given is kept."""
     parse = serve_cli.build_parser().parse_args
-    assert serve_cli.engine_options(parse(["--engines", "x"]), gqa.manifest).prefix_cache_mb > 0
-    assert serve_cli.engine_options(parse(["--engines", "x"]), gqa_standard.manifest).prefix_cache_mb == 0
-    assert serve_cli.engine_options(parse(["--engines", "x", "--backend", "trt"])).prefix_cache_mb == 0
-    assert serve_cli.engine_options(parse(["--engines", "x", "--prefix-cache-mb", "0"])).prefix_cache_mb == 0
-    assert serve_cli.engine_options(parse(["--engines", "x", "--prefix-cache-mb", "64"])).prefix_cache_mb == 64
+    assert serve_cli.runtime_options(parse(["--engines", "x"]), gqa.manifest).prefix_cache_mb > 0
+    assert serve_cli.runtime_options(parse(["--engines", "x"]), gqa_standard.manifest).prefix_cache_mb == 0
+    assert serve_cli.runtime_options(parse(["--engines", "x", "--backend", "trt"])).prefix_cache_mb == 0
+    assert serve_cli.runtime_options(parse(["--engines", "x", "--prefix-cache-mb", "0"])).prefix_cache_mb == 0
+    assert serve_cli.runtime_options(parse(["--engines", "x", "--prefix-cache-mb", "64"])).prefix_cache_mb == 64
     with pytest.raises(SettingError, match="needs the onnxruntime CPU backend"):
-        serve_cli.engine_options(parse(["--engines", "x", "--backend", "trt", "--prefix-cache-mb", "64"]))
+        serve_cli.runtime_options(parse(["--engines", "x", "--backend", "trt", "--prefix-cache-mb", "64"]))
 
 
 def test_a_runtime_loaded_with_no_options_plans_the_hybrid_drafter_and_stays_lossless(mha):

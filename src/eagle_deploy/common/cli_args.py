@@ -186,7 +186,7 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
                              "and across processes after eagle-bench --tune)")
 
 
-def add_engine_args(parser: argparse.ArgumentParser, threshold_effect: str, verify_default: str = "fast") -> None:
+def add_runtime_args(parser: argparse.ArgumentParser, threshold_effect: str, verify_default: str = "fast") -> None:
     """The flags of every command that decodes over an export (eagle-run, eagle-serve): --engines,
     --drafter, --always-draft, --verify (default `verify_default`), --backend, --threads, --prefill-graph,
     --acceptance, --threshold.

@@ -9,7 +9,7 @@ from pathlib import Path
 from eagle_deploy.common.cli_args import (
     LOSSY,
     HelpFormatter,
-    add_engine_args,
+    add_runtime_args,
     add_tree_args,
     cli_error,
     interruptible,
@@ -21,7 +21,7 @@ from eagle_deploy.contract.errors import max_length_hint
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle-run", description=__doc__, formatter_class=HelpFormatter)
-    add_engine_args(p, "output no longer follows the target distribution")
+    add_runtime_args(p, "output no longer follows the target distribution")
     p.add_argument("--prompt", required=True, help="user message (the chat template is applied when the model has one)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens")

@@ -142,7 +142,7 @@ class RuntimeOptions:
 
     @classmethod
     def from_args(cls, args, tree: TreeConfig | None = None, **changes) -> "RuntimeOptions":
-        """The options of `common.cli_args.add_engine_args`' flags (eagle-run, eagle-serve):
+        """The options of `common.cli_args.add_runtime_args`' flags (eagle-run, eagle-serve):
         --backend, --threads, --drafter, --always-draft, --acceptance, --threshold, --verify,
         --prefill-graph, and the command's --prefix-cache-mb where it has one;
         `tree` (the tree flags resolved against the manifest) and `changes` on top. Raises

@@ -25,7 +25,7 @@ import sys
 from eagle_deploy.common.cli_args import (
     LOSSY,
     HelpFormatter,
-    add_engine_args,
+    add_runtime_args,
     add_tree_args,
     check_at_least,
     cli_error,
@@ -58,7 +58,7 @@ SHUTDOWN_GRACE_S = 2.0
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle-serve", description=__doc__, formatter_class=_Formatter)
-    add_engine_args(p, "responses say so in system_fingerprint and their eagle field", verify_default=SERVE_VERIFY)
+    add_runtime_args(p, "responses say so in system_fingerprint and their eagle field", verify_default=SERVE_VERIFY)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the export's name)")
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def engine_options(args, manifest=None):
+def runtime_options(args, manifest=None):
     """The RuntimeOptions of eagle-serve's runtime flags (RuntimeOptions.from_args), its
     --prefix-cache-mb unset: SERVE_PREFIX_CACHE_MB where the cache is exact (--backend ort and,
     given the export's `manifest`, its fused target graph), else 0. Raises SettingError."""
@@ -207,9 +207,9 @@ def main(argv=None) -> int:
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
         threshold_of(args)  # --threshold without --acceptance threshold, worded with both flags
-        engine_options(args)  # bad settings fail before the export is read
+        runtime_options(args)  # bad settings fail before the export is read
         manifest = Manifest.load(args.engines)
-        options = engine_options(args, manifest)
+        options = runtime_options(args, manifest)
         # --prefill-chunk is the batch runtime's (chunks interleaved with the other slots'
         # forwards); one slot keeps the runtime's default
         options = options.replace(tree=tree_from_args(args, manifest.tree),
