@@ -58,12 +58,12 @@ def matching_tensors(target_model, draft_model, vocab: int,
     return found
 
 
-def _same_bytes(model, vocab: int, folder: Path) -> dict[tuple, list]:
-    """{(data type, dims, sha256 digest): [initializer]} of `model`'s vocabulary-sized
-    initializers (read one at a time)."""
+def _same_bytes(model, kinds: set[tuple], folder: Path) -> dict[tuple, list]:
+    """{(data type, dims, sha256 digest): [initializer]} of `model`'s initializers whose
+    (data type, dims) is one of `kinds` (read one at a time; no other one is read)."""
     found: dict[tuple, list] = {}
     for t in model.graph.initializer:
-        if _vocab_sized(t, vocab):
+        if (t.data_type, tuple(t.dims)) in kinds:
             key = (t.data_type, tuple(t.dims), hashlib.sha256(tensor_bytes(t, folder)).digest())
             found.setdefault(key, []).append(t)
     return found
@@ -87,7 +87,8 @@ def share_weights(folder: Path, target: GraphEntry, draft: GraphEntry, vocab: in
     if not matches:
         return None
     prefill_model = onnx.load(str(folder / prefill.path), load_external_data=False) if prefill is not None else None
-    in_prefill = _same_bytes(prefill_model, vocab, folder) if prefill_model is not None else {}
+    kinds = {(t.data_type, tuple(t.dims)) for _, t, _ in matches}  # what the prefill graph could share
+    in_prefill = _same_bytes(prefill_model, kinds, folder) if prefill_model is not None else {}
     records, offset, digest = [], 0, hashlib.sha256()
     with open(folder / SHARED_WEIGHTS_FILE, "wb") as f:
         for role, t, d in matches:

@@ -180,7 +180,7 @@ def row_exact_default(manifest: Manifest) -> bool:
 
 class EagleRuntime:
     """An export folder loaded once: target + draft backends, KV buffers, tokenizer, decoded
-    as its `options` (an RuntimeOptions: the one set of defaults) say.
+    as its `options` (a RuntimeOptions: the one set of defaults) say.
 
     One request at a time owns the KV buffers. A request started from another thread while
     one runs waits until it has ended (requests from several threads are served one after

@@ -137,7 +137,7 @@ class RuntimeOptions:
         """`options` (default: RuntimeOptions()) with `changes`: what every loader does with its
         `options` argument and its keyword overrides."""
         if options is not None and not isinstance(options, RuntimeOptions):
-            raise TypeError(f"options must be an RuntimeOptions, got {type(options).__name__}")
+            raise TypeError(f"options must be a RuntimeOptions, got {type(options).__name__}")
         return (options or cls()).replace(**changes) if changes else (options or cls())
 
     @classmethod
@@ -148,8 +148,9 @@ class RuntimeOptions:
         `tree` (the tree flags resolved against the manifest) and `changes` on top. Raises
         SettingError; `cli_message` words it with the flag."""
         drafter = getattr(args, "drafter", None) or DEFAULT_DRAFTER
-        changes.setdefault("prefix_cache_mb", getattr(args, "prefix_cache_mb", None) or 0)
-        changes.setdefault("prefill_graph", getattr(args, "prefill_graph", None) or "auto")
+        for name in ("prefix_cache_mb", "prefill_graph"):  # flags some commands lack: the default then
+            if getattr(args, name, None) is not None:
+                changes.setdefault(name, getattr(args, name))
         return cls(backend=args.backend, tree=tree, threads=args.threads, drafter_kind=drafter,
                    planned=not args.always_draft, acceptance=args.acceptance, threshold=args.threshold,
                    verify=args.verify, **changes)
