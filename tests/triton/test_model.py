@@ -167,6 +167,21 @@ def test_worker_that_cannot_load_fails_initialize(model_module, tmp_path):
         model.initialize(model_args(tmp_path / "missing-export"))
 
 
+def test_runtime_parameters_reach_the_workers_runtime_options(model_module, tiny, tmp_path):
+    from eagle_deploy.triton.worker import load_runtime
+
+    model = model_module.TritonPythonModel()
+    with pytest.raises(model_module.WorkerGone):  # argv is built before the worker starts
+        model.initialize(model_args(tmp_path / "missing-export", prefill_graph="target", prefix_cache_mb="8"))
+    config = json.loads(model.argv[model.argv.index("--config") + 1])
+    assert config["prefill_graph"] == "target" and config["prefix_cache_mb"] == 8.0
+    rt, _, _ = load_runtime({**config, "engines": str(tiny)})
+    assert rt.options.prefill_graph == "target" and rt.options.prefix_cache_mb == 8.0
+    assert rt.prefix_cache is not None
+    rt, _, _ = load_runtime({"engines": str(tiny), "threads": 1})  # absent: RuntimeOptions' defaults
+    assert rt.options.prefill_graph == "auto" and rt.prefix_cache is None
+
+
 def test_per_request_errors_do_not_leak_between_requests(served):
     """A request id answered with an error never receives the next request's messages."""
     senders = [run(served, request("hi", max_tokens=n)) for n in (0, 3, -1, 3)]

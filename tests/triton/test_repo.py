@@ -40,6 +40,7 @@ def test_repository_layout_and_config(tiny, tmp_path):
     p = params_of(config)
     assert p["engines"] == str(tiny.absolute()) and p["threads"] == "2" and p["default_max_tokens"] == "64"
     assert p["backend"] == "auto" and p["acceptance"] == "lossless" and p["worker_python"] == sys.executable
+    assert p["prefill_graph"] == "auto" and p["prefix_cache_mb"] == "0.0"  # RuntimeOptions' defaults
     assert json.loads(p["tree"].replace('\\"', '"'))["total_tokens"] == 12
     assert p["EXECUTION_ENV_PATH"] == str(triton_env.default_env_dir().absolute())
     assert triton_env.env_ok(Path(p["EXECUTION_ENV_PATH"]))  # created on demand: a numpy<2 venv
@@ -51,7 +52,9 @@ def test_settings_are_checked_before_anything_is_written(tiny, tmp_path):
     for kw, message in [({"name": "a/b"}, "model name"), ({"instances": 0}, "instances"), ({"kind": "GPU"}, "kind"),
                         ({"backend": "cuda"}, "backend"), ({"threads": "many"}, "threads"),
                         ({"acceptance": "threshold", "threshold": 0}, "threshold"),
-                        ({"default_max_tokens": 0}, "default_max_tokens")]:
+                        ({"default_max_tokens": 0}, "default_max_tokens"),
+                        ({"prefill_graph": "int8"}, "prefill_graph"), ({"prefix_cache_mb": -1}, "prefix_cache_mb"),
+                        ({"prefix_cache_mb": float("nan")}, "prefix_cache_mb")]:
         with pytest.raises(ValueError, match=message):
             triton_repo.write_repo(tiny, out, execution_env="", **kw)
     with pytest.raises(TreeConfigError):
@@ -122,6 +125,11 @@ def test_cli(tiny, tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(out.absolute() / "m")
     config = (out / "m" / "config.pbtxt").read_text()
     assert "count: 2" in config and '\\"depth\\": 3' in config
+    assert triton_repo.main(["--engines", str(tiny), "--out", str(out), "--name", "p", "--execution-env", "",
+                             "--prefill-graph", "target", "--prefix-cache-mb", "64"]) == 0
+    capsys.readouterr()
+    p = params_of((out / "p" / "config.pbtxt").read_text())
+    assert p["prefill_graph"] == "target" and p["prefix_cache_mb"] == "64.0"
     assert triton_repo.main(["--engines", str(tiny), "--out", str(out), "--name", "m", "--execution-env", ""]) == 2
     assert "exists" in capsys.readouterr().err
     assert triton_repo.main(["--engines", str(tmp_path), "--out", str(out), "--name", "x", "--execution-env", ""]) == 2

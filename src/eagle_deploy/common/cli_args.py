@@ -157,6 +157,9 @@ LOSSY = "NOT LOSSLESS"
 BACKEND_NAMES = ("ort", "ort-cuda", "trt")  # engine backends, as `runtime.backends.load_backend` knows them
 
 
+# RuntimeOptions.prefill_graph: "auto" = the export's prefill graph (manifest `prefill`) for prompt
+# forwards where there is one and the backend is "ort"; "target" = target.onnx for every forward
+PREFILL_GRAPHS = ("auto", "target")
 VERIFY_CHOICES = ("fast", "full", "off")  # contract.verify.VERIFY_LEVELS (not imported: it needs the manifest)
 
 
@@ -198,7 +201,7 @@ def add_runtime_args(parser: argparse.ArgumentParser, threshold_effect: str, ver
                         help="ort = onnxruntime CPU; ort-cuda and trt need a CUDA GPU "
                              "(trt: engines from eagle-export --backend trt)")
     parser.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads per session")
-    parser.add_argument("--prefill-graph", default="auto", choices=["auto", "target"],
+    parser.add_argument("--prefill-graph", default="auto", choices=PREFILL_GRAPHS,
                         help="which graph runs prompt forwards: 'auto' = the export's int8 prefill graph where it has "
                              "one (eagle-export --prefill-weights int8) and the backend is ort, else the target graph; "
                              "'target' = the target graph always (decoding runs the target graph either way)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from eagle_deploy.common.cli_args import BACKEND_NAMES, DEFAULT_THRESHOLD, VERIFY_CHOICES
+from eagle_deploy.common.cli_args import BACKEND_NAMES, DEFAULT_THRESHOLD, PREFILL_GRAPHS, VERIFY_CHOICES
 from eagle_deploy.contract.errors import SettingError
 from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER, DRAFTER_KINDS, TreeConfig
 
@@ -28,9 +28,6 @@ FLAGS = {"backend": "--backend", "tree": "--tree", "threads": "--threads", "draf
          "planned": "--always-draft", "acceptance": "--acceptance", "threshold": "--threshold",
          "verify": "--verify", "prefill_chunk": "--prefill-chunk", "prefix_cache_mb": "--prefix-cache-mb",
          "prefill_graph": "--prefill-graph"}
-# RuntimeOptions.prefill_graph: "auto" = the export's prefill graph (manifest `prefill`) for prompt
-# forwards where there is one and the backend is "ort"; "target" = target.onnx for every forward
-PREFILL_GRAPHS = ("auto", "target")
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,9 @@ PARAMETER_DEFAULTS = {"engines": "", "worker_python": sys.executable, "worker_py
                       "default_max_tokens": "128", "load_timeout_s": "900", "cancel_poll_s": "0.05",
                       "stall_timeout_s": "600", "cancel_grace_s": "10",
                       # contract.tree_config.DEFAULT_DRAFTER (this file runs in the stub's venv, without the package)
-                      "drafter_kind": "hybrid", "always_draft": "false"}
+                      "drafter_kind": "hybrid", "always_draft": "false",
+                      # runtime.options.RuntimeOptions' defaults
+                      "prefill_graph": "auto", "prefix_cache_mb": "0"}
 
 
 class BadRequest(ValueError):
@@ -231,7 +233,8 @@ class TritonPythonModel:
         worker_config = {"engines": engines, "backend": p["backend"], "threads": int(threads),
                          "tree": json.loads(p["tree"]) if p["tree"] else None, "acceptance": p["acceptance"],
                          "threshold": float(p["threshold"]), "drafter": p["drafter"], "name": self.name,
-                         "drafter_kind": p["drafter_kind"], "planned": p["always_draft"].lower() != "true"}
+                         "drafter_kind": p["drafter_kind"], "planned": p["always_draft"].lower() != "true",
+                         "prefill_graph": p["prefill_graph"], "prefix_cache_mb": float(p["prefix_cache_mb"])}
         self.argv = [p["worker_python"], "-m", "eagle_deploy.triton.worker", "--config", json.dumps(worker_config)]
         self.env = dict(os.environ)
         # the stub's environment is not the worker's: do not leak its venv into the worker

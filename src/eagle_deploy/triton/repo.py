@@ -20,6 +20,9 @@ backends' generate endpoints (see model.py), and parameters:
   EXECUTION_ENV_PATH  the stub's numpy<2 venv (default: env.ensure_stub_env(), created if missing)
   drafter_kind, always_draft   where draft tokens come from and whether each round is planned
                                (as eagle-run's --drafter / --always-draft)
+  prefill_graph       auto | target: which graph runs prompt forwards (as eagle-run's --prefill-graph)
+  prefix_cache_mb     MiB of KV each instance keeps from earlier requests for later ones that
+                      start with the same tokens (as eagle-serve's --prefix-cache-mb; ort only; 0: off)
   drafter, worker_pythonpath   an optional drafter plugin ("module:callable", see worker.py)
 
 Other models already in DIR are left alone. Exits 2 on a bad setting or an unreadable export.
@@ -37,6 +40,7 @@ import tempfile
 from pathlib import Path
 
 from eagle_deploy.common.cli_args import (
+    PREFILL_GRAPHS,
     HelpFormatter,
     add_drafter_args,
     add_tree_args,
@@ -107,7 +111,7 @@ def write_repo(engines, out, *, name: str = "eagle", instances: int = 1, kind: s
                acceptance: str = "lossless", threshold: float = 0.3, default_max_tokens: int = 128,
                execution_env=None, worker_python=None, copy_engines: bool = False, drafter: str = "",
                worker_pythonpath: str = "", force: bool = False, drafter_kind: str = DEFAULT_DRAFTER,
-               always_draft: bool = False) -> Path:
+               always_draft: bool = False, prefill_graph: str = "auto", prefix_cache_mb: float = 0) -> Path:
     """Write model `name` for export folder `engines` into repository `out`; return the model
     folder. execution_env None -> the stub venv (created if missing, see env.py); "" -> no
     EXECUTION_ENV_PATH (the stub then uses the Python it finds, e.g. a stock Triton image's).
@@ -138,6 +142,12 @@ def write_repo(engines, out, *, name: str = "eagle", instances: int = 1, kind: s
                          f"got {acceptance!r}, {threshold}")
     if drafter_kind not in DRAFTER_KINDS:
         raise ValueError(f"drafter_kind must be one of {', '.join(DRAFTER_KINDS)}, got {drafter_kind!r}")
+    if prefill_graph not in PREFILL_GRAPHS:
+        raise ValueError(f"prefill_graph (--prefill-graph) must be one of {', '.join(PREFILL_GRAPHS)}, "
+                         f"got {prefill_graph!r}")
+    if isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, (int, float)) or not (
+            0 <= prefix_cache_mb < float("inf")):
+        raise ValueError(f"prefix_cache_mb (--prefix-cache-mb) must be a number >= 0, got {prefix_cache_mb!r}")
     if not isinstance(default_max_tokens, int) or default_max_tokens < 1:
         raise ValueError("default_max_tokens (--default-max-tokens) must be an integer >= 1, got "
                          f"{default_max_tokens!r}")
@@ -155,7 +165,8 @@ def write_repo(engines, out, *, name: str = "eagle", instances: int = 1, kind: s
               "tree": json.dumps(tree.to_json()) if tree is not None else "", "acceptance": acceptance,
               "threshold": str(float(threshold)), "default_max_tokens": str(default_max_tokens),
               "worker_python": str(Path(worker_python or sys.executable).absolute()),
-              "drafter_kind": drafter_kind, "always_draft": "true" if always_draft else "false"}
+              "drafter_kind": drafter_kind, "always_draft": "true" if always_draft else "false",
+              "prefill_graph": prefill_graph, "prefix_cache_mb": str(float(prefix_cache_mb))}
     if execution_env:
         params["EXECUTION_ENV_PATH"] = str(Path(execution_env).absolute())
     if drafter:
@@ -195,6 +206,13 @@ def add_repo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, default=0.3, help="probability threshold for --acceptance threshold")
     p.add_argument("--default-max-tokens", type=int, default=128, help="max_tokens when a request gives none")
     add_drafter_args(p)
+    p.add_argument("--prefill-graph", default="auto", choices=PREFILL_GRAPHS,
+                   help="which graph runs prompt forwards: 'auto' = the export's int8 prefill graph where it has one "
+                        "and the backend is ort, else the target graph; 'target' = the target graph always")
+    p.add_argument("--prefix-cache-mb", type=float, default=0.0, metavar="MB",
+                   help="MiB of KV each instance keeps from earlier requests and reuses, bit for bit, for later "
+                        "ones that start with the same tokens (a chat's next turn, a shared system prompt); "
+                        "ort only; 0: off")
     p.add_argument("--execution-env", default=None,
                    help="EXECUTION_ENV_PATH for the Python-backend stub (a numpy<2 venv); default: "
                         "<sys.prefix>/triton-stub-env, created if missing; '' for none")
@@ -250,7 +268,8 @@ def repo_kwargs(args) -> dict:
                 acceptance=args.acceptance, threshold=args.threshold, default_max_tokens=args.default_max_tokens,
                 execution_env=args.execution_env, worker_python=args.worker_python,
                 copy_engines=args.copy_engines, force=args.force, drafter_kind=args.drafter,
-                always_draft=args.always_draft)
+                always_draft=args.always_draft, prefill_graph=args.prefill_graph,
+                prefix_cache_mb=args.prefix_cache_mb)
 
 
 if __name__ == "__main__":

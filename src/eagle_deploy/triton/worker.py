@@ -49,6 +49,8 @@ from eagle_deploy.contract.tree_config import DEFAULT_DRAFTER
 # every file of the export (contract/verify.py), as eagle-serve does
 DEFAULTS = {"backend": "auto", "threads": 0, "tree": None, "acceptance": "lossless", "threshold": 0.3,
             "drafter": "", "name": "eagle", "drafter_kind": DEFAULT_DRAFTER, "planned": True, "verify": "full"}
+# worker config keys passed to RuntimeOptions as they are, when given (its defaults otherwise)
+RUNTIME_KEYS = ("prefill_graph", "prefix_cache_mb")
 
 
 # a Request field -> the model's input that carries it (errors name the input)
@@ -84,7 +86,8 @@ def load_runtime(config: dict, host=None, round_observers=()):
     threshold = float(config["threshold"]) if config["acceptance"] == "threshold" else None
     options = RuntimeOptions(backend=backend, tree=tree, threads=threads, acceptance=config["acceptance"],
                             threshold=threshold, drafter_kind=str(config["drafter_kind"]),
-                            planned=bool(config["planned"]), verify=str(config["verify"]))  # files vs manifest
+                            planned=bool(config["planned"]), verify=str(config["verify"]),  # files vs manifest
+                            **{k: config[k] for k in RUNTIME_KEYS if k in config})
     rt = EagleRuntime.load(folder, options, drafter=drafter, round_observers=round_observers)
     return rt, backend, reason
 
