@@ -398,12 +398,13 @@ def test_io_mismatch_is_pure_and_none_when_equal():
     assert io_mismatch(inputs, inputs[:1])[0] == "[1]"
 
 
-def test_runs_without_the_draft_graph_leave_out_its_notes():
-    """--vanilla and the lookup drafter never open the draft graph: its quantisation note is not
-    theirs, the target's notes are."""
+def test_runs_print_the_notes_that_bear_on_their_output():
+    """A quantised draft graph changes proposals only, never a committed token: eagle-run and
+    eagle-serve leave its note out (it stays in the manifest and eagle-run --json); the target's
+    notes are printed."""
     from eagle_deploy.contract.manifest import DRAFT_GRAPH_NOTE
 
     draft_note = f"{DRAFT_GRAPH_NOTE}quantised to int8 (its proposals only)"
     m = _manifest(notes=("target quantised to int4", draft_note))
-    assert m.notes_for(True) == ("target quantised to int4", draft_note)
-    assert m.notes_for(False) == ("target quantised to int4",)
+    assert m.notes == ("target quantised to int4", draft_note)
+    assert m.output_notes == ("target quantised to int4",)  # a draft graph's quantisation changes no token

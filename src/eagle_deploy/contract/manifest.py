@@ -94,10 +94,12 @@ class Manifest(Record):
     shared_weights: Optional[SharedWeights] = omitted(None)  # weights both graphs use, stored once
     files: dict[str, FileRecord]  # every file of the folder but the manifest
 
-    def notes_for(self, draft_graph: bool) -> tuple[str, ...]:
-        """The notes a run should print: all of them, or (draft_graph False: vanilla decoding,
-        the lookup drafter) those not about the draft graph (they start DRAFT_GRAPH_NOTE)."""
-        return self.notes if draft_graph else tuple(n for n in self.notes if not n.startswith(DRAFT_GRAPH_NOTE))
+    @property
+    def output_notes(self) -> tuple[str, ...]:
+        """The notes a run prints: those that bear on the committed tokens (a quantised target),
+        not those about the draft graph alone (they start DRAFT_GRAPH_NOTE: a quantised draft
+        graph changes proposals only, never the output)."""
+        return tuple(n for n in self.notes if not n.startswith(DRAFT_GRAPH_NOTE))
 
     @property
     def graph_names(self) -> tuple[str, ...]:

@@ -162,8 +162,7 @@ def main(argv=None) -> int:
         rt.prompt_ids(request)  # a too long prompt fails before any note or forward
         rt.grammar_for(request)  # and a schema the grammar engine refuses
         draft_graph = mode == "eagle" and uses_draft_graph(options.drafter_kind)  # --vanilla never opens it either
-        notes = manifest.notes_for(draft_graph)
-        for note in notes:
+        for note in manifest.output_notes:
             print(f"note: {note}", file=sys.stderr)
         if args.acceptance != "lossless":
             print(f"note: --acceptance {args.acceptance} is {LOSSY}: output does not follow the target distribution",
@@ -194,7 +193,8 @@ def main(argv=None) -> int:
         return 3
     if args.json:
         out = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-               "stats": {**result.stats.to_json(), **comparison}, "memory": memory, "notes": notes}
+               "stats": {**result.stats.to_json(), **comparison}, "memory": memory,
+               "notes": list(manifest.notes)}
         if result.logprobs is not None:
             out["logprobs"] = [{"token": e.token, "logprob": e.logprob, "top": [list(t) for t in e.top]}
                                for e in result.logprobs]

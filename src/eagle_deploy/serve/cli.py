@@ -233,7 +233,7 @@ def main(argv=None) -> int:
         print(f"eagle-serve: error: backend {args.backend!r} unavailable: {err}", file=sys.stderr)
         return 3
     draft_graph = uses_draft_graph(options.drafter_kind)
-    for note in manifest.notes_for(draft_graph):
+    for note in manifest.output_notes:
         print(f"note: {note}", file=sys.stderr)
     if args.acceptance != "lossless":
         print(f"note: --acceptance threshold is {LOSSY}: responses do not follow the target distribution",
