@@ -408,3 +408,35 @@ def test_runs_print_the_notes_that_bear_on_their_output():
     m = _manifest(notes=("target quantised to int4", draft_note))
     assert m.notes == ("target quantised to int4", draft_note)
     assert m.output_notes == ("target quantised to int4",)  # a draft graph's quantisation changes no token
+
+
+def test_a_draft_head_of_several_layers_round_trips_and_old_manifests_read_as_one(tmp_path):
+    """`draft.extra.num_layers` (the head's decoder layers, each with its KV in the draft
+    graph's I/O): written when not 1, read back; a manifest without it reads as 1 layer."""
+    for layout in c.KV_LAYOUTS:
+        d_in, d_out = c.draft_io("float32", 10, layout, num_layers=2)
+        assert [s.name for s in d_in][-4:] == [c.past_name(0, "key"), c.past_name(0, "value"),
+                                               c.past_name(1, "key"), c.past_name(1, "value")]
+        draft = _manifest().draft.replace(inputs=d_in, outputs=d_out, num_layers=2,
+                                          ragged_batch=layout == c.KV_SHARED)
+        m = _manifest(draft=draft)
+        m.save(tmp_path)
+        extra = json.loads((tmp_path / c.MANIFEST_FILE).read_text())["draft"]["extra"]
+        assert extra["num_layers"] == 2
+        loaded = Manifest.load(tmp_path)
+        assert loaded == m and loaded.draft.num_layers == 2 and loaded.draft.num_kv_layers() == 2
+    old = _data()
+    assert "num_layers" not in old["draft"]["extra"]  # a one-layer head: the key left out, as before
+    assert Manifest.from_json(old).draft.num_layers == 1
+
+
+def test_a_draft_layer_count_that_contradicts_the_graphs_kv_is_one_line():
+    d_in, d_out = c.draft_io("float32", 10, num_layers=2)
+    two = _data(draft=_manifest().draft.replace(inputs=d_in, outputs=d_out, num_layers=2))
+    del two["draft"]["extra"]["num_layers"]  # two layers of KV, the count left out
+    assert "draft.extra.num_layers: expected 2 (draft.inputs holds the KV of 2 layers), found nothing" in _error(two)
+    one = _data()
+    one["draft"]["extra"]["num_layers"] = 3
+    assert "draft.extra.num_layers: expected 1 (draft.inputs holds the KV of 1 layers), found 3" in _error(one)
+    one["draft"]["extra"]["num_layers"] = 0
+    assert "draft.extra.num_layers: expected an integer >= 1, found 0" in _error(one)

@@ -474,3 +474,41 @@ def test_answers_from_an_export_of_the_target(gqa, mha, prompts, tmp_path, capsy
                 "--prompts", str(prompts), *SMALL, *extra]
         assert cli.main(argv) == 2
         assert says in capsys.readouterr().err and not (tmp_path / "t2").exists()
+
+
+def test_head_layers_trains_and_writes_a_deeper_eagle_head(gqa, prompts, tmp_path, capsys):
+    """--head-layers 2: a 2-layer EAGLE-1/2 head (config num_hidden_layers 2, layer 1 with its
+    input norm) that loads back; with --init-from-layer L its layer i starts as target layer
+    L + i; a start past the target's layers, or an --init-head of another depth, is refused
+    before any stage."""
+    import torch
+    from safetensors.torch import load_file as load_torch
+
+    from eagle_deploy.heads.api import load_head
+
+    out, work = tmp_path / "deep", tmp_path / "work"
+    log = _train(gqa, prompts, out, work, capsys, "--head-layers", "2")
+    assert "arch eagle (2 head layers)" in log and "train: cached head" not in log
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    tensors = load_file(out / "model.safetensors")
+    assert "layers.1.input_layernorm.weight" in tensors and "layers.0.input_layernorm.weight" not in tensors
+    assert load_head(out, gqa.hf).dims.num_layers == 2
+
+    copied = tmp_path / "copied"  # lr 0: the written head is its start, the target's layers 0 and 1
+    log = _train(gqa, prompts, copied, work, capsys, "--head-layers", "2", "--init-from-layer", "0", "--lr", "0")
+    assert "train: cached head" not in log
+    head, target = load_torch(str(copied / "model.safetensors")), gqa.hf.state_dict()
+    for i in (0, 1):
+        for name in ("self_attn.q_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight"):
+            assert torch.equal(head[f"layers.{i}.{name}"], target[f"model.layers.{i}.{name}"]), (i, name)
+    assert torch.equal(head["layers.1.input_layernorm.weight"], target["model.layers.1.input_layernorm.weight"])
+
+    fresh = tmp_path / "fresh"
+    assert cli.main(["--model", str(gqa.target_dir), "--out", str(tmp_path / "x"), "--work", str(fresh),
+                     "--prompts", str(prompts), *SMALL, "--head-layers", "2", "--init-from-layer", "1"]) == 2
+    assert ("--init-from-layer 1 needs target layers 1..2, but the target has layers 0..1"
+            in capsys.readouterr().err) and not (fresh / "data").exists()
+    assert cli.main(["--model", str(gqa.target_dir), "--out", str(tmp_path / "x"), "--work", str(fresh),
+                     "--prompts", str(prompts), *SMALL, "--init-head", str(out)]) == 2
+    assert f"--init-head {out} has 2 decoder layers, not --head-layers 1" in capsys.readouterr().err
+    assert not (fresh / "data").exists()

@@ -184,3 +184,12 @@ def test_eval_says_a_missing_prompt_file_does_not_exist(tmp_path, capsys):
     assert ev.main(_eval(tmp_path, "--prompts", "no-such-set")) == 2  # a set's name: as before
     assert _error(capsys) == ("eagle-eval: error: unknown prompt set 'no-such-set': expected humaneval, chat, train "
                               "or a JSONL file ({\"prompt\": ...} per line)")
+
+
+def test_train_refuses_head_layers_with_eagle3_or_below_one(tmp_path, prompts, capsys):
+    assert cli.main(_train(tmp_path, prompts, "--head-layers", "2", "--arch", "eagle3")) == 2
+    assert _error(capsys) == ("eagle-train: error: --head-layers 2 applies to EAGLE-1/2 heads only (--arch eagle): an "
+                              "EAGLE-3 head has one decoder layer")
+    assert cli.main(_train(tmp_path, prompts, "--head-layers", "0")) == 2
+    assert _error(capsys) == "eagle-train: error: --head-layers must be an integer >= 1, got 0"
+    assert not (tmp_path / "work").exists()

@@ -271,7 +271,12 @@ def _check_draft(graph: DraftEntry, dims: Dims) -> None:
     if isinstance(found_k, int) and found_k != top_k:
         raise failed("draft", "graph_top_k", expected=f"{found_k} (the last dimension of draft.outputs "
                                                       f"{c.TOPK_IDS!r})")
-    _check_contract(graph, "draft", *c.draft_io(graph.dtype, top_k, graph.kv_layout, head.tapped_width(dims.hidden)))
+    past = [s.name for s in graph.inputs if s.name.startswith("past_key_values.")]
+    found = len(past) // 2
+    if found != graph.num_layers and past == [p for p, _ in c.kv_names(found)]:
+        raise failed("draft", "num_layers", expected=f"{found} (draft.inputs holds the KV of {found} layers)")
+    _check_contract(graph, "draft", *c.draft_io(graph.dtype, top_k, graph.kv_layout, head.tapped_width(dims.hidden),
+                                                graph.num_layers))
 
 
 def _check_prefill(graph: GraphEntry, target: GraphEntry, taken: tuple[str, ...]) -> None:

@@ -195,7 +195,9 @@ class DraftEntry(GraphEntry):
     any top_k up to it), trained (False: a random head), draft_vocab_size (tokens the head can
     propose: the vocabulary when not reduced), draft_vocab_file (those ids, .npy, when reduced),
     draft_vocab_source (how they were ranked: one of DRAFT_VOCAB_SOURCES), max_position_embeddings
-    (the head's own position limit), head (its kind and geometry). JSON: the graph's `extra`."""
+    (the head's own position limit), head (its kind and geometry), num_layers (the head's
+    decoder layers, each with its KV in the graph's I/O; left out of the JSON when 1, so a
+    manifest without it reads as 1). JSON: the graph's `extra`."""
 
     graph_top_k: Annotated[at_least(1), _extra("graph_top_k")]
     draft_vocab_size: Annotated[at_least(1), _extra("draft_vocab_size")]
@@ -205,6 +207,7 @@ class DraftEntry(GraphEntry):
     draft_vocab_source: Annotated[Optional[Literal[DRAFT_VOCAB_SOURCES]], _extra("draft_vocab_source")] = \
         omitted(None)
     max_position_embeddings: Annotated[at_least(2), _extra("max_position_embeddings")]
+    num_layers: Annotated[at_least(1), _extra("num_layers")] = omitted(1)
 
     @property
     def head_kind(self) -> str:

@@ -27,7 +27,10 @@ buffer is contiguous; the runtime binds each `present` output straight into its 
 row `past_seq`.
 
 Draft graph (`draft.onnx`): the EAGLE-1/2 draft head (arXiv 2401.15077 §3): FC over
-[token embedding; feature], one decoder layer without input norm, the target's LM head.
+[token embedding; feature], the head's decoder layers (the first without input norm, any
+later ones ordinary pre-norm layers: heads/eagle12.py), the target's LM head. The head has
+`draft.extra.num_layers` layers (`DraftEntry.num_layers`; 1 when the manifest leaves it
+out, as every published EAGLE-1/2 head and every EAGLE-3 head has), each with its own cache.
 
 | name | dtype | shape | meaning |
 |---|---|---|---|
@@ -36,11 +39,11 @@ Draft graph (`draft.onnx`): the EAGLE-1/2 draft head (arXiv 2401.15077 §3): FC 
 | `position_ids` | int64 | [batch, seq] | p, the position of the feature |
 | `attention_mask` | bool | [batch, seq, total_seq] | as for the target |
 | `logits_indices` | int64 | [batch, num_logits] | positions whose top-k is computed |
-| `past_key_values.0.key` / `.value` | T | [past_seq, batch, kv_heads, head_dim] | the head's own cache |
+| `past_key_values.{i}.key` / `.value` | T | [past_seq, batch, kv_heads, head_dim] | the head's own cache, layer i |
 | `next_features` (out) | T | [batch, seq, hidden] | predicted feature at position p+1 |
 | `topk_logprobs` (out) | float32 | [batch, num_logits, top_k] | head's next-token log-softmax, top-k, descending |
 | `topk_ids` (out) | int64 | [batch, num_logits, top_k] | token ids of those entries (full target vocabulary) |
-| `present.0.key` / `.value` (out) | T | [seq, batch, kv_heads, head_dim] | KV of the new rows |
+| `present.{i}.key` / `.value` (out) | T | [seq, batch, kv_heads, head_dim] | KV of the new rows, layer i |
 
 No full-vocabulary logits leave the draft graph.
 
@@ -280,12 +283,14 @@ def target_io(num_layers: int, dtype: str, kv_layout: str = KV_SEQ_MAJOR,
     return _common_inputs() + past, outputs + present
 
 
-def draft_io(dtype: str, top_k: int, kv_layout: str = KV_SEQ_MAJOR,
-             tapped_width: int | None = None) -> tuple[list[TensorSpec], list[TensorSpec]]:
+def draft_io(dtype: str, top_k: int, kv_layout: str = KV_SEQ_MAJOR, tapped_width: int | None = None,
+             num_layers: int = 1) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """(inputs, outputs) of the draft graph, in graph order. tapped_width: taps x target
     hidden of an EAGLE-3 head (inputs `tapped_features` then `features`, rows concatenated);
-    None for EAGLE-1/2 (`features` only). `hidden` here is the head's own width."""
-    past, present = _kv_specs(1, dtype, kv_layout)
+    None for EAGLE-1/2 (`features` only). `hidden` here is the head's own width. num_layers:
+    the head's decoder layers (a past/present pair of key and value each). ValueError for an
+    unknown kv_layout."""
+    past, present = _kv_specs(num_layers, dtype, kv_layout)
     if tapped_width:
         head = [TensorSpec(TAPPED_FEATURES, dtype, ("batch", "tapped_rows", tapped_width)),
                 TensorSpec(FEATURES, dtype, ("batch", "own_rows", "hidden"))]

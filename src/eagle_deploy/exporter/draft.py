@@ -23,11 +23,12 @@ class ExportableDraft(nn.Module):
     """Draft graph forward following `contract.py`: the head, then the top-k of its
     log-softmax computed in-graph at `logits_indices`.
 
-    forward(features, input_ids, position_ids, attention_mask, logits_indices, past_k, past_v)
-    -> (next_features [B,S,H], topk_logprobs [B,N,K] f32, topk_ids [B,N,K] int64, present_k, present_v).
+    forward(features, input_ids, position_ids, attention_mask, logits_indices, *past (2 per
+    head layer)) -> (next_features [B,S,H], topk_logprobs [B,N,K] f32, topk_ids [B,N,K] int64,
+    *present (2 per head layer)); one layer: past_k, past_v in, present_k, present_v out.
     `draft_vocab` (optional [V'] int64 ids) restricts the head's LM head to those target
     tokens (a reduced draft vocabulary, as in FR-Spec); ids come back in the full vocabulary.
-    kv_layout "shared": the head's layer on fused operators (exporter/fused.py), KV as for
+    kv_layout "shared": the head's layers on fused operators (exporter/fused.py), KV as for
     ExportableTarget.
     """
 
@@ -37,9 +38,10 @@ class ExportableDraft(nn.Module):
         self.head = head
         self.top_k = top_k
         self.kv_layout = kv_layout
-        # the head's layer on fused operators, outside the module tree (the head owns the weights)
-        self.__dict__["_fused_layer"] = (FusedDecoderLayer(head.layers[0], head.dims, input_norm=False)
-                                         if kv_layout == KV_SHARED else None)
+        # the head's layers on fused operators, outside the module tree (the head owns the
+        # weights); the first without input norm, as in the head
+        self.__dict__["_fused_layers"] = ([FusedDecoderLayer(layer, head.dims, input_norm=i > 0)
+                                           for i, layer in enumerate(head.layers)] if kv_layout == KV_SHARED else None)
         self.embed = head.embed  # registered here so the tracer sees the shared weights as parameters
         W = head.lm_head.weight
         if draft_vocab is not None:
@@ -49,22 +51,28 @@ class ExportableDraft(nn.Module):
             self.draft_vocab = None
             self.lm_weight = W
 
-    def forward(self, features, input_ids, position_ids, attention_mask, logits_indices, past_k, past_v):
-        if self._fused_layer is None:
-            x, k, v = self.head(features, input_ids, position_ids, attention_mask, past_k, past_v)
+    def forward(self, features, input_ids, position_ids, attention_mask, logits_indices, *past):
+        if self._fused_layers is None:
+            x, *presents = self.head(features, input_ids, position_ids, attention_mask, *past)
             rows = gather_positions(x, logits_indices)
         else:
+            if len(past) != 2 * len(self._fused_layers):
+                raise ValueError(f"an EAGLE head of {len(self._fused_layers)} layers takes "
+                                 f"{2 * len(self._fused_layers)} past KV tensors, got {len(past)}")
             x = self.head.fc_input(features, input_ids)
             f = fused_inputs(position_ids, attention_mask, self.head.rotary, x.dtype,
                              rotary_rows(self.head.dims.max_position_embeddings))
-            pending, x, k, v = self._fused_layer(None, x, f, past_k, past_v)
+            pending, presents = None, []
+            for i, layer in enumerate(self._fused_layers):  # each layer's residual addition fused into the next norm
+                pending, x, k, v = layer(pending, x, f, past[2 * i], past[2 * i + 1])
+                presents += [k, v]
             x = x + pending
             rows = gather_rows(x, logits_indices)
         logits = as_float32(torch.matmul(rows, self.lm_weight.t()))  # (B, N, V')
         logprobs, ids = torch.topk(torch.log_softmax(logits, dim=-1), self.top_k, dim=-1)
         if self.draft_vocab is not None:
             ids = self.draft_vocab[ids]
-        return x, logprobs, ids, k, v
+        return (x, logprobs, ids, *presents)
 
 
 class _FusedEagle3Layer(nn.Module):

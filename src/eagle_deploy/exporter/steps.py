@@ -127,9 +127,9 @@ class TargetOnnxFromHF:
 @dataclass
 class DraftOnnxFromHead:
     """EAGLE-1/2 head (EagleHead) or EAGLE-3 head (Eagle3Head) bound to its target ->
-    draft.onnx with in-graph top-k; returns its DraftEntry with the head's HeadRecord
-    (trained=True: the caller records a random head). An EAGLE-3 head brings its own draft
-    vocabulary (`draft_vocab` must be None)."""
+    draft.onnx with in-graph top-k; returns its DraftEntry with the head's HeadRecord and
+    decoder layer count (trained=True: the caller records a random head). An EAGLE-3 head
+    brings its own draft vocabulary (`draft_vocab` must be None)."""
 
     dtype: str = "float32"
     top_k: int = 10
@@ -149,14 +149,15 @@ class DraftOnnxFromHead:
             record = HeadRecord(kind="eagle")
             vocab_size = int(len(self.draft_vocab)) if self.draft_vocab is not None else head.dims.vocab
             tapped = None
-        inputs, outputs = c.draft_io(self.dtype, self.top_k, self.kv_layout, tapped)
-        args = trace_inputs(head.dims, TORCH_DTYPES[self.dtype], 1, hidden_input=True, kv_layout=self.kv_layout,
+        layers = head.dims.num_layers  # the head's decoder layers (EAGLE-3: 1)
+        inputs, outputs = c.draft_io(self.dtype, self.top_k, self.kv_layout, tapped, layers)
+        args = trace_inputs(head.dims, TORCH_DTYPES[self.dtype], layers, hidden_input=True, kv_layout=self.kv_layout,
                             tapped_width=tapped)
         OnnxFromModule(self.external_data)(module, args, inputs, outputs, Path(folder) / c.DRAFT_FILE)
         return DraftEntry(path=c.DRAFT_FILE, dtype=self.dtype, inputs=inputs, outputs=outputs,
                           graph_top_k=self.top_k, trained=True, draft_vocab_size=vocab_size,
                           max_position_embeddings=head.dims.max_position_embeddings, head=record,
-                          ragged_batch=self.kv_layout == c.KV_SHARED)
+                          ragged_batch=self.kv_layout == c.KV_SHARED, num_layers=layers)
 
 
 @dataclass

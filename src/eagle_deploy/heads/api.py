@@ -42,7 +42,8 @@ def load_head(head_dir: Path, target: nn.Module) -> EagleHead | Eagle3Head:
 
 def random_head(target: nn.Module, seed: int = 0, kind: str = "eagle", **options) -> EagleHead | Eagle3Head:
     """An untrained head of `kind` for `target` (tests, the demo, eagle-train's start).
-    options: "eagle" takes fc_bias; "eagle3" takes draft_ids and the config keywords of
+    options: "eagle" takes fc_bias and num_layers (decoder layers, default 1:
+    `eagle12.random_eagle12_head`); "eagle3" takes draft_ids and the config keywords of
     `eagle3.random_eagle3_head`."""
     if kind not in RANDOM_HEADS:
         raise ValueError(f"head kind {kind!r} is not one of {', '.join(RANDOM_HEADS)}")

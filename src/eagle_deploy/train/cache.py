@@ -192,7 +192,8 @@ def head_key(data: TokenData, settings: TrainSettings, target: dict, init_head: 
            **({"init_head": init_head} if init_head is not None else {}),
            **({"max_steps": s.max_steps} if s.max_steps else {}),
            **({"max_seq_len": s.max_seq_len} if s.max_seq_len != MAX_SEQ_LEN else {}),
-           **({"prompt_positions": True} if s.prompt_positions else {})}
+           **({"prompt_positions": True} if s.prompt_positions else {}),
+           **({"head_layers": s.head_layers} if s.head_layers != 1 else {})}
     if s.arch == "eagle3":  # feature_layers as the flag parsed them: a list (a tuple is another key)
         key.update(arch="eagle3", draft_vocab=s.draft_vocab,
                    feature_layers=list(s.feature_layers) if s.feature_layers is not None else None)

@@ -101,8 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "so a prompt's text adds training positions without more generation (a step costs the "
                         "same); validation stays on response positions. Measured on SmolLM2: no τ gain "
                         "(docs/guide-training.md), so off by default")
+    p.add_argument("--head-layers", type=int, default=TrainSettings.head_layers, metavar="N",
+                   help="--arch eagle: decoder layers of the head (config.json num_hidden_layers). The first takes "
+                        "fc's output without an input norm, as in EAGLE; the others are ordinary pre-norm layers. "
+                        "1 is the published EAGLE-1/2 head; more layers cost more per draft forward (refused with "
+                        "--arch eagle3: one layer) (default: %(default)s)")
     p.add_argument("--init-from-layer", type=int, default=None,
-                   help="initialise the head's layer from this target layer")
+                   help="initialise the head's layer from this target layer (with --head-layers N: head layer i "
+                        "from this target layer + i, the N of them all target layers)")
     p.add_argument("--init-head", type=Path, default=None, metavar="HEAD_DIR",
                    help="start from this trained head (published layout, of --arch's kind, for the same target) "
                         "instead of a random one (SmolLM2's shipped head: src/eagle_deploy/data/heads/smollm2-135m): "
@@ -155,7 +161,8 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         feature_layers=args.feature_layers, max_sequences=args.max_sequences, prompts=args.prompts,
         decontaminate=args.decontaminate, data=args.data or (), device=args.device, seed=args.seed,
         max_steps=args.max_steps, max_seq_len=args.max_seq_len, prompt_positions=args.prompt_positions,
-        init_from_layer=args.init_from_layer, init_head=args.init_head, torch_dtype=args.torch_dtype,
+        init_from_layer=args.init_from_layer, head_layers=args.head_layers, init_head=args.init_head,
+        torch_dtype=args.torch_dtype,
         cache_features=not args.no_cache_features, gen_time_budget_min=args.gen_time_budget_min,
         features_time_budget_min=args.features_time_budget_min, data_dir=args.data_dir,
         answers_from=args.answers_from, stop_after=args.stop_after)

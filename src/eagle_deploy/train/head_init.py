@@ -1,7 +1,8 @@
 """The head eagle-train starts from: a trained one (--init-head, checked against the run's
-settings before any stage), else a new one with the target's geometry (EAGLE-3: its draft
-vocabulary and LM head taken from the data's most frequent response tokens), optionally with
-its layer copied from a target layer (--init-from-layer)."""
+settings before any stage), else a new one with the target's geometry and --head-layers
+decoder layers (EAGLE-3: its draft vocabulary and LM head taken from the data's most frequent
+response tokens), optionally with its layers copied from consecutive target layers
+(--init-from-layer)."""
 from __future__ import annotations
 
 import hashlib
@@ -61,6 +62,9 @@ def load_init_head(settings: TrainSettings, hf, log) -> InitHead | None:
     if kind != settings.arch:
         raise ValueError(f"--init-head {folder} is an {'EAGLE-3' if kind == 'eagle3' else 'EAGLE-1/2'} head but "
                          f"--arch is {settings.arch}")
+    if kind == "eagle" and head.dims.num_layers != settings.head_layers:
+        raise ValueError(f"--init-head {folder} has {head.dims.num_layers} decoder layers, not --head-layers "
+                         f"{settings.head_layers}")
     if kind == "eagle3":
         layers, size = tuple(head.cfg.feature_layers), len(head.draft_to_target)
         if layers != feature_layers(settings, hf):
@@ -115,13 +119,26 @@ def draft_ids(counts, size: int, eos_ids: Sequence[int]) -> np.ndarray:
     return best_ranked(-counts, size, list(eos_ids))
 
 
+def check_init_from_layer(settings: TrainSettings, hf) -> None:
+    """--init-from-layer L with --head-layers N needs target layers L..L+N-1: ValueError
+    otherwise (before any stage runs)."""
+    layer, n, total = settings.init_from_layer, settings.head_layers, hf.config.num_hidden_layers
+    if layer is not None and not 0 <= layer <= total - n:
+        need = f"target layers {layer}..{layer + n - 1}" if n > 1 else f"target layer {layer}"
+        raise ValueError(f"--init-from-layer {layer} needs {need}, but the target has layers 0..{total - 1}")
+
+
 def init_from_layer(head, hf, layer: int) -> None:
-    """Copy target layer `layer`'s attention, MLP and post-attention norm into the head's layer."""
-    src = hf.model.layers[layer]
-    dst = head.layers[0]
+    """Copy target layer `layer + i`'s attention, MLP and norms into the head's layer i, for
+    each of the head's layers (layer 0 has no input norm: the target layer's is not copied).
+    IndexError past the target's last layer (check_init_from_layer says so up front)."""
     with torch.no_grad():
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            getattr(dst.self_attn, name).weight.copy_(getattr(src.self_attn, name).weight)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(dst.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
-        dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+        for i, dst in enumerate(head.layers):
+            src = hf.model.layers[layer + i]
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(dst.self_attn, name).weight.copy_(getattr(src.self_attn, name).weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(dst.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
+            dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+            if i > 0:
+                dst.input_layernorm.weight.copy_(src.input_layernorm.weight)

@@ -73,6 +73,7 @@ def run(settings: TrainSettings) -> TrainResult:
     if settings.draft_vocab is not None and not 1 <= settings.draft_vocab <= vocab:
         raise ValueError(f"--draft-vocab {settings.draft_vocab} must be in [1, {vocab}]")
     head_init.feature_layers(settings, hf)  # bad --feature-layers fail here, before the data and feature stages
+    head_init.check_init_from_layer(settings, hf)  # and an --init-from-layer past the target's layers
     init = head_init.load_init_head(settings, hf, session.log)  # and a bad --init-head
     timings = {}
     t = time.perf_counter()

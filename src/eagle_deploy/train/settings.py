@@ -105,6 +105,7 @@ class TrainSettings:
     max_seq_len: int = MAX_SEQ_LEN
     prompt_positions: bool = False
     init_from_layer: int | None = None
+    head_layers: int = 1  # decoder layers of an EAGLE-1/2 head (heads/eagle12.py)
     init_head: Path | None = None
     torch_dtype: str = "fp32"
     cache_features: bool = True  # --no-cache-features: False
@@ -136,7 +137,8 @@ class TrainSettings:
     def check(self) -> None:
         """Raise ValueError (FileNotFoundError for a missing --data or --decontaminate file) for
         what the settings alone show wrong, before anything is read or loaded: --device's form,
-        --feature-layers without --arch eagle3, a missing input file, an output folder (--out,
+        --feature-layers without --arch eagle3, --head-layers below 1 or with --arch eagle3, a
+        missing input file, an output folder (--out,
         --work, --data-dir) that is a file or cannot be written (found once at the end of a run
         that had generated data for half an hour), then the values out of range."""
         for flag, value, choices in (("--arch", self.arch, ARCHS), ("--torch-dtype", self.torch_dtype, DTYPES),
@@ -148,6 +150,11 @@ class TrainSettings:
         if self.feature_layers is not None and self.arch != "eagle3":
             raise ValueError("--feature-layers has no effect with --arch eagle: only an EAGLE-3 head (--arch eagle3) "
                              "taps several layers (an EAGLE-1/2 head reads the last layer's features)")
+        if isinstance(self.head_layers, bool) or not isinstance(self.head_layers, int) or self.head_layers < 1:
+            raise ValueError(f"--head-layers must be an integer >= 1, got {self.head_layers!r}")
+        if self.head_layers != 1 and self.arch == "eagle3":
+            raise ValueError(f"--head-layers {self.head_layers} applies to EAGLE-1/2 heads only (--arch eagle): an "
+                             "EAGLE-3 head has one decoder layer")
         missing = [str(p) for p in self.data if not p.is_file()]
         if missing:
             raise FileNotFoundError(f"--data {missing[0]} does not exist (token data written by eagle-train, .npz)")

@@ -103,7 +103,8 @@ def load_target_for_training(session: Session):
         hf.to(torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint.hf_dir))
     eos = eos_ids(checkpoint.hf_dir, hf.config, tokenizer)
-    session.log(f"target {checkpoint.name} on {session.device}; arch {s.arch}; settings "
+    session.log(f"target {checkpoint.name} on {session.device}; arch {s.arch}"
+                + (f" ({s.head_layers} head layers)" if s.head_layers != 1 else "") + "; settings "
                 f"{json.dumps(s.recipe.as_dict())}"
                 + (f"; data {[str(p) for p in s.data]} (generation settings unused)" if s.data else "")
                 + (f"; max_sequences {s.max_sequences}" if s.max_sequences else ""))
@@ -289,7 +290,7 @@ def train_stage(session: Session, hf, data, features, counts, eos: Sequence[int]
                 else new_eagle3_head(hf, counts, feature_layers(s, hf), s.draft_vocab, s.seed, eos))
         target_lm = hf.get_output_embeddings().weight.detach()[head.draft_to_target].float()
     else:
-        head = init.head if init is not None else random_head(hf, seed=s.seed)
+        head = init.head if init is not None else random_head(hf, seed=s.seed, num_layers=s.head_layers)
         if s.draft_vocab:
             ids = draft_ids(counts, s.draft_vocab, eos)
             target_lm = hf.get_output_embeddings().weight.detach()[torch.from_numpy(ids)].float()

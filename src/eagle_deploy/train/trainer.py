@@ -92,15 +92,16 @@ def unrolled_forward(head: EagleHead | Eagle3Head, feats: torch.Tensor, tokens: 
     B, n, _ = feats.shape
     pos = torch.arange(n, device=feats.device)[None].expand(B, n)
     kvh, hd = head.dims.num_kv_heads, head.dims.head_dim
-    past_k = past_v = torch.zeros(0, B, kvh, hd, device=feats.device, dtype=feats.dtype)
+    # key and value of each of the head's layers (EAGLE-3: one)
+    past = [torch.zeros(0, B, kvh, hd, device=feats.device, dtype=feats.dtype)] * (2 * head.dims.num_layers)
     eagle3 = isinstance(head, Eagle3Head)
     call = head.layer if eagle3 else head  # EAGLE-3: fc fuses the taps once, outside the layer
     outs, inputs = [], head.fuse(feats) if eagle3 else feats
     for s, mask in enumerate(unroll_masks(n, steps, feats.device), start=1):
         m = mask[None].expand(B, n, s * n)
-        out, k, v = call(inputs, tokens, pos, m, past_k, past_v)
+        out, *present = call(inputs, tokens, pos, m, *past)
         outs.append(out)
-        past_k, past_v = torch.cat((past_k, k)), torch.cat((past_v, v))
+        past = [torch.cat((p, q)) for p, q in zip(past, present)]
         # index i gets step s's prediction at i-1
         inputs = torch.cat((torch.zeros_like(out[:, :1]), out[:, :-1]), dim=1)
     return outs

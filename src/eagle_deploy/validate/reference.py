@@ -75,7 +75,7 @@ def reference_backends(manifest, hf, head, folder):
     else:
         draft = ExportableDraft(head, manifest.draft.graph_top_k, draft_vocab_of(manifest, folder))
     return {"target": TorchBackend.target(hf, manifest.target.feature_layers),
-            "draft": TorchBackend(draft, 1, head.dims, name="torch-draft")}
+            "draft": TorchBackend(draft, head.dims.num_layers, head.dims, name="torch-draft")}
 
 
 def with_quantised_weights(module, weights, bound: float = 1.01) -> list[str]:

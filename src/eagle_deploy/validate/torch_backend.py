@@ -12,7 +12,8 @@ from eagle_deploy.runtime.kv import KVBuffer
 
 
 class TorchBackend:
-    """Runs an `ExportableTarget` or `ExportableDraft` (fp32, CPU unless moved)."""
+    """Runs an `ExportableTarget` or `ExportableDraft` (fp32, CPU unless moved); `num_layers`:
+    the layers whose KV the module takes (a draft head's own, for a draft)."""
 
     def __init__(self, module, num_layers: int, dims: Dims, dtype=np.float32, name: str = "torch"):
         import torch
@@ -20,7 +21,7 @@ class TorchBackend:
         self.torch = torch
         self.module = module.eval()
         self.name = name
-        self.is_draft = num_layers == 1 and hasattr(module, "head")
+        self.is_draft = hasattr(module, "head")  # ExportableDraft(3), Eagle3Reference: the head's layers
         self.is_eagle3 = self.is_draft and hasattr(module, "draft_ids")
         self.kv_names = c.kv_names(num_layers)
         self.dims = dims
@@ -42,7 +43,7 @@ class TorchBackend:
         from eagle_deploy.heads.eagle3 import Eagle3Head
 
         module = ExportableDraft3(head, top_k) if isinstance(head, Eagle3Head) else ExportableDraft(head, top_k)
-        return cls(module, 1, head.dims, name="torch-draft")
+        return cls(module, head.dims.num_layers, head.dims, name="torch-draft")
 
     def allocate_kv(self, capacity: int) -> KVBuffer:
         return KVBuffer.allocate(self.kv_names, capacity, 1, self.dims.num_kv_heads, self.dims.head_dim, self.dtype)
