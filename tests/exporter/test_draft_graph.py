@@ -70,9 +70,10 @@ def test_draft_onnx_equals_torch_reference_head(model):
     _compare_backends(model.backend("draft"), ref, model.manifest.dims.hidden, top_k)
 
 
-def _hf_eagle_head(head_dir, hf):
-    """An independent EAGLE-1/2 head from the raw checkpoint: fc over [embed; feature], then
-    transformers' own LlamaDecoderLayer with the input norm removed, then the target LM head."""
+def _hf_eagle_head(head_dir: Path, hf):
+    """An independent EAGLE-1/2 head from the raw checkpoint on transformers' own
+    LlamaDecoderLayer: fc over [embed; feature], layer 0 with its input norm removed, then any
+    later layers as they are, then the target's LM head (no code shared with the exporter)."""
     from safetensors.torch import load_file
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -81,11 +82,15 @@ def _hf_eagle_head(head_dir, hf):
     cfg = LlamaConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")})
     cfg._attn_implementation = "eager"
     state = load_file(str(head_dir / "model.safetensors"))
-    layer = LlamaDecoderLayer(cfg, 0).eval()
-    missing, unexpected = layer.load_state_dict({k[len("layers.0."):]: v for k, v in state.items()
-                                                 if k.startswith("layers.0.")}, strict=False)
-    assert missing == ["input_layernorm.weight"] and unexpected == []
-    layer.input_layernorm = torch.nn.Identity()
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        layer = LlamaDecoderLayer(cfg, i).eval()
+        own = {k[len(f"layers.{i}."):]: v for k, v in state.items() if k.startswith(f"layers.{i}.")}
+        missing, unexpected = layer.load_state_dict(own, strict=False)
+        assert missing == (["input_layernorm.weight"] if i == 0 else []) and unexpected == []
+        if i == 0:
+            layer.input_layernorm = torch.nn.Identity()
+        layers.append(layer)
     fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias="fc.bias" in state)
     fc.load_state_dict({k[3:]: v for k, v in state.items() if k.startswith("fc.")})
     rope = LlamaRotaryEmbedding(cfg)
@@ -95,9 +100,10 @@ def _hf_eagle_head(head_dir, hf):
             x = fc(torch.cat((hf.model.embed_tokens(tokens), features), dim=-1))
             S = x.shape[1]
             bias = torch.triu(torch.full((S, S), float("-inf")), 1)[None, None]
-            y = layer(x, attention_mask=bias, position_ids=positions, position_embeddings=rope(x, positions))
-            y = y[0] if isinstance(y, tuple) else y
-            return y, torch.log_softmax(hf.lm_head(y).float(), -1)
+            for layer in layers:
+                x = layer(x, attention_mask=bias, position_ids=positions, position_embeddings=rope(x, positions))
+                x = x[0] if isinstance(x, tuple) else x
+            return x, torch.log_softmax(hf.lm_head(x).float(), -1)
 
     return forward
 

@@ -17,7 +17,7 @@ from eagle_deploy.heads.api import load_head, random_head, save_head
 from eagle_deploy.heads.files import HeadCheckpointError
 from eagle_deploy.validate.torch_backend import TorchBackend
 from tests.conftest import HEAD_TREE, MAX_LENGTH, PROMPTS, THREADS
-from tests.exporter.test_draft_graph import _compare_backends, _draft_steps
+from tests.exporter.test_draft_graph import _compare_backends, _draft_steps, _hf_eagle_head
 from tests.helpers import run_step
 
 LAYERS = 2
@@ -112,42 +112,6 @@ def test_the_draft_onnx_equals_the_torch_head(gqa, deep, graph):
     _compare_backends(ort, ref, m.dims.hidden, m.draft.graph_top_k)
 
 
-def _hf_deep_head(head_dir: Path, hf):
-    """The head rebuilt from the raw checkpoint on transformers' LlamaDecoderLayer: fc over
-    [embed; feature], layer 0 with its input norm removed, then the later layers as they are,
-    then the target's LM head (no code shared with the exporter)."""
-    from safetensors.torch import load_file
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
-    cfg_dict = json.loads((head_dir / "config.json").read_text())
-    cfg = LlamaConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")})
-    cfg._attn_implementation = "eager"
-    state = load_file(str(head_dir / "model.safetensors"))
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        layer = LlamaDecoderLayer(cfg, i).eval()
-        own = {k[len(f"layers.{i}."):]: v for k, v in state.items() if k.startswith(f"layers.{i}.")}
-        missing, unexpected = layer.load_state_dict(own, strict=False)
-        assert missing == (["input_layernorm.weight"] if i == 0 else []) and unexpected == []
-        if i == 0:
-            layer.input_layernorm = torch.nn.Identity()
-        layers.append(layer)
-    fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias="fc.bias" in state)
-    fc.load_state_dict({k[3:]: v for k, v in state.items() if k.startswith("fc.")})
-    rope = LlamaRotaryEmbedding(cfg)
-
-    def forward(features, tokens, positions):
-        with torch.no_grad():
-            x = fc(torch.cat((hf.model.embed_tokens(tokens), features), dim=-1))
-            S = x.shape[1]
-            bias = torch.triu(torch.full((S, S), float("-inf")), 1)[None, None]
-            for layer in layers:
-                x = layer(x, attention_mask=bias, position_ids=positions, position_embeddings=rope(x, positions))
-                x = x[0] if isinstance(x, tuple) else x
-            return x, torch.log_softmax(hf.lm_head(x).float(), -1)
-
-    return forward
 
 
 @pytest.mark.parametrize("graph", ["fused", "standard"])
@@ -158,7 +122,7 @@ def test_the_draft_onnx_equals_transformers_decoder_layers(gqa, deep, graph):
     be = OrtBackend(deep[graph], m.draft, m.graph_dims("draft"), threads=THREADS)
     tokens, pos, mask, past, feats = next(_draft_steps(m.dims.hidden, seed=5))
     out = run_step(be, be.allocate_kv(16), tokens, pos, mask, past, features=feats)
-    y, logp = _hf_deep_head(deep["head_dir"], gqa.hf)(torch.from_numpy(feats)[None],
+    y, logp = _hf_eagle_head(deep["head_dir"], gqa.hf)(torch.from_numpy(feats)[None],
                                                       torch.from_numpy(np.asarray(tokens))[None],
                                                       torch.from_numpy(pos)[None])
     np.testing.assert_allclose(out[c.NEXT_FEATURES][0], y[0].numpy(), rtol=0, atol=ATOL)
