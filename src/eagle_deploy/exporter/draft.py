@@ -56,15 +56,13 @@ class ExportableDraft(nn.Module):
             x, *presents = self.head(features, input_ids, position_ids, attention_mask, *past)
             rows = gather_positions(x, logits_indices)
         else:
-            if len(past) != 2 * len(self._fused_layers):
-                raise ValueError(f"an EAGLE head of {len(self._fused_layers)} layers takes "
-                                 f"{2 * len(self._fused_layers)} past KV tensors, got {len(past)}")
+            pairs = self.head.kv_pairs(past)
             x = self.head.fc_input(features, input_ids)
             f = fused_inputs(position_ids, attention_mask, self.head.rotary, x.dtype,
                              rotary_rows(self.head.dims.max_position_embeddings))
             pending, presents = None, []
-            for i, layer in enumerate(self._fused_layers):  # each layer's residual addition fused into the next norm
-                pending, x, k, v = layer(pending, x, f, past[2 * i], past[2 * i + 1])
+            for layer, (past_k, past_v) in zip(self._fused_layers, pairs):  # each residual add fused into the next norm
+                pending, x, k, v = layer(pending, x, f, past_k, past_v)
                 presents += [k, v]
             x = x + pending
             rows = gather_rows(x, logits_indices)

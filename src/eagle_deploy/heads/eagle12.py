@@ -123,16 +123,23 @@ class EagleHead(nn.Module):
         emb = self.embed(input_ids).to(features.dtype)  # (B, S, H)
         return self.fc(torch.cat((emb, features), dim=-1))  # (B, S, H); embedding first
 
+    def kv_pairs(self, past) -> list[tuple]:
+        """`past` (key, value per layer, in layer order) as [(past_k, past_v)] per layer.
+        ValueError when it holds other than 2N tensors."""
+        n = len(self.layers)
+        if len(past) != 2 * n:
+            raise ValueError(f"an EAGLE head of {n} layers takes {2 * n} past KV tensors (key, value per layer), "
+                             f"got {len(past)}")
+        return list(zip(past[0::2], past[1::2]))
+
     def forward(self, features, input_ids, position_ids, attention_mask, *past):
-        if len(past) != 2 * len(self._layers):
-            raise ValueError(f"an EAGLE head of {len(self._layers)} layers takes {2 * len(self._layers)} past KV "
-                             f"tensors (key, value per layer), got {len(past)}")
+        pairs = self.kv_pairs(past)
         x = self.fc_input(features, input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
         bias = mask_bias(attention_mask, self.dims.num_heads // self.dims.num_kv_heads)  # shared by all layers
         presents = []
-        for i, layer in enumerate(self._layers):
-            x, k, v = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
+        for layer, (past_k, past_v) in zip(self._layers, pairs):
+            x, k, v = layer(x, cos, sin, bias, past_k, past_v)
             presents += [k, v]
         return (x, *presents)
 
