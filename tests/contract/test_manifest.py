@@ -427,7 +427,11 @@ def test_a_draft_head_of_several_layers_round_trips_and_old_manifests_read_as_on
         assert loaded == m and loaded.draft.num_layers == 2 and loaded.draft.num_kv_layers() == 2
     old = _data()
     assert "num_layers" not in old["draft"]["extra"]  # a one-layer head: the key left out, as before
-    assert Manifest.from_json(old).draft.num_layers == 1
+    one = Manifest.from_json(old)
+    assert one.draft.num_layers == 1
+    # the draft graph's dims carry the head's layer count, not the target's (DIMS: 2 layers)
+    assert one.graph_dims("draft").num_layers == 1 and one.graph_dims("target").num_layers == DIMS.num_layers == 2
+    assert one.graph_dims("draft").replace(num_layers=DIMS.num_layers) == one.dims
 
 
 def test_a_draft_layer_count_that_contradicts_the_graphs_kv_is_one_line():

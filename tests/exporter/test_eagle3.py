@@ -620,7 +620,8 @@ def test_eagle3_manifest_sizes_each_graph_by_its_own_width(eagle3):
     t, d = m.graph_dims("target"), m.graph_dims("draft")
     assert (t.hidden, t.num_heads, t.num_kv_heads, t.head_dim) == (64, 4, 2, 16)
     assert (d.hidden, d.num_heads, d.num_kv_heads, d.head_dim) == (96, 6, 3, 16)
-    assert d.replace(hidden=64, num_heads=4, num_kv_heads=2) == m.dims  # all else the target's
+    assert d.num_layers == 1 and t.num_layers == 2  # the head's one layer, the target's two
+    assert d.replace(hidden=64, num_heads=4, num_kv_heads=2, num_layers=2) == m.dims  # all else the target's
     assert m.dims == t
     tapped_in = next(s for s in m.draft.inputs if s.name == c.TAPPED_FEATURES)
     tapped_out = next(s for s in m.target.outputs if s.name == c.TAPPED_FEATURES)

@@ -113,14 +113,17 @@ class Manifest(Record):
         return min(self.dims.max_position_embeddings, self.draft.max_position_embeddings)
 
     def graph_dims(self, which: str) -> Dims:
-        """The dims graph `which` ("target" | "draft" | "prefill") runs with: the target's, except that an
-        EAGLE-3 head has its own hidden width, heads and head dim (its KV buffer and
-        `features` / `next_features` are sized by them)."""
-        head = self.draft.head
-        if which != "draft" or head.kind != "eagle3":
+        """The dims graph `which` ("target" | "draft" | "prefill") runs with: the target's, except
+        that the draft graph has the head's decoder layers (`num_layers` = `draft.num_layers`) and
+        an EAGLE-3 head its own hidden width, heads and head dim (its KV buffer and `features` /
+        `next_features` are sized by them)."""
+        if which != "draft":
             return self.dims
-        return self.dims.replace(hidden=head.hidden, num_heads=head.num_heads, num_kv_heads=head.num_kv_heads,
-                                 head_dim=head.head_dim)
+        dims, head = self.dims.replace(num_layers=self.draft.num_layers), self.draft.head
+        if head.kind != "eagle3":
+            return dims
+        return dims.replace(hidden=head.hidden, num_heads=head.num_heads, num_kv_heads=head.num_kv_heads,
+                            head_dim=head.head_dim)
 
     def save(self, folder: Path) -> Path:
         path = Path(folder) / MANIFEST_FILE

@@ -119,14 +119,14 @@ def _with_features(feed: dict, features: np.ndarray, from_target: bool, widths: 
 
 
 def draft_feeds(forward: Forward, prompt: list[int], state: dict, dtype, frontier: int = 4,
-                draft_dims: Dims | None = None, eagle3: bool = False, num_layers: int = 1) -> list[Feed]:
+                draft_dims: Dims | None = None, eagle3: bool = False) -> list[Feed]:
     """[extension, expansion at depth 1, expansion at depth 2 (tree mask)] feeds for the
     draft graph, from the target's prefill `state` (see target_feeds). draft_dims: the draft
-    graph's (Manifest.graph_dims("draft")), needed when its KV geometry differs from the
-    target's; eagle3: an EAGLE-3 draft graph (tapped features in the extension); num_layers:
-    the head's decoder layers (Manifest.draft.num_layers)."""
+    graph's (Manifest.graph_dims("draft"): the head's decoder layers and KV geometry; without
+    it one layer of the target's KV geometry); eagle3: an EAGLE-3 draft graph (tapped features
+    in the extension)."""
     n = len(prompt)
-    kv_pairs = c.kv_names(num_layers)
+    kv_pairs = c.kv_names(draft_dims.num_layers if draft_dims is not None else 1)
     kvh, hd = ((draft_dims.num_kv_heads, draft_dims.head_dim) if draft_dims is not None
                else state["present"][0].shape[2:])
     empty = [np.zeros((0, 1, kvh, hd), dtype) for _ in kv_pairs]

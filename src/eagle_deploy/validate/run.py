@@ -122,8 +122,7 @@ def run_validation(folder: Path, work: Path | None = None, graphs=None, log=prin
     feeds = {"target": target_feeds,
              "draft": fd.draft_feeds(fd.reference_forward(refs["draft"]), prompt, state,
                                      np.dtype(manifest.draft.dtype), draft_dims=manifest.graph_dims("draft"),
-                                     eagle3=manifest.draft.head_kind == "eagle3",
-                                     num_layers=manifest.draft.num_layers)}
+                                     eagle3=manifest.draft.head_kind == "eagle3")}
     feeds["prefill"] = target_feeds  # the target's contract: the same feeds
     report = {"engines": str(folder), "passed": True, "rows": [], "notes": [head_note], "commands": {}, "policies": {}}
     for which in graphs:
