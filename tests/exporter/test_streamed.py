@@ -255,7 +255,10 @@ def test_the_gguf_conversion_streams_the_tensors_transformers_would_load(tmp_pat
 
     monkeypatch.setenv("EAGLE_DEPLOY_CACHE", str(tmp_path / "cache"))
     gguf = _package_file(ALIASES["smollm2-135m"].target)
-    folder = convert_gguf(gguf)
+    told: list[str] = []
+    folder = convert_gguf(gguf, progress=told.append)
+    assert len(told) == 1 and told[0].startswith(f"converting {gguf.name}") and str(folder) in told[0]
+    assert convert_gguf(gguf, progress=told.append) == folder and len(told) == 1  # the cache answers: nothing said
     streamed = load_file(str(folder / "model.safetensors"))
     whole = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     state = {k: v for k, v in whole.state_dict().items() if k != "lm_head.weight"}  # tied: saved once

