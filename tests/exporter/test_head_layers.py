@@ -112,8 +112,6 @@ def test_the_draft_onnx_equals_the_torch_head(gqa, deep, graph):
     _compare_backends(ort, ref, m.dims.hidden, m.draft.graph_top_k)
 
 
-
-
 @pytest.mark.parametrize("graph", ["fused", "standard"])
 def test_the_draft_onnx_equals_transformers_decoder_layers(gqa, deep, graph):
     from eagle_deploy.runtime.backends.ort import OrtBackend
@@ -123,8 +121,8 @@ def test_the_draft_onnx_equals_transformers_decoder_layers(gqa, deep, graph):
     tokens, pos, mask, past, feats = next(_draft_steps(m.dims.hidden, seed=5))
     out = run_step(be, be.allocate_kv(16), tokens, pos, mask, past, features=feats)
     y, logp = _hf_eagle_head(deep["head_dir"], gqa.hf)(torch.from_numpy(feats)[None],
-                                                      torch.from_numpy(np.asarray(tokens))[None],
-                                                      torch.from_numpy(pos)[None])
+                                                       torch.from_numpy(np.asarray(tokens))[None],
+                                                       torch.from_numpy(pos)[None])
     np.testing.assert_allclose(out[c.NEXT_FEATURES][0], y[0].numpy(), rtol=0, atol=ATOL)
     want_lp, want_ids = torch.topk(logp[0], out[c.TOPK_IDS].shape[-1], dim=-1)
     np.testing.assert_array_equal(out[c.TOPK_IDS][0], want_ids.numpy())
