@@ -10,10 +10,10 @@ import os
 import subprocess
 import sys
 import threading
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from eagle_deploy.exporter import chunks
 from eagle_deploy.exporter.chunks import Chunk, ChunkedFile, ChunkError, assemble, cached_path, partial_prefix
