@@ -143,21 +143,29 @@ def test_fp32_rule_is_polygraphy_elementwise():
     assert compare.compare_output(c.FEATURES, big, big * (1 + 5e-6), p, {})[3]
 
 
-def test_residual_streams_are_judged_against_their_rows_largest_element():
-    """A tap row with one massive activation (2.4e4, as SmolLM2's residual stream has): a 6e-3
-    error on a 100-sized element is fp32 rounding of that row (rtol x 2.4e4 = 0.24) and passes for
-    tapped_features / next_features, but fails for the final features and for a row without
-    the massive element."""
+def test_hidden_states_are_judged_against_their_rows_largest_element():
+    """A row with one massive activation (2.4e4, as SmolLM2's residual stream has): a 6e-3 error
+    on a 100-sized element is fp32 rounding of that row (rtol x 2.4e4 = 0.24) and passes for
+    tapped_features / next_features / features (the final norm's output inherits the residual
+    stream's rounding), but fails for a row without the massive element, and logits stay
+    elementwise."""
     p = compare.Policy("elementwise", atol=1e-4, rtol=1e-5)
     ref = np.full((1, 2, 8), 100.0, np.float32)
     ref[0, :, 3] = 2.4e4
     out = ref.copy()
     out[0, 0, 0] += 6e-3
-    for name in (c.TAPPED_FEATURES, c.NEXT_FEATURES):
+    for name in (c.TAPPED_FEATURES, c.NEXT_FEATURES, c.FEATURES):
         assert compare.compare_output(name, ref, out, p, {})[3], name
-    assert not compare.compare_output(c.FEATURES, ref, out, p, {})[3]
+    assert not compare.compare_output(c.LOGITS, ref, out, p, {})[3]
     quiet = np.full((1, 2, 8), 100.0, np.float32)
-    assert not compare.compare_output(c.TAPPED_FEATURES, quiet, quiet + np.where(out != ref, 6e-3, 0), p, {})[3]
+    for name in (c.TAPPED_FEATURES, c.FEATURES):
+        assert not compare.compare_output(name, quiet, quiet + np.where(out != ref, 6e-3, 0), p, {})[3], name
+    # the scale is per row: the massive element of row 0 does not loosen row 1
+    ref2 = ref.copy()
+    ref2[0, 1, 3] = 100.0
+    out2 = ref2.copy()
+    out2[0, 1, 0] += 6e-3
+    assert not compare.compare_output(c.FEATURES, ref2, out2, p, {})[3]
 
 
 def test_argmax_flip_fails_unless_at_a_near_tie():

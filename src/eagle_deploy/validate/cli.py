@@ -11,8 +11,9 @@ Tolerances (per output; "rel" = max |err| / max |reference|):
   float32: elementwise |err| <= atol or |err| <= rtol * |ref| (Polygraphy's rule), atol 1e-4,
            rtol 1e-5; the same argmax of logits / top-1 draft ids, except where the
            reference's own top-2 gap is <= 1e-3 (a tie rounding may break either way).
-           Residual-stream outputs (tapped_features, next_features) take rtol relative to
-           their row's largest |ref| (massive activations set their fp32 rounding).
+           Hidden-state outputs (features, tapped_features, next_features) take rtol
+           relative to their row's largest |ref| (massive activations in the residual
+           stream set their fp32 rounding, and the final norm's after it).
   float16: rel <= 2e-2 and the same argmax (ties <= 5e-2 excepted); bfloat16: rel <= 5e-2.
   int4/int8 graphs (manifest quant): the reference gets the graph's own quantised weights
            (read back from its MatMulNBits nodes), so quantisation itself is not counted as
@@ -89,7 +90,8 @@ def main(argv=None) -> int:
     for which, policy in report["policies"].items():
         print(f"{which} tolerance: {policy}")
     print("repeat a check by hand (onnxruntime vs the saved reference outputs; Polygraphy's rule is elementwise, "
-          "so fp16 graphs may fail it where the rules above pass; a quantised graph is checked through its "
+          "so fp16 graphs, and the hidden states of a model with massive activations, may fail it where the "
+          "rules above pass; a quantised graph is checked through its "
           "fp32-activation copy):")
     for which, command in report["commands"].items():
         print(f"  {command}")
