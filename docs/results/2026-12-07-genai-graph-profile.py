@@ -1,11 +1,12 @@
-"""onnxruntime's profiler on onnxruntime-genai's own int4 SmolLM2 model.onnx (the eagle-bench peer build):
+"""onnxruntime's profiler on onnxruntime-genai's own int4 model.onnx (the eagle-bench peer build):
 its op mix and kernel time per one-token forward at past 256, 2 threads, run by a plain
 InferenceSession (no share-buffer KV: a per-op comparison, not its decode loop). Beside
 2026-12-07-repeat-one-row-profile.py on our int4 export (docs/decisions.md, fifth session, issue 50).
-Usage: python 2026-12-07-genai-graph-profile.py  (reads ~/.cache/eagle-deploy/peers)"""
-import collections, glob, json, os
+Usage: python 2026-12-07-genai-graph-profile.py PEER_DIR, the eagle-bench peer build, e.g.
+~/.cache/eagle-deploy/peers/SmolLM2-135M-Instruct.Q4_1-<hash>/ort-genai-0.18.0-int4"""
+import collections, json, os, sys
 import numpy as np, onnx, onnxruntime as ort
-path = glob.glob(os.path.expanduser('~/.cache/eagle-deploy/peers/*/ort-genai-0.18.0-int4/model.onnx'))[0]
+path = os.path.join(sys.argv[1], "model.onnx")
 m = onnx.load(path, load_external_data=False)
 print([ (i.name) for i in m.graph.input][:4], len(m.graph.node))
 print(collections.Counter(n.op_type for n in m.graph.node).most_common(25))
@@ -17,8 +18,10 @@ for n in m.graph.node:
         print(n.name, [ (a.name, onnx.helper.get_attribute_value(a)) for a in n.attribute]); break
 so = ort.SessionOptions(); so.intra_op_num_threads = 2; so.enable_profiling = True; so.profile_file_prefix = "/tmp/prof_genai"
 sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-past = 256; S = 1
-kv = {f"past_key_values.{i}.{t}": np.zeros((1, 3, past, 64), np.float32) for i in range(30) for t in ("key", "value")}
+dec = json.load(open(os.path.join(os.path.dirname(path), "genai_config.json")))["model"]["decoder"]
+past = 256
+kv = {f"past_key_values.{i}.{t}": np.zeros((1, dec["num_key_value_heads"], past, dec["head_size"]), np.float32)
+      for i in range(dec["num_hidden_layers"]) for t in ("key", "value")}
 feeds = dict(input_ids=np.array([[77]]), attention_mask=np.ones((1, past + 1), np.int64), **kv)
 names = {i.name for i in sess.get_inputs()}
 feeds = {k: v for k, v in feeds.items() if k in names}
