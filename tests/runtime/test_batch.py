@@ -205,8 +205,11 @@ def test_a_failing_request_fails_alone(gqa):
     again = run_pinned(eng, {1: (PROMPTS[2], {}), 0: (PROMPTS[1], {})}, max_new_tokens=N)
     assert again[1].token_ids == gqa.expected(PROMPTS[2], N)
     assert again[0].token_ids == gqa.expected(PROMPTS[1], N)
-    results = eng.generate_many([PROMPTS[0], too_long], return_exceptions=True, max_new_tokens=8)
+    done: list[int] = []
+    results = eng.generate_many([PROMPTS[0], too_long], return_exceptions=True, max_new_tokens=8,
+                                on_done=done.append)
     assert results[0].token_ids == gqa.expected(PROMPTS[0], 8) and isinstance(results[1], ValueError)
+    assert sorted(done) == [0, 1]  # the failed request is reported done too (a progress bar reaches its end)
 
 
 def test_misuse_of_slots_is_refused(gqa):

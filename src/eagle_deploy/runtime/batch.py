@@ -458,12 +458,14 @@ class BatchRuntime:
     # -- convenience ---------------------------------------------------------------------------
 
     def generate_many(self, prompts: Sequence[Prompt], per_request: Sequence[dict] | None = None,
-                      return_exceptions: bool = False, **kw) -> list:
+                      return_exceptions: bool = False, on_done: Callable[[int], None] | None = None,
+                      **kw) -> list:
         """Generate every prompt, up to `slots` at a time, each slot driven by its own thread;
         results (GenerationResult) in prompt order. kw: EagleRuntime.generate's keywords for
-        all requests, per_request[i]: more for request i. A request that raises fails alone:
-        its exception is returned in its place with return_exceptions, else the first one is
-        raised after every request has ended."""
+        all requests, per_request[i]: more for request i. on_done(i): called as request i ends
+        (raised or not), one call at a time (a progress bar's update). A request that raises
+        fails alone: its exception is returned in its place with return_exceptions, else the
+        first one is raised after every request has ended."""
         per_request = per_request or [{}] * len(prompts)
         if len(per_request) != len(prompts):
             raise ValueError(f"{len(per_request)} per-request settings for {len(prompts)} prompts")
@@ -482,6 +484,9 @@ class BatchRuntime:
                         results[i] = rt.generate(prompts[i], **{**kw, **per_request[i]})
                 except Exception as err:  # reported after the others finish
                     results[i] = err
+                if on_done is not None:
+                    with lock:
+                        on_done(i)
 
         threads = [threading.Thread(target=worker, args=(b,), daemon=True)
                    for b in range(min(self.slots, len(prompts)))]
