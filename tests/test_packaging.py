@@ -17,6 +17,7 @@ def test_wheel_holds_the_shipped_head_but_no_training_data(tmp_path):
     wheel = next(tmp_path.glob("eagle_deploy-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "eagle_deploy/data/heads/smollm2-135m/model.safetensors" in names
+    assert "eagle_deploy/data/heads/qwen2.5-coder-0.5b/model.safetensors" in names
     assert "eagle_deploy/data/prompts/chat_eval.jsonl" in names
     training = [n for n in names if n.endswith((".npz", "train_prompts.jsonl")) or "/tokens/" in n]
     assert not training, training
