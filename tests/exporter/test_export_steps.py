@@ -74,3 +74,21 @@ def test_a_bad_head_position_limit_is_one_clear_error(mha, tmp_path, capsys, val
                "--max-length", "64"])
     err = capsys.readouterr().err
     assert rc == 2 and "max_position_embeddings must be a positive integer" in err and "Traceback" not in err
+
+
+def test_the_progress_line_names_the_head_the_draft_graph_is_built_from(tmp_path):
+    """A user sees which head an alias picked (its shipped one, an explicit folder, or a random
+    one) without opening the manifest."""
+    from types import SimpleNamespace
+
+    from eagle_deploy.exporter.export import ExportPlan, head_description
+
+    def plan(draft, default, head_dir):
+        checkpoint = SimpleNamespace(default_draft=default)
+        return ExportPlan("m", draft, checkpoint, head_dir, tmp_path, "float32", None)
+
+    assert head_description(plan(None, "shipped:qwen2.5-coder-0.5b", tmp_path), False) == \
+        "the shipped head qwen2.5-coder-0.5b"
+    assert head_description(plan("heads/mine", "shipped:x", tmp_path), True) == "EAGLE-3 head heads/mine"
+    assert head_description(plan("random", "shipped:x", None), False) == "a random head (untrained)"
+    assert head_description(plan(None, None, None), False) == "a random head (untrained)"

@@ -314,6 +314,18 @@ def _reduced_vocab(checkpoint: Checkpoint, head_dir, hf, dims: Dims, options: Ex
     return draft_vocab_ids(head_dir, draft_vocab, dims.vocab, eos, tokenizer_dir=checkpoint.hf_dir)
 
 
+def head_description(plan: ExportPlan, eagle3: bool) -> str:
+    """Which head the draft graph is built from, for the progress line: "the shipped head
+    NAME", "head SPEC" (a folder or hub id), or "a random head (untrained)"."""
+    if plan.head_dir is None:
+        return "a random head (untrained)"
+    spec = plan.draft or plan.checkpoint.default_draft or str(plan.head_dir)
+    kind = "EAGLE-3 head" if eagle3 else "head"
+    if spec.startswith("shipped:"):
+        return f"the shipped {kind} {spec.removeprefix('shipped:')}"
+    return f"{kind} {spec}"
+
+
 def build_graphs(plan: ExportPlan, models: LoadedModels, options: ExportOptions, tmp: Path, progress=None):
     """target.onnx, draft.onnx (+ the draft vocabulary ids) and tokenizer/ into `tmp`; returns
     (target GraphEntry, DraftEntry, tokenizer or None)."""
@@ -332,7 +344,8 @@ def build_graphs(plan: ExportPlan, models: LoadedModels, options: ExportOptions,
     dtype = TORCH_DTYPES[plan.dtype]
     target_step = TargetOnnxFromHF(plan.dtype, options.external_data, layout, taps, repeat_one_row_for(options, layout))
     target_entry = target_step(models.hf, tmp, read=lambda p: models.weights.read(p, dtype))
-    _say(progress, "exporting draft graph" + (" (EAGLE-3 head)" if taps else ""))
+    _say(progress, f"exporting draft graph ({head_description(plan, taps is not None)}, "
+                   + ("full vocabulary)" if models.vocab_ids is None else f"draft vocabulary {len(models.vocab_ids)})"))
     baked = None if taps else models.vocab_ids  # an EAGLE-3 graph maps its ids itself (d2t)
     draft_step = DraftOnnxFromHead(plan.dtype, options.graph_top_k, baked, options.external_data, layout)
     draft_entry = draft_step(models.head, tmp)
