@@ -516,10 +516,15 @@ def test_requests_an_idle_worker_is_about_to_take_are_not_counted_as_queued():
 
 def test_one_request_at_a_time_always_takes_the_lowest_slot(server, client, faults):
     """Busy slots stay packed at the low end (a batched forward spans the slots between its
-    lowest and highest member): requests sent one after another all run in slot 0."""
+    lowest and highest member): requests sent one after another, each once every slot is idle
+    again (a slot settles its request after the response is sent), all run in slot 0."""
     sched = scheduler(server)
     seqs = []
     for prompt in ORACLE_PROMPTS[:3]:
+        deadline = time.monotonic() + 30
+        while sched.idle < len(sched.slots) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sched.idle == len(sched.slots)
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
         seqs.append(sched.submitted)
     assert [faults.slots[s] for s in seqs] == [0, 0, 0]

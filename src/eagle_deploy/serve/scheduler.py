@@ -253,6 +253,13 @@ class SlotScheduler:
         return sum(slot.job is not None for slot in self.slots)
 
     @property
+    def idle(self) -> int:
+        """Slots whose worker waits for a job (a slot stays busy a little after its response
+        is sent: it settles the request into the prefix cache first)."""
+        with self._lock:
+            return len(self._idle)
+
+    @property
     def prefix_cache(self):
         """The batch runtime's PrefixCache (every slot's), or None when it is off."""
         return self.runtime.prefix_cache
