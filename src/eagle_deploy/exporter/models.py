@@ -181,6 +181,12 @@ def _add_eos(folder: Path, eos_tokens: tuple[str, ...]) -> None:
         raise
 
 
+def converted_dir(gguf_name: str, sha256: str) -> Path:
+    """The cache folder convert_gguf writes the GGUF `gguf_name` (file name) with content hash
+    `sha256` into (it exists once a conversion finished)."""
+    return cache_root() / "gguf" / f"{Path(gguf_name).stem}-{sha256[:16]}"
+
+
 def convert_gguf(gguf: Path, eos_tokens: tuple[str, ...] = (), sha256: str | None = None, progress=None) -> Path:
     """Dequantise a GGUF checkpoint to an fp32 transformers folder, cached by content hash,
     one tensor at a time (exporter/weights.py `gguf_to_safetensors`: memory is one tensor and
@@ -193,8 +199,7 @@ def convert_gguf(gguf: Path, eos_tokens: tuple[str, ...] = (), sha256: str | Non
     Raises UnsupportedModelError for a corrupt file or an unsupported architecture,
     CacheWriteError when the cache cannot be written (nothing half-written is left).
     """
-    digest = (sha256 or sha256_file(gguf))[:16]
-    out = cache_root() / "gguf" / f"{gguf.stem}-{digest}"
+    out = converted_dir(gguf.name, sha256 or sha256_file(gguf))
     if (out / "config.json").exists() and any((out / f).exists() for f in ("model.safetensors",
                                                                            "model.safetensors.index.json")):
         try:

@@ -345,7 +345,7 @@ def export_answers(folder, tokenizer, prompts: list[dict], max_new_tokens: int, 
     batch = BatchRuntime.load(folder, min(slots, len(prompts)), RuntimeOptions(
         threads=threads, drafter_kind="eagle", planned=False, row_exact=False, prefill_chunk=0))
     results = batch.generate_many(encoded, max_new_tokens=max_new_tokens, mode="vanilla", temperature=0.0,
-                                  on_done=progress and (lambda i: progress(1)))
+                                  on_done=None if progress is None else (lambda i: progress(1)))
     return TokenData.from_sequences([e + list(r.token_ids) for e, r in zip(encoded, results)],
                                     [len(e) for e in encoded],
                                     [{"id": p["id"], "category": p.get("category"), "temperature": 0.0}
